@@ -1,0 +1,1 @@
+"""Classification on top of the shared encoder: fine-tuning, linear probing, evaluation and baselines."""

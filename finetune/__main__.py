@@ -1,0 +1,5 @@
+import sys
+
+from finetune.train import main
+
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""Evaluation: top-1 / top-5, per-class accuracy and the confusion matrix, summed over every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
+    """Accuracy of `model` over every sample of `loader` (each rank holds a disjoint shard).
+
+    Returns {"top1", "top5", "loss", "count", "per_class": [C], "confusion": (C, C) counts, rows = true class}.
+    """
+    was_training = model.training
+    model.eval()
+    device = accelerator.device
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
+    extra = torch.zeros(2, dtype=torch.float64, device=device)  # top-5 hits, summed loss
+    for images, labels in loader.epoch(0):
+        with accelerator.autocast():
+            logits = model(images)
+        logits = logits.float()
+        extra[1] += nn.functional.cross_entropy(logits, labels, reduction="sum").double()
+        k = min(5, num_classes)
+        top = logits.topk(k, dim=1).indices  # (B, k)
+        extra[0] += (top == labels.unsqueeze(1)).any(dim=1).sum().double()
+        pred = top[:, 0]
+        confusion.view(-1).index_add_(0, labels * num_classes + pred, torch.ones_like(pred, dtype=torch.float64))
+    confusion = accelerator.reduce(confusion, reduction="sum")
+    extra = accelerator.reduce(extra, reduction="sum")
+    model.train(was_training)
+    count = confusion.sum().item()
+    per_class = (confusion.diag() / confusion.sum(1).clamp(min=1)).tolist()
+    return {
+        "top1": confusion.diag().sum().item() / max(count, 1),
+        "top5": extra[0].item() / max(count, 1),
+        "loss": extra[1].item() / max(count, 1),
+        "count": int(count),
+        "per_class": per_class,
+        "confusion": confusion.long().cpu(),
+    }
+
+
+def save_confusion_matrix(confusion: torch.Tensor, classes: list[str], path: Path, title: str) -> Path:
+    """A PNG heatmap of row-normalised counts (rows: true class, columns: predicted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = confusion.double() / confusion.sum(1, keepdim=True).clamp(min=1)
+    n = len(classes)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * n, 0.8 + 0.5 * n), dpi=100)
+    ax.imshow(rates.numpy(), cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(n), classes, rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(range(n), classes, fontsize=8)
+    if n <= 20:
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, f"{rates[i, j]:.2f}", ha="center", va="center", fontsize=6, color="white" if rates[i, j] > 0.5 else "black")
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,77 @@
+"""Cached features for the linear probe: the frozen encoder runs once per image, the head trains on the cache."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from vit.augment import eval_shard
+from vit.data import seeded_generator
+
+
+@torch.no_grad()
+def extract_features(probe, loader, accelerator, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pooled encoder features of every sample, in dataset order, on every rank.
+
+    loader: an eval-mode BatchLoader (rank r holds the contiguous shard r) -> features (N, D) float32, labels (N,).
+    """
+    feats, labels = [], []
+    for images, y in loader.epoch(0):
+        with accelerator.autocast():
+            feats.append(probe.features(images).float())
+        labels.append(y)
+    local_f = torch.cat(feats) if feats else torch.zeros(0, probe.encoder.embed_dim, device=accelerator.device)
+    local_y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=accelerator.device)
+    if accelerator.num_processes == 1:
+        return local_f, local_y
+    # Shards differ in size by at most one: pad to the largest, gather, trim each back, concatenate in rank order.
+    f = accelerator.gather(accelerator.pad_across_processes(local_f, dim=0))
+    y = accelerator.gather(accelerator.pad_across_processes(local_y, dim=0))
+    world = accelerator.num_processes
+    width = f.shape[0] // world
+    parts_f, parts_y = [], []
+    for r in range(world):
+        start, stop = eval_shard(total, r, world)
+        parts_f.append(f[r * width : r * width + stop - start])
+        parts_y.append(y[r * width : r * width + stop - start])
+    return torch.cat(parts_f), torch.cat(parts_y)
+
+
+class FeatureLoader:
+    """Batches of cached features with the same order as `BatchLoader` over the same images.
+
+    train=True: the per-epoch permutation and rank sharding of `BatchLoader`, so a cached probe
+    sees exactly the batches an uncached one sees (without augmentation). train=False: every
+    sample once, rank r the contiguous shard r.
+    """
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor, batch_size: int, *, train: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1):
+        self.features, self.labels = features, labels
+        self.batch_size, self.train = batch_size, train
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        n = labels.shape[0]
+        if train:
+            self.num_batches = (n // world_size) // batch_size
+            self.shard = None
+        else:
+            self.shard = eval_shard(n, rank, world_size)
+            self.num_batches = -(-(self.shard[1] - self.shard[0]) // batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        bs = self.batch_size
+        if not self.train:
+            start, stop = self.shard
+            for b in range(start_batch, self.num_batches):
+                lo, hi = start + b * bs, min(start + (b + 1) * bs, stop)
+                yield self.features[lo:hi], self.labels[lo:hi]
+            return
+        n = self.labels.shape[0]
+        perm = torch.randperm(n, generator=seeded_generator("epoch", self.seed, epoch))
+        mine = perm[self.rank :: self.world_size][: self.num_batches * bs].to(self.features.device)
+        for b in range(start_batch, self.num_batches):
+            index = mine[b * bs : (b + 1) * bs]
+            yield self.features.index_select(0, index), self.labels.index_select(0, index)

@@ -1,0 +1,195 @@
+"""The classifiers the classification stage trains: our ViT (any init), timm's ViT, a CIFAR ResNet-18, a linear probe.
+
+Every classifier is saved as `classifier.pt` with what it takes to rebuild it:
+    {"format": "vit-classifier/1", "arch", "build": {...}, "state_dict", "classes", "data": {...}}
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vit.checkpoint import CheckpointError, atomic_save, load_encoder, load_timm_weights, read_encoder, read_weights_file
+from vit.errors import ConfigError
+from vit.model import VisionTransformer, create_model
+
+CLASSIFIER_FORMAT = "vit-classifier/1"
+HUB_HOST = ("huggingface.co", 443)
+
+
+class LinearProbe(nn.Module):
+    """A frozen encoder and a trainable `BatchNorm1d(affine=False) + Linear` head on its pooled features.
+
+    x: (B, C, H, W) -> logits (B, num_classes). `features(x)` -> (B, D) is what the cached probe stores.
+    """
+
+    def __init__(self, encoder: VisionTransformer, num_classes: int, pool: str = "token"):
+        super().__init__()
+        self.encoder = encoder
+        self.pool = pool
+        self.encoder.requires_grad_(False)
+        d = encoder.embed_dim
+        # The BatchNorm without affine whitens the features, so one learning rate suits any encoder (MAE).
+        self.head = nn.Sequential(nn.BatchNorm1d(d, affine=False, eps=1e-6), nn.Linear(d, num_classes))
+        nn.init.trunc_normal_(self.head[1].weight, std=0.01)
+        nn.init.zeros_(self.head[1].bias)
+
+    def train(self, mode: bool = True) -> "LinearProbe":
+        super().train(mode)
+        self.encoder.eval()  # frozen: no dropout, no drop path, ever
+        return self
+
+    @torch.no_grad()
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.encoder.forward_features(x)  # (B, 1 + N, D)
+        return tokens[:, 1:].mean(1) if self.pool == "avg" else tokens[:, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).float())
+
+
+def cifar_resnet18(num_classes: int) -> nn.Module:
+    """torchvision's ResNet-18 with the CIFAR stem: a 3x3 stride-1 first conv and no max-pool (32x32 inputs)."""
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def timm_vit(config: dict[str, Any], pretrained_name: str | None = None) -> nn.Module:
+    """timm's own VisionTransformer with our encoder's configuration (fc_norm=False matches our avg pooling)."""
+    import timm.models.vision_transformer as tv
+
+    kwargs = {k: config[k] for k in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
+                                     "qkv_bias", "drop_rate", "attn_drop_rate", "drop_path_rate", "global_pool")}  # fmt: skip
+    return tv.VisionTransformer(fc_norm=False, **kwargs)
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    arch: str
+    build: dict[str, Any]  # what `rebuild` needs
+    parent: str | None = None  # the pretraining run the encoder came from
+    encoder_config: dict[str, Any] | None = None
+
+
+def resolve_encoder_path(init: str) -> Path:
+    path = Path(init).expanduser()
+    return path / "encoder.pt" if path.is_dir() else path
+
+
+def hub_reachable(timeout: float = 5.0) -> bool:
+    try:
+        socket.create_connection(HUB_HOST, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def timm_state_dict(name: str, init_file: str | None) -> dict[str, torch.Tensor]:
+    """Pretrained timm weights: from `init_file`, else the model hub, else the local hub cache.
+
+    The hub is probed once with a short timeout, so an offline machine gets one clear line
+    at once instead of the hub client's retries.
+    """
+    if init_file:
+        return read_weights_file(init_file)
+    import timm
+    from timm.models import get_pretrained_cfg
+
+    pretrained = get_pretrained_cfg(name)
+    if pretrained is None or not pretrained.hf_hub_id:
+        raise ConfigError(f"finetune.init=timm:{name}: timm knows no pretrained weights of that name")
+    if hub_reachable():
+        try:
+            return timm.create_model(name, pretrained=True).state_dict()
+        except Exception as e:
+            raise CheckpointError(f"finetune.init=timm:{name}: download failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("model.safetensors", "pytorch_model.bin"):
+        cached = try_to_load_from_cache(pretrained.hf_hub_id, filename)
+        if isinstance(cached, str):
+            return read_weights_file(cached)
+    raise CheckpointError(
+        f"finetune.init=timm:{name}: the model hub ({HUB_HOST[0]}) is unreachable and no cached copy exists; "
+        "download the weights elsewhere and pass finetune.init_file=<file>"
+    )
+
+
+def build_classifier(cfg, num_classes: int) -> Built:
+    """The classifier that `cfg.finetune` asks for, initialised as asked."""
+    ft = cfg.finetune
+    if ft.arch == "resnet18":
+        return Built(cifar_resnet18(num_classes), "resnet18", {"num_classes": num_classes})
+
+    parent = None
+    init = ft.init
+    if init not in ("scratch",) and not init.startswith("timm:"):
+        # An MAE encoder: the architecture comes from the model config, and must match the checkpoint's.
+        payload = read_encoder(resolve_encoder_path(init))
+        parent = payload.get("meta", {}).get("run")
+    try:
+        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(), num_classes=0 if ft.mode == "linear" else num_classes)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+
+    if init.startswith("timm:"):
+        state = timm_state_dict(init[5:], ft.init_file)
+        load_timm_weights(encoder, state)
+    elif init != "scratch":
+        load_encoder(encoder, resolve_encoder_path(init))
+
+    if ft.arch == "timm_vit":
+        model = timm_vit(encoder.config)
+        model.load_state_dict(encoder.state_dict(), strict=True)  # the same initial weights, run by timm's code
+        return Built(model, "timm_vit", {"config": encoder.config}, parent, encoder.config)
+    if ft.mode == "linear":
+        probe = LinearProbe(encoder, num_classes, pool=ft.probe_pool)
+        return Built(probe, "linear_probe", {"config": encoder.config, "num_classes": num_classes, "pool": ft.probe_pool}, parent, encoder.config)
+    return Built(encoder, "vit", {"config": encoder.config}, parent, encoder.config)
+
+
+def rebuild(arch: str, build: dict[str, Any]) -> nn.Module:
+    """An empty classifier of the saved kind, ready for `load_state_dict(strict=True)`."""
+    if arch == "resnet18":
+        return cifar_resnet18(build["num_classes"])
+    if arch == "timm_vit":
+        return timm_vit(build["config"])
+    if arch == "linear_probe":
+        return LinearProbe(VisionTransformer(**build["config"]), build["num_classes"], build["pool"])
+    if arch == "vit":
+        return VisionTransformer(**build["config"])
+    raise CheckpointError(f"unknown classifier architecture {arch!r}")
+
+
+def save_classifier(path: Path, built: Built, model: nn.Module, classes: list[str], data: dict[str, Any], step: int) -> None:
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    atomic_save({"format": CLASSIFIER_FORMAT, "arch": built.arch, "build": built.build, "state_dict": state,
+                 "classes": list(classes), "data": data, "step": step, "parent": built.parent}, path)  # fmt: skip
+
+
+def load_classifier(init: str) -> tuple[nn.Module, dict[str, Any]]:
+    """A finished classifier from its run folder or `classifier.pt`, loaded strictly."""
+    path = Path(init).expanduser()
+    if path.is_dir():
+        path = path / "classifier.pt"
+    if not path.is_file():
+        raise CheckpointError(f"classifier checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != CLASSIFIER_FORMAT:
+        raise CheckpointError(f"{path} is not a classifier checkpoint (expected format {CLASSIFIER_FORMAT!r})")
+    model = rebuild(payload["arch"], payload["build"])
+    model.load_state_dict(payload["state_dict"], strict=True)
+    return model, payload

@@ -1,0 +1,256 @@
+"""Classification: `accelerate launch -m finetune --config configs/finetune/....yaml [key=value ...]`.
+
+One entry point for full fine-tuning, linear probing (cached or not), evaluation of a
+finished classifier, and the baselines (scratch ViT, timm ViT, ResNet-18).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from finetune.config import FinetuneConfig
+from finetune.evaluate import evaluate, save_confusion_matrix
+from finetune.features import FeatureLoader, extract_features
+from finetune.models import Built, build_classifier, load_classifier, resolve_encoder_path, save_classifier
+from vit.augment import BatchLoader
+from vit.checkpoint import read_encoder, unwrap
+from vit.cli import parse
+from vit.data import Splits, load_splits
+from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
+from vit.errors import exit_on_user_error
+from vit.randaug import make_ops
+
+
+def job_type(cfg: FinetuneConfig) -> str:
+    ft = cfg.finetune
+    if ft.mode == "linear":
+        return "linprobe"
+    if ft.mode == "eval":
+        return "eval"
+    mae_init = ft.arch == "vit" and ft.init != "scratch" and not ft.init.startswith("timm:")
+    return "finetune" if mae_init else "baseline"
+
+
+def parent_run(cfg: FinetuneConfig) -> str | None:
+    """The pretraining run an MAE encoder came from (read before anything is written, so a bad path fails first)."""
+    init = cfg.finetune.init
+    if cfg.finetune.mode == "eval" or init == "scratch" or init.startswith("timm:"):
+        return None
+    return read_encoder(resolve_encoder_path(init)).get("meta", {}).get("run")
+
+
+def image_size(cfg: FinetuneConfig, built: Built, splits: Splits) -> int:
+    if built.encoder_config is not None:
+        return built.encoder_config["img_size"]
+    return splits.train.images.shape[-1]
+
+
+def loaders(cfg: FinetuneConfig, run: Run, splits: Splits, size: int, augment: bool):
+    acc = run.accelerator
+    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=size, rank=acc.process_index, world_size=acc.num_processes)
+    # A linear probe sees only crop and flip (MAE's probe recipe); fine-tuning adds the `aug` ops.
+    train = BatchLoader(
+        splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed, crop_scale=cfg.data.crop_scale, crop_ratio=cfg.data.crop_ratio,
+        hflip=cfg.data.hflip, ops=make_ops(cfg.aug) if augment else (), **common,
+    )  # fmt: skip
+    evals = {"val": BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common)} if len(splits.val.labels) else {}
+    if splits.test is not None:
+        evals["test"] = BatchLoader(splits.test, cfg.optim.batch_size, train=False, **common)
+    return train, evals
+
+
+def make_loss(cfg: FinetuneConfig, num_classes: int):
+    """Cross-entropy with label smoothing, and mixup / cutmix with soft targets where enabled."""
+    aug = cfg.aug
+    mixup = None
+    if cfg.finetune.mode == "full" and (aug.mixup > 0 or aug.cutmix > 0) and aug.mix_prob > 0:
+        from timm.data import Mixup
+
+        mixup = Mixup(mixup_alpha=aug.mixup, cutmix_alpha=aug.cutmix, prob=aug.mix_prob, switch_prob=aug.switch_prob,
+                      label_smoothing=cfg.finetune.label_smoothing, num_classes=num_classes)  # fmt: skip
+    smoothing = cfg.finetune.label_smoothing
+
+    def loss_fn(model, images, labels):
+        if mixup is not None and images.shape[0] % 2 == 0:
+            images, targets = mixup(images, labels)  # soft targets (B, C), smoothing included
+            logits = model(images)
+            return torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean(), {}
+        logits = model(images)
+        return F.cross_entropy(logits.float(), labels, label_smoothing=smoothing), {}
+
+    return loss_fn
+
+
+def report_eval(run: Run, results: dict[str, dict], classes: list[str], tag: str, figures: bool) -> dict:
+    """Flatten results for summary.json and write the per-class table and confusion-matrix PNGs."""
+    out = {}
+    for split, r in results.items():
+        out[f"{split}_top1"] = r["top1"]
+        out[f"{split}_top5"] = r["top5"]
+        out[f"{split}_loss"] = r["loss"]
+        out[f"{split}_per_class"] = dict(zip(classes, r["per_class"]))
+        if figures and run.is_main:
+            path = save_confusion_matrix(r["confusion"], classes, run.dir / f"confusion_{split}.png", f"{tag} - {split} top-1 {r['top1']:.2%}")
+            run.log_images({f"confusion_{split}": path}, step=0)
+    return out
+
+
+def train_classifier(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> tuple[nn.Module, dict, object]:
+    """Full fine-tuning, the baselines, or an uncached linear probe: the classifier trained end to end."""
+    acc = run.accelerator
+    ft = cfg.finetune
+    model = built.model
+    num_layers = built.encoder_config["depth"] if built.encoder_config and built.arch in ("vit", "timm_vit") else None
+    layer_decay = ft.layer_decay if num_layers is not None and ft.mode == "full" else None
+    groups = param_groups(model, cfg.optim.weight_decay, layer_decay, num_layers)
+    optimizer = make_optimizer(groups, cfg.optim, acc.device)
+    model, optimizer = acc.prepare(model, optimizer)
+    forward = torch.compile(model) if cfg.run.compile else model
+    augment = ft.mode == "full"
+    train_loader, evals = loaders(cfg, run, splits, image_size(cfg, built, splits), augment=augment)
+    spec = loop_spec(cfg, len(train_loader), acc.num_processes)
+    run.print(f"schedule: {spec.epochs} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {layer_decay}")
+    num_classes = len(splits.train.classes)
+    progress = load_state(run)
+
+    def on_epoch_end(epoch: int, progress) -> dict:
+        if "val" not in evals or (epoch % ft.eval_every and epoch != spec.epochs):
+            return {}
+        r = evaluate(unwrap(model), evals["val"], acc, num_classes)
+        best = max(progress.best.get("val_top1", 0.0), r["top1"])
+        progress.best["val_top1"] = best
+        run.print(f"epoch {epoch}: val top-1 {r['top1']:.2%} (best {best:.2%}), top-5 {r['top5']:.2%}, loss {r['loss']:.4f}")
+        return {"val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]}
+
+    progress = fit(run, forward, optimizer, train_loader, make_loss(cfg, num_classes), spec, progress, on_epoch_end)
+    results = {split: evaluate(unwrap(model), loader, acc, num_classes) for split, loader in evals.items()}
+    return unwrap(model), results, progress
+
+
+def train_cached_probe(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> tuple[nn.Module, dict, object]:
+    """Linear probe on features computed once: the head trains on the cache for many epochs in seconds."""
+    acc = run.accelerator
+    probe = built.model.to(acc.device)
+    size = image_size(cfg, built, splits)
+    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=size, rank=acc.process_index, world_size=acc.num_processes)
+    feats = {}
+    for split, data in (("train", splits.train), ("val", splits.val), ("test", splits.test)):
+        if data is None or not len(data.labels):
+            continue
+        loader = BatchLoader(data, cfg.optim.batch_size, train=False, **common)
+        feats[split] = extract_features(probe, loader, acc, len(data.labels))
+        run.print(f"features: {split} {tuple(feats[split][0].shape)}")
+    head = probe.head
+    optimizer = make_optimizer(param_groups(head, cfg.optim.weight_decay), cfg.optim, acc.device)
+    head, optimizer = acc.prepare(head, optimizer)
+    train_loader = FeatureLoader(*feats["train"], cfg.optim.batch_size, seed=cfg.run.seed, rank=acc.process_index, world_size=acc.num_processes)
+    evals = {s: FeatureLoader(*feats[s], cfg.optim.batch_size, train=False, rank=acc.process_index, world_size=acc.num_processes)
+             for s in ("val", "test") if s in feats}  # fmt: skip
+    spec = loop_spec(cfg, len(train_loader), acc.num_processes)
+    num_classes = len(splits.train.classes)
+    progress = load_state(run)
+    smoothing = cfg.finetune.label_smoothing
+
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(x).float(), y, label_smoothing=smoothing), {}
+
+    def on_epoch_end(epoch: int, progress) -> dict:
+        if "val" not in evals or (epoch % cfg.finetune.eval_every and epoch != spec.epochs):
+            return {}
+        r = evaluate(unwrap(head), evals["val"], acc, num_classes)
+        progress.best["val_top1"] = max(progress.best.get("val_top1", 0.0), r["top1"])
+        return {"val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]}
+
+    progress = fit(run, head, optimizer, train_loader, loss_fn, spec, progress, on_epoch_end)
+    results = {split: evaluate(unwrap(head), loader, acc, num_classes) for split, loader in evals.items()}
+    probe.head = unwrap(head)
+    return probe, results, progress
+
+
+def run_eval(cfg: FinetuneConfig) -> int:
+    """`finetune.mode=eval`: evaluate a finished classifier on the val (and test) split, no training."""
+    model, payload = load_classifier(cfg.finetune.init)
+    run = Run.start(cfg, stage="finetune", job_type="eval", parent=payload.get("parent"))
+    acc = run.accelerator
+    with acc.main_process_first():
+        splits = load_splits(cfg.data)
+    if list(splits.train.classes) != list(payload["classes"]):
+        from vit.errors import DataError
+
+        raise DataError(f"the classifier was trained on classes {payload['classes']}, this data has {splits.train.classes}")
+    model = model.to(acc.device)
+    size = payload["data"]["image_size"]
+    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=size, rank=acc.process_index, world_size=acc.num_processes)
+    evals = {"val": BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common)} if len(splits.val.labels) else {}
+    if splits.test is not None:
+        evals["test"] = BatchLoader(splits.test, cfg.optim.batch_size, train=False, **common)
+    results = {s: evaluate(model, loader, acc, len(splits.train.classes)) for s, loader in evals.items()}
+    flat = report_eval(run, results, splits.train.classes, f"eval {payload['arch']}", cfg.finetune.confusion_matrix)
+    summary = run.finish({"mode": "eval", "init": cfg.finetune.init, "model": payload["arch"], "data": splits.describe(), **flat})
+    run.print("eval: " + ", ".join(f"{s} top-1 {r['top1']:.2%}" for s, r in results.items()))
+    return 0 if summary else 1
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(FinetuneConfig, argv, "finetune", "Fine-tune, linear-probe or evaluate a classifier")
+    if cfg.finetune.mode == "eval":
+        return run_eval(cfg)
+    parent = parent_run(cfg)
+    run = Run.start(cfg, stage="finetune", job_type=job_type(cfg), parent=parent)
+    acc = run.accelerator
+    with acc.main_process_first():
+        splits = load_splits(cfg.data)
+    num_classes = len(splits.train.classes)
+    built = build_classifier(cfg, num_classes)
+    if built.arch == "linear_probe" and cfg.data.val_size == 0 and splits.test is None:
+        run.warn("no validation or test split: the probe's accuracy cannot be measured")
+    n_params = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
+    run.print(f"data: {splits.describe()} | {built.arch} ({cfg.finetune.mode}, init {cfg.finetune.init}): {n_params / 1e6:.2f}M trainable parameters")
+    try:
+        if cfg.finetune.mode == "linear" and cfg.finetune.probe_cache:
+            model, results, progress = train_cached_probe(cfg, run, splits, built)
+        else:
+            model, results, progress = train_classifier(cfg, run, splits, built)
+    except Preempted as e:
+        run.print(str(e))
+        return 143
+    size = image_size(cfg, built, splits)
+    data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std)}
+    if run.is_main:
+        save_classifier(run.dir / "classifier.pt", built, model, splits.train.classes, data_info, progress.step)
+    tag = f"{built.arch} {cfg.finetune.mode} ({cfg.finetune.init})"
+    flat = report_eval(run, results, splits.train.classes, tag, cfg.finetune.confusion_matrix)
+    summary = run.finish({
+        "mode": cfg.finetune.mode,
+        "job_type": run.job_type,
+        "init": cfg.finetune.init,
+        "parent": parent,
+        "model": cfg.model.name if built.arch != "resnet18" else "resnet18",
+        "arch": built.arch,
+        "cached_features": cfg.finetune.mode == "linear" and cfg.finetune.probe_cache,
+        "epochs": progress.epoch,
+        "steps": progress.step,
+        "wall_time_sec": round(progress.train_time, 2),
+        "images_per_sec": round(progress.images / max(progress.train_time, 1e-9), 1),
+        "best_val_top1": progress.best.get("val_top1"),
+        "final_val_top1": flat.get("val_top1"),
+        "final_test_top1": flat.get("test_top1"),
+        "data": splits.describe(),
+        "test_split": splits.test is not None,
+        **flat,
+    })
+    lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()]
+    if splits.test is None:
+        lines.append("(no test split in this dataset: val only)")
+    run.print(f"done in {summary['wall_time_sec']:.0f}s: " + ", ".join(lines) + f" -> {run.dir}")
+    return 0
+
+
+def read_summary(run_dir: str | Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())

@@ -1,0 +1,5 @@
+import sys
+
+from pretrain.train import main
+
+sys.exit(main())

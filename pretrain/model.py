@@ -1,0 +1,170 @@
+"""Masked autoencoder (He et al. 2021) around the shared `vit.VisionTransformer`.
+
+The encoder is held, not copied: `self.encoder` is the same class, with the same
+state_dict keys, that fine-tuning and linear probing load. It sees only the
+visible patches (`forward_features(x, ids_keep)`); a light decoder sees those
+tokens plus a learned mask token at every masked position and predicts pixels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vit.model import Block, VisionTransformer, layer_norm
+from vit.pos_embed import sincos_2d
+
+
+def patchify(imgs: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """imgs: (B, C, H, W) -> (B, L, p*p*C), patches row-major, pixels (row, col, channel) within a patch."""
+    B, C, H, W = imgs.shape
+    p = patch_size
+    if H % p or W % p:
+        raise ValueError(f"image size {H}x{W} is not divisible by patch size {p}")
+    h, w = H // p, W // p
+    x = imgs.reshape(B, C, h, p, w, p)
+    x = x.permute(0, 2, 4, 3, 5, 1)  # (B, h, w, p, p, C)
+    return x.reshape(B, h * w, p * p * C)
+
+
+def unpatchify(patches: torch.Tensor, patch_size: int, channels: int = 3) -> torch.Tensor:
+    """patches: (B, L, p*p*C) -> imgs (B, C, H, W), the inverse of `patchify` for square images."""
+    B, L, _ = patches.shape
+    p = patch_size
+    h = int(round(L**0.5))
+    if h * h != L:
+        raise ValueError(f"{L} patches do not form a square grid")
+    x = patches.reshape(B, h, h, p, p, channels)
+    x = x.permute(0, 5, 1, 3, 2, 4)  # (B, C, h, p, w, p)
+    return x.reshape(B, channels, h * p, h * p)
+
+
+def random_masking(batch: int, num_patches: int, mask_ratio: float, device=None, generator: torch.Generator | None = None):
+    """Per-sample random masking by sorting uniform noise.
+
+    Returns ids_keep (B, K) of visible patches with K = int(L * (1 - mask_ratio)),
+    ids_restore (B, L) that undoes the shuffle, and mask (B, L) with 1 = masked, 0 = visible.
+    """
+    keep = int(num_patches * (1 - mask_ratio))
+    if generator is not None:  # a seeded CPU generator: the same masks on every device
+        noise = torch.rand(batch, num_patches, generator=generator).to(device)  # (B, L)
+    else:
+        noise = torch.rand(batch, num_patches, device=device)  # (B, L)
+    ids_shuffle = torch.argsort(noise, dim=1)  # ascending: the first `keep` are visible
+    ids_restore = torch.argsort(ids_shuffle, dim=1)
+    ids_keep = ids_shuffle[:, :keep]  # (B, K)
+    mask = torch.ones(batch, num_patches, device=device)
+    mask[:, :keep] = 0
+    mask = torch.gather(mask, 1, ids_restore)  # (B, L) back in patch order
+    return ids_keep, ids_restore, mask
+
+
+class MaskedAutoencoder(nn.Module):
+    """MAE: a headless `VisionTransformer` encoder plus a lightweight transformer decoder."""
+
+    def __init__(
+        self,
+        encoder: VisionTransformer,
+        decoder_embed_dim: int = 512,
+        decoder_depth: int = 8,
+        decoder_num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        mask_ratio: float = 0.75,
+        norm_pix_loss: bool = False,
+    ):
+        super().__init__()
+        if encoder.num_classes != 0:
+            raise ValueError("MAE needs a headless encoder (num_classes=0)")
+        if decoder_embed_dim % decoder_num_heads:
+            raise ValueError(f"decoder_num_heads={decoder_num_heads} does not divide decoder_embed_dim={decoder_embed_dim}")
+        self.encoder = encoder
+        self.patch_size = encoder.patch_embed.patch_size
+        self.in_chans = encoder.config["in_chans"]
+        self.num_patches = encoder.num_patches
+        self.mask_ratio = mask_ratio
+        self.norm_pix_loss = norm_pix_loss
+        self.decoder_config = dict(decoder_embed_dim=decoder_embed_dim, decoder_depth=decoder_depth, decoder_num_heads=decoder_num_heads, mlp_ratio=mlp_ratio)
+
+        self.decoder_embed = nn.Linear(encoder.embed_dim, decoder_embed_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_embed_dim))
+        table = sincos_2d(decoder_embed_dim, encoder.patch_embed.grid_size).unsqueeze(0)  # (1, 1 + L, Dd)
+        self.register_buffer("decoder_pos_embed", table, persistent=False)  # fixed, recomputed from the config
+        self.decoder_blocks = nn.ModuleList(
+            Block(decoder_embed_dim, decoder_num_heads, mlp_ratio, qkv_bias=True, attn_impl=encoder.config["attn_impl"]) for _ in range(decoder_depth)
+        )
+        self.decoder_norm = layer_norm(decoder_embed_dim)
+        self.decoder_pred = nn.Linear(decoder_embed_dim, self.patch_size**2 * self.in_chans)
+        self._init_decoder()
+
+    def _init_decoder(self) -> None:
+        nn.init.normal_(self.mask_token, std=0.02)
+        for name, m in self.named_modules():
+            if name.startswith("encoder"):
+                continue  # the encoder initialises itself
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def no_weight_decay(self) -> set[str]:
+        return {f"encoder.{n}" for n in self.encoder.no_weight_decay()} | {"mask_token"}
+
+    # ----------------------------------------------------------------- the three parts
+
+    def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None):
+        """imgs: (B, C, H, W) -> latent (B, 1 + K, D), mask (B, L), ids_restore (B, L)."""
+        ids_keep, ids_restore, mask = random_masking(imgs.shape[0], self.num_patches, mask_ratio, imgs.device, generator)
+        latent = self.encoder.forward_features(imgs, ids_keep)
+        return latent, mask, ids_restore
+
+    def forward_decoder(self, latent: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
+        """latent: (B, 1 + K, D), ids_restore: (B, L) -> pred (B, L, p*p*C)."""
+        x = self.decoder_embed(latent)  # (B, 1 + K, Dd)
+        B, T, Dd = x.shape
+        L = ids_restore.shape[1]
+        masks = self.mask_token.to(x.dtype).expand(B, L + 1 - T, -1)  # (B, L - K, Dd)
+        patches = torch.cat([x[:, 1:], masks], dim=1)  # (B, L, Dd), visible first, in shuffled order
+        patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, Dd))  # (B, L, Dd) in patch order
+        x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, 1 + L, Dd)
+        for block in self.decoder_blocks:
+            x = block(x)
+        x = self.decoder_norm(x)
+        return self.decoder_pred(x)[:, 1:]  # (B, L, p*p*C), [CLS] dropped
+
+    def target(self, imgs: torch.Tensor) -> torch.Tensor:
+        """What the decoder predicts: imgs (B, C, H, W) -> (B, L, p*p*C), per-patch normalised with `norm_pix_loss`."""
+        target = patchify(imgs, self.patch_size)
+        if self.norm_pix_loss:
+            mean = target.mean(dim=-1, keepdim=True)
+            var = target.var(dim=-1, keepdim=True)
+            target = (target - mean) / (var + 1.0e-6) ** 0.5
+        return target
+
+    def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Mean squared error per patch, averaged over masked patches only (visible ones do not count)."""
+        target = self.target(imgs)
+        per_patch = (pred.float() - target.float()).pow(2).mean(dim=-1)  # (B, L)
+        return (per_patch * mask).sum() / mask.sum()
+
+    def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None, generator: torch.Generator | None = None):
+        """imgs: (B, C, H, W) -> loss (), pred (B, L, p*p*C), mask (B, L) with 1 = masked.
+
+        `generator` (a CPU torch.Generator) fixes the masks, e.g. for a comparable validation loss.
+        """
+        ratio = self.mask_ratio if mask_ratio is None else mask_ratio
+        latent, mask, ids_restore = self.forward_encoder(imgs, ratio, generator)
+        pred = self.forward_decoder(latent, ids_restore)
+        return self.forward_loss(imgs, pred, mask), pred, mask
+
+
+PRESET_DECODERS: dict[str, dict] = {
+    # Small inputs have few patches: a narrow, shallow decoder is enough and keeps MAE cheap.
+    "vit_cifar_tiny": dict(decoder_embed_dim=128, decoder_depth=2, decoder_num_heads=4),
+    "vit_cifar_small": dict(decoder_embed_dim=192, decoder_depth=4, decoder_num_heads=6),
+    "vit_tiny": dict(decoder_embed_dim=256, decoder_depth=4, decoder_num_heads=8),
+    "vit_small": dict(decoder_embed_dim=256, decoder_depth=4, decoder_num_heads=8),
+    # The paper's ViT-B/16 decoder: 8 blocks of 512 wide.
+    "vit_base": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
+}

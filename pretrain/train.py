@@ -1,0 +1,160 @@
+"""MAE pretraining: `accelerate launch -m pretrain --config configs/pretrain/cpu_quick.yaml [key=value ...]`."""
+
+from __future__ import annotations
+
+import torch
+
+from pretrain.config import PretrainConfig
+from pretrain.figures import save_reconstruction_figure
+from pretrain.model import PRESET_DECODERS, MaskedAutoencoder
+from vit.augment import BatchLoader
+from vit.checkpoint import save_encoder, unwrap
+from vit.cli import parse
+from vit.data import load_splits
+from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
+from vit.errors import ConfigError, exit_on_user_error
+from vit.model import create_model
+
+
+def build_mae(cfg: PretrainConfig) -> MaskedAutoencoder:
+    """The encoder preset with `model.*` overrides, headless, inside an MAE with the preset's or the config's decoder."""
+    try:
+        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(), num_classes=0)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    decoder = dict(PRESET_DECODERS.get(cfg.model.name, PRESET_DECODERS["vit_cifar_tiny"]))
+    for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
+        if getattr(cfg.mae, key) is not None:
+            decoder[key] = getattr(cfg.mae, key)
+    try:
+        return MaskedAutoencoder(encoder, **decoder, mask_ratio=cfg.mae.mask_ratio, norm_pix_loss=cfg.mae.norm_pix_loss)
+    except ValueError as e:
+        raise ConfigError(f"mae: {e}") from None
+
+
+@torch.no_grad()
+def validation_loss(mae: MaskedAutoencoder, loader: BatchLoader, run: Run, seed: int) -> float:
+    """Masked-patch loss on the validation split with fixed masks, averaged over every image of every rank."""
+    mae.eval()
+    generator = torch.Generator().manual_seed(seed)
+    total = torch.zeros(2, device=run.accelerator.device)
+    for images, _ in loader.epoch(0):
+        with run.accelerator.autocast():
+            loss, _, _ = mae(images, generator=generator)
+        total += torch.stack([loss.float() * images.shape[0], torch.tensor(float(images.shape[0]), device=total.device)])
+    total = run.accelerator.reduce(total, reduction="sum")
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def rank_report(run: Run, model, first_batch_sum: float, images_seen: int) -> list[dict]:
+    """Per-rank facts for summary.json: proof that every rank trained, on its own data, with the same weights."""
+    acc = run.accelerator
+    checksum = sum(p.detach().double().sum() for p in unwrap(model).parameters()).float()
+    local = torch.tensor([float(acc.process_index), first_batch_sum, float(images_seen), checksum.item()], device=acc.device)
+    gathered = acc.gather(local.unsqueeze(0)).cpu().tolist()
+    return [{"rank": int(r), "first_batch_sum": b, "images": int(n), "param_checksum": c} for r, b, n, c in gathered]
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(PretrainConfig, argv, "pretrain", "MAE pretraining of a ViT encoder")
+    run = Run.start(cfg, stage="pretrain")
+    acc = run.accelerator
+    with acc.main_process_first():  # the main process decodes into the cache, the others then read it
+        splits = load_splits(cfg.data)
+    mae = build_mae(cfg)
+    img_size = mae.encoder.patch_embed.img_size
+    run.print(f"data: {splits.describe()} | model: {cfg.model.name} {mae.encoder.config['embed_dim']}d x {mae.encoder.config['depth']}, "
+              f"{sum(p.numel() for p in mae.encoder.parameters()) / 1e6:.2f}M encoder parameters, decoder {mae.decoder_config}")
+
+    optimizer = make_optimizer(param_groups(mae, cfg.optim.weight_decay), cfg.optim, acc.device)
+    model, optimizer = acc.prepare(mae, optimizer)
+    forward = torch.compile(model) if cfg.run.compile else model
+
+    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=img_size, rank=acc.process_index, world_size=acc.num_processes)
+    train_loader = BatchLoader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed,
+                               crop_scale=cfg.data.crop_scale, crop_ratio=cfg.data.crop_ratio, hflip=cfg.data.hflip, **common)
+    val_loader = BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common) if len(splits.val.labels) else None
+    spec = loop_spec(cfg, len(train_loader), acc.num_processes)
+    run.print(f"schedule: {spec.epochs} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
+              f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")
+
+    figure_batch = None
+    if cfg.mae.figure_images:
+        # Images spread evenly over the split (so over its classes), the same ones at every figure.
+        source = splits.val if len(splits.val.labels) else splits.train
+        picks = source.subset(torch.linspace(0, len(source.labels) - 1, cfg.mae.figure_images).long().unique())
+        figure_loader = BatchLoader(picks, cfg.mae.figure_images, train=False, device=acc.device, mean=splits.mean, std=splits.std, out_size=img_size)
+        figure_batch = next(figure_loader.epoch(0))[0]
+
+    def figure(step: int, name: str) -> None:
+        if figure_batch is None or not run.is_main:
+            return
+        with acc.autocast():
+            path = save_reconstruction_figure(unwrap(model), figure_batch, splits.mean, splits.std, run.dir / name, seed=cfg.run.seed)
+        run.log_images({"reconstruction": path}, step)
+
+    first_batch_sum = next(train_loader.epoch(0))[0].double().sum().item()
+
+    def loss_fn(m, images, labels):
+        loss, _, _ = m(images)
+        return loss, {}
+
+    def on_epoch_end(epoch: int, progress) -> dict[str, float]:
+        metrics = {}
+        if val_loader is not None:
+            metrics["val_loss"] = validation_loss(unwrap(model), val_loader, run, cfg.run.seed)
+            run.print(f"epoch {epoch}: val loss {metrics['val_loss']:.4f}")
+        if cfg.run.figure_every and epoch % cfg.run.figure_every == 0:
+            figure(progress.step, f"figures/reconstruction_epoch{epoch:04d}.png")
+        if run.is_main:
+            save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run))
+        return metrics
+
+    progress = load_state(run)
+    try:
+        progress = fit(run, forward, optimizer, train_loader, loss_fn, spec, progress, on_epoch_end)
+    except Preempted as e:
+        run.print(str(e))
+        return 143
+    if run.is_main:
+        save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run))
+    figure(progress.step, "reconstruction.png")
+    final_val = validation_loss(unwrap(model), val_loader, run, cfg.run.seed) if val_loader is not None else None
+    summary = run.finish({
+        "final_loss": last_logged(run, "loss"),
+        "final_val_loss": final_val,
+        "steps": progress.step,
+        "epochs": progress.epoch,
+        "images": progress.images,
+        "wall_time_sec": round(progress.train_time, 2),
+        "images_per_sec": round(progress.images / max(progress.train_time, 1e-9), 1),
+        "model": cfg.model.name,
+        "encoder": mae.encoder.config,
+        "decoder": mae.decoder_config,
+        "mask_ratio": cfg.mae.mask_ratio,
+        "data": splits.describe(),
+        "ranks": rank_report(run, model, first_batch_sum, progress.images // acc.num_processes),
+    })
+    run.print(f"done: {summary['steps']} steps in {summary['wall_time_sec']:.0f}s ({summary['images_per_sec']:.0f} img/s), "
+              f"loss {summary['final_loss']}, val loss {final_val} -> {run.dir / 'encoder.pt'}")
+    return 0
+
+
+def encoder_meta(run: Run) -> dict:
+    return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed}
+
+
+def last_logged(run: Run, key: str):
+    """The last value of `key` in metrics.jsonl (main process), or None."""
+    import json
+
+    path = run.dir / "metrics.jsonl"
+    if not run.is_main or not path.exists():
+        return None
+    value = None
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if key in rec:
+            value = rec[key]
+    return value

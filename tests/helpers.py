@@ -1,0 +1,36 @@
+"""Helpers shared by the tests."""
+
+
+def reset_accelerate() -> None:
+    """Accelerate keeps process-wide singletons; reset them so the next in-process run starts clean."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def tiny_overrides(tmp_path, name="run", **extra) -> list[str]:
+    """Overrides for a run of a 2-block, 32-wide encoder on 256 synthetic images, writing under tmp_path."""
+    base = {
+        "data.dataset": "synthetic",
+        "data.synthetic_size": 256,
+        "data.val_size": 40,
+        "data.cache_dir": str(tmp_path / "cache"),
+        "model.embed_dim": 32,
+        "model.depth": 2,
+        "model.num_heads": 2,
+        "model.patch_size": 8,
+        "optim.batch_size": 32,
+        "schedule.epochs": 2,
+        "schedule.warmup_epochs": 0.5,
+        "run.dir": str(tmp_path / "runs"),
+        "run.name": name,
+        "run.tracker": "none",
+        "run.progress": False,
+        "run.threads": 1,
+        "run.log_every": 1,
+        "run.device": "cpu",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

@@ -1,0 +1,101 @@
+"""Typed configs: YAML + dotted overrides, errors that name the key and the file."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.config import FinetuneConfig
+from pretrain.config import PretrainConfig
+from vit.config import dump_config, load_config
+from vit.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_yaml_and_overrides_map_to_typed_sections(tmp_path):
+    path = write(tmp_path, {"model": {"name": "vit_tiny", "patch_size": 4, "img_size": 32}, "optim": {"lr": 1, "betas": [0.9, 0.99]}})
+    cfg = load_config(PretrainConfig, path, ["optim.lr=3e-4", "data.root=/data/x", "run.seed=7", "mae.mask_ratio=0.6", "schedule.max_steps=null"])
+    assert cfg.model.name == "vit_tiny" and cfg.model.patch_size == 4
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.betas == (0.9, 0.99)
+    assert cfg.data.root == "/data/x" and cfg.run.seed == 7 and cfg.mae.mask_ratio == 0.6
+    assert cfg.schedule.max_steps is None
+    # An int where a float is expected is fine; the field stays a float.
+    assert load_config(PretrainConfig, path).optim.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"optim": {"lrr": 1e-3}}, r"unknown config key 'optim.lrr' in .*cfg.yaml"),
+        ({"modle": {}}, r"unknown config key 'modle' in .*cfg.yaml"),
+        ({"optim": {"batch_size": "big"}}, r"optim.batch_size must be an integer in .*cfg.yaml, got 'big'"),
+        ({"optim": {"batch_size": 3.5}}, r"optim.batch_size must be an integer"),
+        ({"run": {"precision": "fp8"}}, r"run.precision must be one of 'no' \| 'bf16' \| 'fp16' in .*cfg.yaml"),
+        ({"optim": {"betas": [0.9]}}, r"optim.betas must be a list of 2 values"),
+        ({"run": {"overwrite": "yes"}}, r"run.overwrite must be true or false"),
+        ({"optim": 3}, r"optim must be a mapping"),
+    ],
+)
+def test_bad_file_values_name_the_key_and_file(tmp_path, data, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(PretrainConfig, write(tmp_path, data))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lrr=1", r"unknown config key 'optim.lrr' \(command line\)"),
+        ("nosuch.lr=1", r"unknown config key 'nosuch'"),
+        ("optim.batch_size=abc", r"optim.batch_size must be an integer in command line"),
+        ("optim=3", r"optim is a section"),
+        ("optim.lr", r"must look like section.key=value"),
+        ("mae.mask_ratio=1.0", r"mae.mask_ratio must be in \(0, 1\)"),
+        ("mae.mask_ratio=0", r"mae.mask_ratio must be in \(0, 1\)"),
+        ("schedule.epochs=-1", r"schedule.epochs must be positive"),
+        ("model.img_size=30", r"model.img_size 30 is not divisible by model.patch_size=4"),
+        ("model.num_heads=5", r"model.num_heads 5 does not divide model.embed_dim=128"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, message):
+    extra = ["model.img_size=32", "model.patch_size=4", "model.embed_dim=128"] if override.startswith("model.") else []
+    with pytest.raises(ConfigError, match=message):
+        load_config(PretrainConfig, None, extra + [override])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file .*nope.yaml"):
+        load_config(PretrainConfig, tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        load_config(PretrainConfig, bad)
+
+
+def test_same_section_names_in_every_stage():
+    shared = ["model.name=vit_tiny", "data.root=/d", "data.dataset=cifar100", "optim.lr=0.1", "run.name=x", "run.dir=/tmp/r", "run.seed=3", "run.resume=auto"]
+    for cls in (PretrainConfig, FinetuneConfig):
+        cfg = load_config(cls, None, shared)
+        assert (cfg.model.name, cfg.data.root, cfg.optim.lr, cfg.run.name, cfg.run.resume) == ("vit_tiny", "/d", 0.1, "x", "auto")
+
+
+def test_resolved_config_reloads_with_its_meta(tmp_path):
+    cfg = load_config(FinetuneConfig, None, ["optim.lr=0.5", "aug.mixup=0"])
+    text = dump_config(cfg, {"git_commit": "abc", "seed": 0})
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    again = load_config(FinetuneConfig, path)
+    assert again == cfg
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_config_loads(path):
+    cls = PretrainConfig if "pretrain" in path.parts else FinetuneConfig
+    load_config(cls, path)

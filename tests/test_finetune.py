@@ -1,0 +1,170 @@
+"""Classification: MAE encoder loading, layer decay, linear probes (cached and not), baselines, eval mode."""
+
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+from finetune.config import FinetuneConfig
+from finetune.models import LinearProbe, build_classifier, load_classifier
+from finetune.train import main as finetune
+from helpers import reset_accelerate, tiny_overrides
+from pretrain.train import main as pretrain
+from vit.config import load_config
+from vit.engine import param_groups, set_lr
+from vit.model import VisionTransformer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def mae_run(tmp_path_factory) -> Path:
+    """A short MAE pretraining run (shared by the tests of this module)."""
+    tmp = tmp_path_factory.mktemp("mae")
+    assert pretrain(tiny_overrides(tmp, name="mae", **{"schedule.epochs": 1})) == 0
+    reset_accelerate()
+    return tmp / "runs" / "mae"
+
+
+def summary(tmp_path, name) -> dict:
+    return json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+
+
+def test_mae_encoder_loads_strictly_only_the_head_is_new(mae_run, tmp_path):
+    cfg = load_config(FinetuneConfig, None, tiny_overrides(tmp_path) + [f"finetune.init={mae_run}"])
+    built = build_classifier(cfg, num_classes=10)
+    stored = torch.load(mae_run / "encoder.pt", weights_only=True)["state_dict"]
+    mine = built.model.state_dict()
+    assert set(mine) - set(stored) == {"head.weight", "head.bias"}
+    for k, v in stored.items():
+        assert torch.equal(mine[k], v), k
+    assert built.parent == str(mae_run)
+
+
+def test_mismatched_encoder_is_refused_naming_the_fields(mae_run, tmp_path, capsys):
+    code = finetune(tiny_overrides(tmp_path, **{"model.depth": 3, "model.embed_dim": 64}) + [f"finetune.init={mae_run}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "depth: 2 != 3" in err and "embed_dim: 32 != 64" in err
+    assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()
+
+
+def test_layer_decay_scales_first_and_last_block_and_head():
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=4, num_heads=2, num_classes=10)
+    groups = param_groups(model, weight_decay=0.05, layer_decay=0.5, num_layers=4)
+    scale = {}
+    for g in groups:
+        for p in g["params"]:
+            scale[p] = (g["lr_scale"], g["weight_decay"])
+    named = dict(model.named_parameters())
+    assert scale[named["pos_embed"]] == (0.5**5, 0.0)  # embeddings: layer 0, no decay
+    assert scale[named["patch_embed.proj.weight"]] == (0.5**5, 0.05)
+    assert scale[named["blocks.0.attn.qkv.weight"]] == (0.5**4, 0.05)
+    assert scale[named["blocks.3.mlp.fc2.weight"]] == (0.5**1, 0.05)
+    assert scale[named["blocks.3.norm1.weight"]] == (0.5**1, 0.0)
+    assert scale[named["head.weight"]] == (1.0, 0.05)
+    assert scale[named["head.bias"]] == (1.0, 0.0)
+    optimizer = torch.optim.AdamW(groups)
+    set_lr(optimizer, 1e-3)
+    lrs = {p: g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    assert lrs[named["blocks.0.attn.qkv.weight"]] == pytest.approx(1e-3 * 0.5**4)
+    assert lrs[named["head.weight"]] == pytest.approx(1e-3)
+
+
+def test_short_finetune_beats_chance_and_eval_mode_reproduces_it(mae_run, tmp_path):
+    args = tiny_overrides(tmp_path, name="ft", **{"schedule.epochs": 3, "optim.lr": 2e-3}) + [f"finetune.init={mae_run}", "aug.mixup=0.2"]
+    assert finetune(args) == 0
+    s = summary(tmp_path, "ft")
+    assert s["job_type"] == "finetune" and s["parent"] == str(mae_run)
+    assert s["final_val_top1"] > 0.3 and s["final_test_top1"] > 0.3  # chance is 0.1
+    assert s["data"]["val"] == 40 and s["data"]["test"] == 64
+    for name in ("classifier.pt", "confusion_val.png", "confusion_test.png", "config.yaml", "metrics.jsonl"):
+        assert (tmp_path / "runs" / "ft" / name).is_file(), name
+    assert len(s["val_per_class"]) == 10
+    reset_accelerate()
+    eval_args = tiny_overrides(tmp_path, name="ft_eval") + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'ft'}"]
+    assert finetune(eval_args) == 0
+    e = summary(tmp_path, "ft_eval")
+    assert e["val_top1"] == s["final_val_top1"] and e["test_top1"] == s["final_test_top1"]
+
+
+def probe(tmp_path, name, init, cached, epochs=3):
+    no_aug = {"data.crop_scale": "[1.0,1.0]", "data.crop_ratio": "[1.0,1.0]", "data.hflip": False}
+    args = tiny_overrides(tmp_path, name=name, **{"schedule.epochs": epochs, "optim.lr": 0.05, **no_aug}) + [
+        "finetune.mode=linear", f"finetune.init={init}", f"finetune.probe_cache={cached}", "optim.name=sgd", "optim.weight_decay=0",
+        "finetune.label_smoothing=0",
+    ]
+    assert finetune(args) == 0
+    reset_accelerate()
+    return summary(tmp_path, name)
+
+
+def test_cached_and_uncached_probes_agree_and_encoder_stays_frozen(mae_run, tmp_path):
+    cached = probe(tmp_path, "cached", mae_run, True)
+    uncached = probe(tmp_path, "uncached", mae_run, False)
+    assert cached["cached_features"] and not uncached["cached_features"]
+    assert cached["final_val_top1"] == uncached["final_val_top1"]
+    assert cached["final_test_top1"] == uncached["final_test_top1"]
+    a, _ = load_classifier(tmp_path / "runs" / "cached")
+    b, _ = load_classifier(tmp_path / "runs" / "uncached")
+    torch.testing.assert_close(a.head[1].weight, b.head[1].weight, rtol=1e-3, atol=1e-4)
+    # The frozen encoder left both probes exactly as it came from pretraining.
+    stored = torch.load(mae_run / "encoder.pt", weights_only=True)["state_dict"]
+    for model in (a, b):
+        assert isinstance(model, LinearProbe)
+        for k, v in model.encoder.state_dict().items():
+            assert torch.equal(v, stored[k]), k
+        assert model.head[0].running_mean.abs().sum() > 0  # the head's own BatchNorm did learn its statistics
+
+
+def test_random_encoder_probe_is_a_supported_baseline(tmp_path):
+    s = probe(tmp_path, "random", "scratch", True)
+    assert s["job_type"] == "linprobe" and s["init"] == "scratch" and s["final_val_top1"] is not None
+
+
+def test_local_timm_weights_file_loads_with_resampling_and_gives_timms_outputs(tmp_path):
+    torch.manual_seed(0)
+    # A "pretrained" timm ViT at another resolution, saved as a local weights file.
+    source = timm.models.vision_transformer.VisionTransformer(img_size=64, patch_size=16, embed_dim=32, depth=2, num_heads=2, num_classes=1000)
+    weights = tmp_path / "vit.pth"
+    torch.save(source.state_dict(), weights)
+    overrides = tiny_overrides(tmp_path, **{"model.patch_size": 8}) + ["finetune.init=timm:vit_tiny_patch16_224", f"finetune.init_file={weights}"]
+    cfg = load_config(FinetuneConfig, None, overrides)
+    ours = build_classifier(cfg, num_classes=10).model.eval()
+    # timm itself, loading the same file at our resolution (it resamples pos and patch embeddings too).
+    theirs = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    state = checkpoint_filter_fn(torch.load(weights, weights_only=True), theirs)
+    state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    theirs.load_state_dict(state, strict=False)
+    theirs.head.load_state_dict(ours.head.state_dict())
+    theirs.eval()
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
+
+
+def test_unreachable_hub_and_missing_file_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    code = finetune(tiny_overrides(tmp_path) + ["finetune.init=timm:vit_tiny_patch16_224", f"finetune.init_file={tmp_path / 'nope.pth'}"])
+    assert code == 2 and "nope.pth does not exist" in capsys.readouterr().err
+    # No weights file and no hub: refused at once with one line, no retry loop.
+    import finetune.models as models
+
+    monkeypatch.setattr(models, "HUB_HOST", ("127.0.0.1", 9))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty hub cache
+    code = finetune(tiny_overrides(tmp_path, name="hub") + ["finetune.init=timm:vit_tiny_patch16_224"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "unreachable" in err and "finetune.init_file" in err
+
+
+@pytest.mark.parametrize("config", ["vit_scratch_cpu", "timm_vit_scratch_cpu", "resnet18_cpu"])
+def test_every_baseline_config_runs(tmp_path, config):
+    overrides = tiny_overrides(tmp_path, name=config, **{"schedule.epochs": 1})
+    path = ROOT / "configs" / "baselines" / f"{config}.yaml"
+    assert finetune(["--config", str(path)] + overrides) == 0
+    s = summary(tmp_path, config)
+    assert s["job_type"] == "baseline" and s["final_val_top1"] is not None
+    model, payload = load_classifier(tmp_path / "runs" / config)
+    assert payload["arch"] == {"vit_scratch_cpu": "vit", "timm_vit_scratch_cpu": "timm_vit", "resnet18_cpu": "resnet18"}[config]

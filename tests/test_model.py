@@ -1,0 +1,212 @@
+"""The shared encoder: shapes, presets, attention implementations, timm compatibility."""
+
+import pytest
+import timm
+import torch
+
+import vit
+from vit.checkpoint import load_timm_weights, read_encoder, save_encoder, encoder_from_checkpoint, load_encoder
+from vit.errors import CheckpointError
+from vit.model import PRESETS, VisionTransformer
+from vit.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
+
+SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)
+
+
+def timm_vit(**kw) -> torch.nn.Module:
+    """timm's VisionTransformer in the configuration our encoder mirrors (fc_norm=False for avg pooling)."""
+    kw = dict(kw)
+    kw.pop("attn_impl", None)
+    kw.pop("pos_embed", None)
+    return timm.models.vision_transformer.VisionTransformer(fc_norm=False, **kw)
+
+
+def small_preset(name):
+    """Full depth/width of a preset, but at 32x32 so every preset runs quickly."""
+    kw = dict(PRESETS[name])
+    kw["img_size"], kw["patch_size"] = 32, 8 if name != "vit_cifar_tiny" else 4
+    return kw
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_shapes_through_every_stage(name):
+    model = vit.create_model(name, **{k: v for k, v in small_preset(name).items() if k in ("img_size", "patch_size")}, num_classes=10)
+    x = torch.randn(2, 3, 32, 32)
+    n = model.num_patches
+    tokens = model.embed(x)
+    assert tokens.shape == (2, 1 + n, model.embed_dim)
+    feats = model.forward_features(x)
+    assert feats.shape == (2, 1 + n, model.embed_dim)
+    assert model.forward_head(feats, pre_logits=True).shape == (2, model.embed_dim)
+    assert model.forward_head(feats).shape == (2, 10)
+    assert model(x).shape == (2, 10)
+    maps = model.attention_maps(x)
+    assert len(maps) == model.config["depth"]
+    assert maps[0].shape == (2, model.config["num_heads"], 1 + n, 1 + n)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_parameter_count_matches_timm(name):
+    kw = small_preset(name)
+    ours = vit.VisionTransformer(**kw, num_classes=10)
+    theirs = timm_vit(**kw, num_classes=10)
+    assert vit.count_parameters(ours) == sum(p.numel() for p in theirs.parameters())
+
+
+def test_vit_base_parameter_count_is_the_papers():
+    # ViT-B/16 at 224 with a 1000-class head: 86.6M parameters (86,567,656 exactly, as in timm).
+    model = vit.create_model("vit_base")
+    assert vit.count_parameters(model) == 86_567_656
+
+
+def test_headless_encoder_returns_pooled_features():
+    model = VisionTransformer(**{**SMALL, "num_classes": 0})
+    assert model(torch.randn(3, 3, 32, 32)).shape == (3, 32)
+    assert not any(k.startswith("head.") for k in model.state_dict())
+
+
+@pytest.mark.parametrize("global_pool", ["token", "avg"])
+def test_attention_implementations_agree_forward_and_backward(global_pool):
+    torch.manual_seed(0)
+    a = VisionTransformer(**SMALL, global_pool=global_pool, attn_impl="sdpa")
+    b = VisionTransformer(**SMALL, global_pool=global_pool, attn_impl="manual")
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 3, 32, 32)
+    ya, yb = a(x), b(x)
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        if pa.requires_grad:
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_attention_maps_are_distributions_and_match_forward():
+    torch.manual_seed(0)
+    model = VisionTransformer(**SMALL).eval()
+    x = torch.randn(2, 3, 32, 32)
+    maps = model.attention_maps(x)
+    for attn in maps:
+        torch.testing.assert_close(attn.sum(-1), torch.ones(attn.shape[:-1]))
+    # The attention-returning path computes the same features as the plain one.
+    tokens = model.embed(x)
+    for block in model.blocks:
+        tokens, _ = block(tokens, return_attn=True)
+    torch.testing.assert_close(model.norm(tokens), model.forward_features(x), rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_reach_every_trainable_parameter():
+    model = VisionTransformer(**SMALL, drop_path_rate=0.1, drop_rate=0.1)
+    model(torch.randn(4, 3, 32, 32)).sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_sincos_pos_embed_is_fixed():
+    model = VisionTransformer(**SMALL, pos_embed="sincos")
+    assert not model.pos_embed.requires_grad
+    torch.testing.assert_close(model.pos_embed[0], sincos_2d(32, 4))
+    assert torch.all(model.pos_embed[0, 0] == 0)
+    # Every patch position gets its own vector.
+    assert torch.unique(model.pos_embed[0, 1:], dim=0).shape[0] == 16
+
+
+def test_ids_keep_selecting_all_tokens_equals_plain_forward():
+    model = VisionTransformer(**SMALL).eval()
+    x = torch.randn(2, 3, 32, 32)
+    ids = torch.arange(model.num_patches).expand(2, -1)
+    torch.testing.assert_close(model.forward_features(x, ids), model.forward_features(x))
+
+
+def test_ids_keep_subset_keeps_positions():
+    model = VisionTransformer(**{**SMALL, "depth": 0}).eval()  # no blocks: tokens stay independent
+    x = torch.randn(2, 3, 32, 32)
+    ids = torch.tensor([[3, 0, 7], [15, 2, 9]])
+    sub = model.forward_features(x, ids)
+    full = model.forward_features(x)
+    assert sub.shape == (2, 4, 32)
+    for b in range(2):
+        torch.testing.assert_close(sub[b, 1:], full[b, 1 + ids[b]])
+
+
+@pytest.mark.parametrize("global_pool", ["token", "avg"])
+def test_timm_state_dict_round_trip_gives_equal_logits(global_pool):
+    torch.manual_seed(0)
+    theirs = timm_vit(**SMALL, global_pool=global_pool).eval()
+    ours = VisionTransformer(**SMALL, global_pool=global_pool).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(3, 3, 32, 32)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-6)
+    # And back: our weights into a fresh timm model.
+    ours2 = VisionTransformer(**SMALL, global_pool=global_pool).eval()
+    theirs2 = timm_vit(**SMALL, global_pool=global_pool).eval()
+    theirs2.load_state_dict(ours2.state_dict(), strict=True)
+    torch.testing.assert_close(theirs2(x), ours2(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.forward_features(x), theirs.forward_features(x), rtol=1e-5, atol=1e-6)
+
+
+def test_timm_weights_of_another_resolution_are_resampled():
+    torch.manual_seed(0)
+    theirs = timm_vit(img_size=64, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=1000)
+    ours = VisionTransformer(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=10)
+    missing = load_timm_weights(ours, theirs.state_dict())
+    assert sorted(missing) == ["head.bias", "head.weight"]
+    assert ours.pos_embed.shape == (1, 1 + 64, 32)
+    # The [CLS] position is carried over untouched.
+    torch.testing.assert_close(ours.pos_embed[:, 0], theirs.pos_embed[:, 0])
+    torch.testing.assert_close(ours.blocks[1].mlp.fc2.weight, theirs.blocks[1].mlp.fc2.weight)
+
+
+def test_resampling_matches_timms_own_resampling():
+    from timm.layers import resample_abs_pos_embed
+    from timm.layers import resample_patch_embed as timm_resample_patch_embed
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 3, 16, 16)
+    torch.testing.assert_close(resample_patch_embed(w, 4), timm_resample_patch_embed(w, [4, 4]), rtol=1e-4, atol=1e-4)
+    pos = torch.randn(1, 1 + 14 * 14, 16)
+    torch.testing.assert_close(resample_pos_embed(pos, 8), resample_abs_pos_embed(pos, new_size=[8, 8], num_prefix_tokens=1))
+
+
+def test_patch_embed_resampling_preserves_response_to_resized_patches():
+    torch.manual_seed(0)
+    w = torch.randn(6, 3, 8, 8, dtype=torch.float64)
+    w4 = resample_patch_embed(w, 4)
+    # A smooth patch (bilinear upsample of a 4x4 one) seen at 8x8 by w and at 4x4 by w4.
+    small = torch.randn(1, 3, 4, 4, dtype=torch.float64)
+    big = torch.nn.functional.interpolate(small, size=(8, 8), mode="bilinear", align_corners=False)
+    down = torch.nn.functional.interpolate(big, size=(4, 4), mode="bilinear", align_corners=False, antialias=True)
+    out_big = (w * big).sum(dim=(1, 2, 3))
+    out_small = (w4 * down).sum(dim=(1, 2, 3))
+    plain = torch.nn.functional.interpolate(w, size=(4, 4), mode="bilinear", align_corners=False, antialias=True)
+    # Better than naive kernel interpolation by a wide margin.
+    err = (out_big - out_small).abs().mean()
+    naive_err = (out_big - (plain * down).sum(dim=(1, 2, 3))).abs().mean()
+    assert err < 0.5 * naive_err
+
+
+def test_encoder_checkpoint_round_trip(tmp_path):
+    model = VisionTransformer(**SMALL)
+    save_encoder(model, tmp_path / "encoder.pt", step=7)
+    payload = torch.load(tmp_path / "encoder.pt", weights_only=True)
+    assert payload["step"] == 7 and payload["config"]["num_classes"] == 0
+    loaded = encoder_from_checkpoint(tmp_path / "encoder.pt")
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(loaded.forward_features(x), model.eval().forward_features(x))
+    # A classifier with a new head takes the same file; only the head is new.
+    clf = VisionTransformer(**{**SMALL, "num_classes": 3})
+    load_encoder(clf, tmp_path / "encoder.pt")
+
+
+def test_mismatched_encoder_checkpoint_is_refused_naming_fields(tmp_path):
+    save_encoder(VisionTransformer(**SMALL), tmp_path / "encoder.pt")
+    other = VisionTransformer(**{**SMALL, "depth": 3, "embed_dim": 64})
+    with pytest.raises(CheckpointError, match=r"depth: 2 != 3.*embed_dim|embed_dim.*depth"):
+        load_encoder(other, tmp_path / "encoder.pt")
+
+
+def test_non_checkpoint_file_is_refused(tmp_path):
+    bad = tmp_path / "encoder.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="encoder.pt"):
+        read_encoder(bad)

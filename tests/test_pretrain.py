@@ -1,0 +1,174 @@
+"""MAE: masking, loss, patchify, and real pretraining runs on generated data."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from helpers import tiny_overrides
+from pretrain.model import MaskedAutoencoder, patchify, random_masking, unpatchify
+from pretrain.train import main
+from vit.checkpoint import encoder_from_checkpoint
+from vit.engine import lr_at
+from vit.model import VisionTransformer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_mae(**kw) -> MaskedAutoencoder:
+    encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0)
+    return MaskedAutoencoder(encoder, decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2, **kw)
+
+
+@pytest.mark.parametrize("ratio", [0.75, 0.5, 0.9])
+def test_masking_keeps_exact_count_differs_per_sample_and_agrees_with_mask(ratio):
+    torch.manual_seed(0)
+    L = 64
+    ids_keep, ids_restore, mask = random_masking(8, L, ratio)
+    keep = int(L * (1 - ratio))
+    assert ids_keep.shape == (8, keep)
+    assert torch.all(mask.sum(1) == L - keep)
+    for b in range(8):
+        assert torch.all(mask[b, ids_keep[b]] == 0)  # kept = visible
+        assert len(set(ids_keep[b].tolist())) == keep
+    assert len({tuple(sorted(row.tolist())) for row in ids_keep}) == 8  # a different set per sample
+    # ids_restore undoes the shuffle: the visible ids come first in shuffled order.
+    shuffle = torch.argsort(ids_restore, dim=1)
+    assert torch.equal(shuffle[:, :keep], ids_keep)
+
+
+def test_unpatchify_inverts_patchify():
+    x = torch.randn(3, 3, 32, 32)
+    p = patchify(x, 8)
+    assert p.shape == (3, 16, 8 * 8 * 3)
+    assert torch.equal(unpatchify(p, 8), x)
+    # Patch 1 is the second 8x8 tile of the first row.
+    assert torch.equal(p[0, 1].reshape(8, 8, 3).permute(2, 0, 1), x[0, :, :8, 8:16])
+
+
+@pytest.mark.parametrize("norm_pix_loss", [False, True])
+def test_loss_ignores_visible_patch_pixels(norm_pix_loss):
+    torch.manual_seed(0)
+    mae = tiny_mae(norm_pix_loss=norm_pix_loss).eval()
+    imgs = torch.randn(2, 3, 32, 32)
+    pred = torch.randn(2, 16, 8 * 8 * 3)
+    _, _, mask = random_masking(2, 16, 0.75)
+    loss = mae.forward_loss(imgs, pred, mask)
+    # Change only visible patches, in pixels and in predictions: the loss must not move.
+    visible = (1 - mask).unsqueeze(-1)  # (B, L, 1)
+    noisy = unpatchify(patchify(imgs, 8) + 5.0 * visible * torch.randn(2, 16, 192), 8)
+    assert not torch.equal(noisy, imgs)
+    loss2 = mae.forward_loss(noisy, pred + visible * torch.randn_like(pred), mask)
+    torch.testing.assert_close(loss, loss2)
+    # ...while changing a masked patch does move it.
+    loss3 = mae.forward_loss(imgs, pred + mask.unsqueeze(-1), mask)
+    assert not torch.isclose(loss, loss3)
+
+
+def test_forward_shapes_and_encoder_sees_only_visible_tokens():
+    mae = tiny_mae()
+    seen = []
+    mae.encoder.blocks[0].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    loss, pred, mask = mae(torch.randn(4, 3, 32, 32))
+    assert loss.ndim == 0 and pred.shape == (4, 16, 192) and mask.shape == (4, 16)
+    assert seen[0] == (4, 1 + 4, 32)  # [CLS] + 25% of 16 patches
+    loss.backward()
+    assert mae.encoder.patch_embed.proj.weight.grad is not None and mae.mask_token.grad is not None
+
+
+def test_fixed_generator_gives_fixed_masks():
+    mae = tiny_mae().eval()
+    x = torch.randn(2, 3, 32, 32)
+    _, _, m1 = mae(x, generator=torch.Generator().manual_seed(3))
+    _, _, m2 = mae(x, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(m1, m2)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_lowers_loss_and_leaves_a_complete_run_folder(tmp_path):
+    overrides = tiny_overrides(tmp_path, **{"schedule.epochs": 6, "optim.lr": 2e-3, "mae.norm_pix_loss": False})
+    assert main(overrides) == 0
+    run_dir = tmp_path / "runs" / "run"
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "encoder.pt", "reconstruction.png"):
+        assert (run_dir / name).is_file(), name
+    metrics = [m for m in read_metrics(run_dir) if "loss" in m]
+    first = sum(m["loss"] for m in metrics[:3]) / 3
+    last = sum(m["loss"] for m in metrics[-3:]) / 3
+    assert last < 0.8 * first, (first, last)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 * (216 // 32) and summary["epochs"] == 6
+    assert summary["final_val_loss"] is not None and summary["images_per_sec"] > 0
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["meta"]["seed"] == 0 and config["meta"]["git_commit"]
+    assert config["optim"]["lr"] == 2e-3
+    # The exported encoder loads strictly into a fresh encoder built from its stored config.
+    payload = torch.load(run_dir / "encoder.pt", weights_only=True)
+    fresh = VisionTransformer(**payload["config"])
+    fresh.load_state_dict(payload["state_dict"], strict=True)
+    encoder = encoder_from_checkpoint(run_dir / "encoder.pt")
+    assert encoder.config["embed_dim"] == 32 and payload["step"] == summary["steps"]
+
+
+def test_resumed_run_reaches_same_step_and_continues_the_lr_schedule(tmp_path):
+    full = tiny_overrides(tmp_path, name="full", **{"run.save_every": 3})
+    assert main(full) == 0
+    # Stop a second run at step 5 (mid-epoch: 6 steps an epoch), then resume it to the end.
+    part = tiny_overrides(tmp_path, name="part", **{"run.save_every": 3, "schedule.max_steps": 5})
+    assert main(part) == 0
+    states = sorted(p.name for p in (tmp_path / "runs" / "part" / "states").iterdir())
+    assert states[-1] == "step_00000005"
+    resumed = tiny_overrides(tmp_path, name="part", **{"run.save_every": 3, "run.resume": "auto"})
+    assert main(resumed) == 0
+    a = read_metrics(tmp_path / "runs" / "full")
+    b = read_metrics(tmp_path / "runs" / "part")
+    lr_a = {m["step"]: m["lr"] for m in a if "lr" in m}
+    lr_b = {m["step"]: m["lr"] for m in b if "lr" in m}
+    assert max(lr_b) == max(lr_a) == 12
+    for step in range(1, 13):
+        assert lr_b[step] == pytest.approx(lr_a[step]), step
+    # The same schedule function, checked at its landmarks.
+    assert lr_at(0, 100, 10, 1.0) == 0 and lr_at(10, 100, 10, 1.0) == 1.0 and lr_at(100, 100, 10, 1.0, 0.1) == pytest.approx(0.1)
+    # On CPU with the same seed, data order and RNG resume exactly: the final weights agree.
+    wa = torch.load(tmp_path / "runs" / "full" / "encoder.pt", weights_only=True)["state_dict"]
+    wb = torch.load(tmp_path / "runs" / "part" / "encoder.pt", weights_only=True)["state_dict"]
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_two_process_cpu_run_uses_both_ranks_in_sync(tmp_path):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517", "-m", "pretrain"]
+    cmd += tiny_overrides(tmp_path, name="ddp", **{"schedule.epochs": 1, "optim.batch_size": 16})
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "ddp" / "summary.json").read_text())
+    assert summary["processes"] == 2
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["images"] == ranks[1]["images"] > 0
+    assert ranks[0]["first_batch_sum"] != ranks[1]["first_batch_sum"]  # each rank trained on its own shard
+    assert ranks[0]["param_checksum"] == ranks[1]["param_checksum"]  # and the weights stayed identical
+    assert summary["steps"] == 216 // (16 * 2)
+
+
+def test_unsynchronised_launch_is_refused(tmp_path):
+    # --multi_gpu on a machine without GPUs (and without ACCELERATE_USE_CPU) starts two processes
+    # that would each train alone: WORLD_SIZE=2 but the accelerator sees one process.
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29518", "-m", "pretrain"]
+    cmd += [o for o in tiny_overrides(tmp_path) if not o.startswith("run.device")]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode != 0
+    assert "error: WORLD_SIZE=2 but the accelerator runs 1 process(es)" in out.stderr
+    assert not (tmp_path / "runs" / "run").exists()

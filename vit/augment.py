@@ -1,0 +1,240 @@
+"""Batches served from one uint8 tensor on the training device, augmented with batched tensor ops (no per-image PIL).
+
+    loader = BatchLoader(splits.train, 256, device=acc.device, mean=splits.mean, std=splits.std, out_size=32,
+                         train=True, seed=cfg.run.seed, rank=acc.process_index, world_size=acc.num_processes)
+    for images, labels in loader.epoch(epoch, start_batch=progress.batch):   # (B, 3, S, S) float32, (B,) int64
+        ...
+
+Every random choice is a pure function of its coordinates, so a resumed run sees exactly
+the batches it would have seen:
+- the epoch's order:                  seeded_generator("epoch", seed, epoch)
+- a batch's augmentation parameters:  seeded_generator("batch", seed, epoch, batch index, rank)
+
+Training batches: crop box and flip drawn per image on the CPU, then crop + flip + resize in
+one `F.affine_grid` / `F.grid_sample` call on the device, then any extra `ops`, then
+normalisation. Extra batched augmentations (RandAugment-style ops, random erasing) plug in
+as `ops`: callables `(images (B, 3, S, S) float in [0, 1], generator) -> images`, run in order
+after the crop, drawing from the same per-batch generator (after the crop's draws, so adding
+an op does not move the crops). Mixup mixes labels too and belongs in the loss.
+
+Note: the crop resamples bilinearly without antialiasing, which suits images stored near
+`out_size` (CIFAR at 32). Store large ImageFolder images near the model's size
+(`data.image_size`) rather than cropping 224 px images down to 32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from vit.data import ImageSet, seeded_generator
+from vit.errors import DataError
+
+BatchOp = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- pure ops
+
+
+def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """Per-channel (x - mean) / std: images (B, 3, H, W) float in [0, 1] -> (B, 3, H, W)."""
+    mean_t = torch.as_tensor(mean, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+    return (images - mean_t) / std_t
+
+
+def sample_crop_params(
+    batch: int,
+    height: int,
+    width: int,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    hflip: bool,
+    generator: torch.Generator,
+    attempts: int = 10,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random-resized-crop boxes and flips for a batch, torchvision's recipe vectorised over the batch.
+
+    Each image tries `attempts` (area fraction in `scale`, log-uniform aspect in `ratio`) and keeps the
+    first box that fits; if none fits, the whole image with its aspect clamped to `ratio`, centred.
+    Returns boxes (B, 4) float64 as (x0, y0, w, h) in pixels (continuous, inside the image) and flips (B,) bool.
+    """
+    u = torch.rand(batch, attempts, 4, generator=generator, dtype=torch.float64)  # (B, A, 4): area, ratio, x, y
+    area = height * width * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(log_lo + (log_hi - log_lo) * u[..., 1])
+    w_try, h_try = torch.sqrt(area * aspect), torch.sqrt(area / aspect)  # (B, A)
+    fits = (w_try <= width) & (h_try <= height)
+    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # (B, 1): first fitting attempt, 0 if none
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(1, first).squeeze(1)  # (B, A) -> (B,)
+
+    w, h, ux, uy = pick(w_try), pick(h_try), pick(u[..., 2]), pick(u[..., 3])
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        fallback_w, fallback_h = width, width / ratio[0]
+    elif in_ratio > ratio[1]:
+        fallback_w, fallback_h = height * ratio[1], height
+    else:
+        fallback_w, fallback_h = width, height
+    found = fits.any(dim=1)
+    w = torch.where(found, w, torch.full_like(w, fallback_w))
+    h = torch.where(found, h, torch.full_like(h, fallback_h))
+    x0 = torch.where(found, ux, torch.full_like(ux, 0.5)) * (width - w)
+    y0 = torch.where(found, uy, torch.full_like(uy, 0.5)) * (height - h)
+    flips = torch.rand(batch, generator=generator) < 0.5  # drawn even without hflip, so the stream does not depend on it
+    if not hflip:
+        flips = torch.zeros_like(flips)
+    return torch.stack([x0, y0, w, h], dim=1), flips
+
+
+def crop_flip_theta(boxes: torch.Tensor, flips: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Affine matrices for `F.affine_grid(align_corners=False)`: boxes (B, 4) (x0, y0, w, h) px, flips (B,) -> (B, 2, 3).
+
+    With align_corners=False, -1 and +1 are the outer edges of the image, so an output coordinate
+    u in [-1, 1] reads input x = cx + (w / W) * u (mirrored when flipped), cx the box centre.
+    """
+    boxes = boxes.to(torch.float64)
+    x0, y0, w, h = boxes.unbind(dim=1)
+    sign = 1.0 - 2.0 * flips.to(torch.float64)
+    theta = torch.zeros(boxes.shape[0], 2, 3, dtype=torch.float64)
+    theta[:, 0, 0] = sign * w / width
+    theta[:, 0, 2] = (2 * x0 + w) / width - 1
+    theta[:, 1, 1] = h / height
+    theta[:, 1, 2] = (2 * y0 + h) / height - 1
+    return theta
+
+
+def random_resized_crop_flip(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, out_size: int) -> torch.Tensor:
+    """Crop each image to its box, flip it where asked and resize it, in one batched bilinear resample.
+
+    images (B, C, H, W) float, boxes (B, 4) (x0, y0, w, h) px, flips (B,) bool -> (B, C, out_size, out_size).
+    A full box without flip at out_size == H == W is the identity.
+    """
+    b, c, height, width = images.shape
+    theta = crop_flip_theta(boxes, flips, height, width).to(device=images.device, dtype=images.dtype)
+    grid = F.affine_grid(theta, [b, c, out_size, out_size], align_corners=False)  # (B, S, S, 2)
+    # border padding: a box edge that float rounding pushes a hair outside the image reads the edge pixel, not zeros.
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def resize(images: torch.Tensor, out_size: int) -> torch.Tensor:
+    """Bilinear resize (antialiased when shrinking) to a square: (B, C, H, W) float -> (B, C, out_size, out_size); no-op at that size."""
+    if images.shape[-2:] == (out_size, out_size):
+        return images
+    return F.interpolate(images, size=(out_size, out_size), mode="bilinear", align_corners=False, antialias=True)
+
+
+def eval_shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The contiguous slice [start, stop) of n samples that `rank` evaluates; shards differ in size by at most one."""
+    return rank * n // world_size, (rank + 1) * n // world_size
+
+
+# --------------------------------------------------------------------------- loader
+
+
+class BatchLoader:
+    """Serves an ImageSet from one uint8 tensor on `device` in batches, augmented with tensor ops.
+
+    train=True: a seeded permutation per epoch, shared by all ranks; rank r takes perm[r::world_size],
+    cut so that every rank has the same number of full batches (drop_last); each batch is
+    randomly cropped, flipped, resized to `out_size` and normalised.
+    train=False: every sample once, in order, unaugmented (resized only if the stored size is not
+    `out_size`), normalised; the last batch may be smaller. Rank r holds the contiguous slice
+    `eval_shard(N, r, world_size)` (`self.shard`), without padding, so sums over ranks
+    (`accelerator.reduce(..., "sum")`) count every sample exactly once. To collect per-sample outputs
+    in dataset order, pad each rank's rows to the largest shard (`accelerator.pad_across_processes`),
+    gather, keep the first `stop - start` rows of each rank and concatenate in rank order.
+
+    epoch(e, start_batch) yields (images (B, 3, out_size, out_size) float32, labels (B,) int64), both on `device`.
+    """
+
+    def __init__(
+        self,
+        data: ImageSet,
+        batch_size: int,
+        *,
+        device: torch.device | str,
+        mean: Sequence[float],
+        std: Sequence[float],
+        out_size: int,
+        train: bool,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        crop_scale: tuple[float, float] = (0.35, 1.0),
+        crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        hflip: bool = True,
+        ops: Sequence[BatchOp] = (),
+    ) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.device = torch.device(device)
+        self.images = data.images.to(self.device)  # (N, 3, H, W) uint8, moved once
+        self.labels = data.labels.to(self.device)  # (N,)
+        self.classes = list(data.classes)
+        self.batch_size = batch_size
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.out_size = out_size
+        self.train = train
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.crop_scale, self.crop_ratio, self.hflip = tuple(crop_scale), tuple(crop_ratio), hflip
+        self.ops = list(ops)
+        n = self.labels.shape[0]
+        if train:
+            self.num_batches = (n // world_size) // batch_size
+            if self.num_batches == 0:
+                raise DataError(f"the training split has {n} images, fewer than a batch of {batch_size} for each of {world_size} processes")
+            self.shard = None
+        else:
+            self.shard = eval_shard(n, rank, world_size)
+            self.num_batches = math.ceil((self.shard[1] - self.shard[0]) / batch_size)
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return self.num_batches
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank serves per epoch."""
+        if self.train:
+            return self.num_batches * self.batch_size
+        return self.shard[1] - self.shard[0]
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of `epoch` from `start_batch` on: the tail of the same sequence a full epoch yields."""
+        if self.train:
+            return self._train_epoch(epoch, start_batch)
+        return self._eval_epoch(start_batch)
+
+    def _train_epoch(self, epoch: int, start_batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        n, bs = self.labels.shape[0], self.batch_size
+        perm = torch.randperm(n, generator=seeded_generator("epoch", self.seed, epoch))  # same on every rank
+        mine = perm[self.rank :: self.world_size][: self.num_batches * bs].to(self.device)  # (num_batches * B,)
+        for b in range(start_batch, self.num_batches):
+            index = mine[b * bs : (b + 1) * bs]
+            images = self.images.index_select(0, index)  # (B, 3, H, W) uint8
+            yield self.augment(images, epoch, b), self.labels.index_select(0, index)
+
+    def augment(self, images: torch.Tensor, epoch: int, batch_index: int) -> torch.Tensor:
+        """The training transform of one batch: (B, 3, H, W) uint8 -> (B, 3, out_size, out_size) float32 normalised."""
+        generator = seeded_generator("batch", self.seed, epoch, batch_index, self.rank)
+        x = images.float().div_(255)
+        boxes, flips = sample_crop_params(x.shape[0], x.shape[-2], x.shape[-1], self.crop_scale, self.crop_ratio, self.hflip, generator)
+        x = random_resized_crop_flip(x, boxes, flips, self.out_size)
+        for op in self.ops:
+            x = op(x, generator)
+        return normalize(x, self.mean, self.std)
+
+    def _eval_epoch(self, start_batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        start, stop = self.shard
+        for b in range(start_batch, self.num_batches):
+            lo, hi = start + b * self.batch_size, min(start + (b + 1) * self.batch_size, stop)
+            x = resize(self.images[lo:hi].float().div_(255), self.out_size)
+            yield normalize(x, self.mean, self.std), self.labels[lo:hi]

@@ -1,0 +1,176 @@
+"""Encoder checkpoints (`encoder.pt`), timm weights, and atomic writes.
+
+`encoder.pt` holds plain tensors and dicts only, so it loads with
+`torch.load(weights_only=True)`:
+
+    {"format": "vit-encoder/1", "config": {...VisionTransformer kwargs...},
+     "state_dict": {...timm key names...}, "step": int, "meta": {...}}
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from vit.errors import CheckpointError
+from vit.model import VisionTransformer
+from vit.pos_embed import resample_patch_embed, resample_pos_embed
+
+ENCODER_FORMAT = "vit-encoder/1"
+
+# Fields that change the meaning of the weights: a checkpoint must agree on all of them.
+ARCHITECTURE_FIELDS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "pos_embed")
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Call `write(tmp_path)` on a temporary file next to `path`, fsync it, then rename it over `path`.
+
+    A crash mid-write leaves the old file intact: the rename is atomic on POSIX.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def encoder_state_dict(model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """The encoder's weights without the head, detached and on the CPU."""
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if not k.startswith("head.")}
+
+
+def save_encoder(model: VisionTransformer, path: str | os.PathLike, step: int = 0, meta: dict | None = None) -> None:
+    config = {**model.config, "num_classes": 0}
+    payload = {"format": ENCODER_FORMAT, "config": config, "state_dict": encoder_state_dict(model), "step": step, "meta": meta or {}}
+    atomic_save(payload, path)
+
+
+def read_encoder(path: str | os.PathLike) -> dict[str, Any]:
+    """Load and check an `encoder.pt`; a missing, corrupt or foreign file is a `CheckpointError`."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "encoder.pt"
+    if not path.is_file():
+        raise CheckpointError(f"encoder checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a bad file; all mean the same to the user
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    if not isinstance(payload, dict) or payload.get("format") != ENCODER_FORMAT:
+        raise CheckpointError(f"{path} is not an encoder checkpoint (expected format {ENCODER_FORMAT!r})")
+    return payload
+
+
+def config_mismatch(stored: dict, wanted: dict, fields=ARCHITECTURE_FIELDS) -> list[str]:
+    """Names of the architecture fields on which two encoder configs differ, as 'field: stored != wanted'."""
+    return [f"{k}: {stored.get(k)!r} != {wanted.get(k)!r}" for k in fields if stored.get(k) != wanted.get(k)]
+
+
+def load_encoder(model: VisionTransformer, path: str | os.PathLike) -> dict[str, Any]:
+    """Load an `encoder.pt` into `model` strictly (the head alone may be new); returns the payload.
+
+    Refuses a checkpoint whose stored encoder config differs from the model's.
+    """
+    payload = read_encoder(path)
+    diff = config_mismatch(payload["config"], model.config)
+    if diff:
+        raise CheckpointError(f"{path} was saved from a different encoder (checkpoint != this run): {'; '.join(diff)}")
+    missing, unexpected = model.load_state_dict(payload["state_dict"], strict=False)
+    head_keys = {k for k in model.state_dict() if k.startswith("head.")}
+    if unexpected or set(missing) != head_keys:
+        raise CheckpointError(f"{path} does not match the encoder: missing {sorted(set(missing) - head_keys)}, unexpected {sorted(unexpected)}")
+    return payload
+
+
+def encoder_from_checkpoint(path: str | os.PathLike, **overrides) -> VisionTransformer:
+    """A fresh `VisionTransformer` built from the config stored in `encoder.pt`, with its weights loaded."""
+    payload = read_encoder(path)
+    model = VisionTransformer(**{**payload["config"], **overrides})
+    load_encoder(model, path)
+    return model
+
+
+def adapt_timm_state_dict(state_dict: dict[str, torch.Tensor], model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """Make a timm ViT state_dict fit `model`: resample positional and patch embeddings, drop a mismatched head.
+
+    Returns a new dict that `model.load_state_dict(..., strict=False)` takes with only the head missing
+    (when the number of classes differs) and nothing unexpected.
+    """
+    out = dict(state_dict)
+    for key in [k for k in out if k.startswith("fc_norm.") or k == "norm_pre.weight" or k == "norm_pre.bias"]:
+        raise CheckpointError(f"timm weights with {key!r} (fc_norm / norm_pre) do not fit this encoder")
+    target = model.state_dict()
+    w = out.get("patch_embed.proj.weight")
+    if w is not None and w.shape[-1] != model.patch_embed.patch_size:
+        out["patch_embed.proj.weight"] = resample_patch_embed(w, model.patch_embed.patch_size)
+    pos = out.get("pos_embed")
+    if pos is not None and pos.shape != target["pos_embed"].shape:
+        out["pos_embed"] = resample_pos_embed(pos, model.patch_embed.grid_size, model.num_prefix_tokens)
+    head_w = out.get("head.weight")
+    if head_w is not None and ("head.weight" not in target or head_w.shape != target["head.weight"].shape):
+        out.pop("head.weight")
+        out.pop("head.bias", None)
+    return out
+
+
+def load_timm_weights(model: VisionTransformer, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Load timm ViT weights into our encoder; returns the missing keys (only the head may be missing)."""
+    adapted = adapt_timm_state_dict(state_dict, model)
+    missing, unexpected = model.load_state_dict(adapted, strict=False)
+    allowed = {k for k in model.state_dict() if k.startswith("head.")}
+    if unexpected or not set(missing) <= allowed:
+        raise CheckpointError(f"timm weights do not fit this encoder: missing {sorted(set(missing) - allowed)}, unexpected {sorted(unexpected)}")
+    return list(missing)
+
+
+def read_weights_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A state_dict from a `.safetensors`, `.pth`/`.pt`/`.bin` file (a bare dict, or under 'model' / 'state_dict')."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"weights file {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            sd = load_file(str(path))
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable weights file ({type(e).__name__})") from None
+    for key in ("model", "state_dict"):
+        if isinstance(sd, dict) and isinstance(sd.get(key), dict):
+            sd = sd[key]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{path} holds no state_dict of tensors")
+    return sd
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP and torch.compile wrappers (their keys gain prefixes otherwise)."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        else:
+            return model

@@ -1,0 +1,352 @@
+"""Typed configs: YAML files and dotted command-line overrides -> dataclasses.
+
+Every stage's config is a dataclass of sections (`model`, `data`, `optim`,
+`schedule`, `run`, plus a stage section such as `mae` or `finetune`). The shared
+sections live here so that `optim.lr=...` means the same thing in every stage.
+
+    cfg = load_config(PretrainConfig, "configs/pretrain/quick.yaml", ["optim.lr=1e-3"])
+
+Unknown keys and values of the wrong type are refused with a `ConfigError` naming
+the key and the file (or the command line). Range checks live in each section's
+`validate()` and name the key too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from vit.errors import ConfigError
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """The encoder: a preset name plus optional overrides of its fields."""
+
+    name: str = "vit_cifar_tiny"
+    img_size: int | None = None
+    patch_size: int | None = None
+    embed_dim: int | None = None
+    depth: int | None = None
+    num_heads: int | None = None
+    mlp_ratio: float | None = None
+    qkv_bias: bool = True
+    drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    pos_embed: Literal["learned", "sincos"] = "learned"
+    global_pool: Literal["token", "avg"] = "token"
+    attn_impl: Literal["sdpa", "manual"] = "sdpa"
+
+    def encoder_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for `vit.create_model(self.name, **kwargs)`; unset fields keep the preset's."""
+        kwargs = dataclasses.asdict(self)
+        kwargs.pop("name")
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+    def validate(self) -> None:
+        for key in ("drop_rate", "attn_drop_rate", "drop_path_rate"):
+            _check(0.0 <= getattr(self, key) < 1.0, f"model.{key}", "must be in [0, 1)")
+        for key in ("img_size", "patch_size", "embed_dim", "depth", "num_heads"):
+            value = getattr(self, key)
+            _check(value is None or value > 0, f"model.{key}", "must be positive")
+        if self.img_size is not None and self.patch_size is not None:
+            _check(
+                self.img_size % self.patch_size == 0,
+                "model.img_size",
+                f"{self.img_size} is not divisible by model.patch_size={self.patch_size}",
+            )
+        if self.embed_dim is not None and self.num_heads is not None:
+            _check(
+                self.embed_dim % self.num_heads == 0,
+                "model.num_heads",
+                f"{self.num_heads} does not divide model.embed_dim={self.embed_dim}",
+            )
+
+
+@dataclass
+class DataConfig:
+    """Where the images come from and how they are split and augmented."""
+
+    dataset: Literal["cifar10", "cifar100", "imagefolder", "mnist", "fashionmnist", "synthetic"] = "cifar10"
+    root: str | None = None  # dataset folder or ImageFolder .tar.gz; None: download (where allowed) into cache_dir
+    download: bool = True  # allow torchvision downloads when `root` has no copy
+    cache_dir: str = "~/.cache/vit-mae"  # decoded uint8 tensors; never written next to the input
+    image_size: int | None = None  # decode size for ImageFolder trees with mixed sizes (shorter side + centre crop)
+    val_size: int = 5000  # seeded, class-balanced validation split carved from the training split
+    split_seed: int = 0
+    train_fraction: float = 1.0  # seeded class-balanced subset of the training split, for quick experiments
+    synthetic_size: int = 1024  # images in the synthetic dataset (training split before the val split)
+    crop_scale: tuple[float, float] = (0.35, 1.0)  # random-resized-crop area range
+    crop_ratio: tuple[float, float] = (0.75, 1.3333333)
+    hflip: bool = True
+
+    def validate(self) -> None:
+        _check(self.val_size >= 0, "data.val_size", "must be >= 0")
+        _check(0.0 < self.train_fraction <= 1.0, "data.train_fraction", "must be in (0, 1]")
+        _check(self.synthetic_size > 0, "data.synthetic_size", "must be positive")
+        _check(self.image_size is None or self.image_size > 0, "data.image_size", "must be positive")
+        lo, hi = self.crop_scale
+        _check(0.0 < lo <= hi <= 1.0, "data.crop_scale", "must satisfy 0 < min <= max <= 1")
+        lo, hi = self.crop_ratio
+        _check(0.0 < lo <= hi, "data.crop_ratio", "must satisfy 0 < min <= max")
+        _check(self.dataset != "imagefolder" or self.root is not None, "data.root", "is required for data.dataset=imagefolder")
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser. The learning rate is `lr` if set, else `base_lr * effective_batch / 256`."""
+
+    name: Literal["adamw", "sgd", "lars"] = "adamw"
+    lr: float | None = None
+    base_lr: float = 1.5e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = 0.9  # sgd / lars
+    batch_size: int = 256  # per process
+    grad_accum_steps: int = 1
+    clip_grad: float | None = None  # max global gradient norm; None: no clipping
+    fused: bool | None = None  # fused AdamW; None: where the device supports it
+
+    def validate(self) -> None:
+        _check(self.lr is None or self.lr > 0, "optim.lr", "must be positive")
+        _check(self.base_lr > 0, "optim.base_lr", "must be positive")
+        _check(self.min_lr >= 0, "optim.min_lr", "must be >= 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(all(0.0 <= b < 1.0 for b in self.betas), "optim.betas", "must be in [0, 1)")
+        _check(self.batch_size > 0, "optim.batch_size", "must be positive")
+        _check(self.grad_accum_steps > 0, "optim.grad_accum_steps", "must be positive")
+        _check(self.clip_grad is None or self.clip_grad > 0, "optim.clip_grad", "must be positive")
+
+
+@dataclass
+class ScheduleConfig:
+    """Linear warmup then cosine decay to `optim.min_lr`, computed per optimiser step."""
+
+    epochs: int = 10
+    warmup_epochs: float = 1.0
+    max_steps: int | None = None  # stop after this many optimiser steps (smoke runs); the schedule still spans `epochs`
+
+    def validate(self) -> None:
+        _check(self.epochs > 0, "schedule.epochs", "must be positive")
+        _check(self.warmup_epochs >= 0, "schedule.warmup_epochs", "must be >= 0")
+        _check(self.max_steps is None or self.max_steps > 0, "schedule.max_steps", "must be positive")
+
+
+@dataclass
+class RunConfig:
+    """Where a run is written, how it is tracked, and on what it runs."""
+
+    name: str = "run"
+    dir: str = "runs"
+    seed: int = 0
+    resume: str = ""  # "": fresh run; "auto": newest complete state in the run folder; or a state folder
+    overwrite: bool = False  # allow a fresh run into a folder that already holds one
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    precision: Literal["no", "bf16", "fp16"] = "no"
+    threads: int | None = None  # CPU threads per process; None: cores / local processes
+    compile: bool = False  # torch.compile the model
+    log_every: int = 20  # optimiser steps between metric lines
+    save_every: int = 500  # optimiser steps between resume states (and at each epoch end)
+    keep_states: int = 2  # newest resume states kept
+    figure_every: int = 0  # epochs between figures; 0: only at the end
+    tracker: Literal["wandb", "tensorboard", "none"] = "wandb"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "vit-mae"
+    group: str | None = None  # wandb group: runs of one experiment
+    progress: bool = True  # progress bar on the main process
+    nan_skip_budget: int = 0  # non-finite losses skipped before the run stops
+
+    def validate(self) -> None:
+        _check(bool(self.name) and "/" not in self.name, "run.name", "must be a non-empty folder name without '/'")
+        _check(self.threads is None or self.threads > 0, "run.threads", "must be positive")
+        for key in ("log_every", "save_every", "keep_states"):
+            _check(getattr(self, key) > 0, f"run.{key}", "must be positive")
+        _check(self.figure_every >= 0, "run.figure_every", "must be >= 0")
+        _check(self.nan_skip_budget >= 0, "run.nan_skip_budget", "must be >= 0")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir).expanduser() / self.name
+
+
+def _check(ok: bool, key: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {what}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Any:
+    """Build `cls` from a YAML file and `key.sub=value` overrides, type-checked and validated."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    cfg = _build(cls, data, prefix="", source=source)
+    for item in overrides:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def apply_override(cfg: Any, item: str) -> None:
+    """Set `a.b=value` on a config; the value is parsed as YAML and type-checked."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    *parents, leaf = key.strip().split(".")
+    node = cfg
+    for i, part in enumerate(parents):
+        if not dataclasses.is_dataclass(node) or part not in _field_names(node):
+            raise ConfigError(f"unknown config key {'.'.join(parents[: i + 1])!r} (command line)")
+        node = getattr(node, part)
+    if not dataclasses.is_dataclass(node) or leaf not in _field_names(node):
+        raise ConfigError(f"unknown config key {key!r} (command line)")
+    hint = typing.get_type_hints(type(node))[leaf]
+    if dataclasses.is_dataclass(hint):
+        raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<key>=...")
+    setattr(node, leaf, _coerce(value, hint, key, "command line"))
+
+
+def validate(cfg: Any) -> None:
+    """Run `validate()` on every section that has one."""
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if hasattr(section, "validate"):
+            section.validate()
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) for YAML and trackers."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def dump_config(cfg: Any, extra: dict[str, Any] | None = None) -> str:
+    """YAML text of the resolved config, with `extra` (git commit, seed, ...) under `meta`."""
+    data = to_dict(cfg)
+    if extra:
+        data["meta"] = extra
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _field_names(obj: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj)}
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping in {source}, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = _field_names(cls)
+    for key in data:
+        if key not in names:
+            if key == "meta" and not prefix:
+                continue  # written into run folders next to the config; ignored on reload
+            raise ConfigError(f"unknown config key {prefix + str(key)!r} in {source}")
+    kwargs = {}
+    for key, value in data.items():
+        if key == "meta" and not prefix:
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, f"{prefix}{key}.", source)
+        else:
+            kwargs[key] = _coerce(value, hint, prefix + key, source)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    """Return `value` as type `hint`, or raise a ConfigError naming the key."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            choices = " | ".join(repr(a) for a in args)
+            raise ConfigError(f"{key} must be one of {choices} in {source}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} must be a list of {len(args)} values in {source}, got {value!r}")
+        return tuple(_coerce(v, a, key, source) for v, a in zip(value, args))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list in {source}, got {value!r}")
+        return [_coerce(v, args[0], key, source) for v in value]
+    if hint is float:
+        if isinstance(value, str):
+            # PyYAML reads exponent floats without a dot (1e-3) as strings.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number in {source}, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer in {source}, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false in {source}, got {value!r}")
+        return value
+    if hint is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{key} must be a string in {source}, got {value!r}")
+        return str(value)
+    if hint is Any:
+        return value
+    raise TypeError(f"config field {key} has an unsupported type {hint!r}")
+
+
+def section(cls: type) -> Any:
+    """`field(default_factory=cls)` for nesting a section in a stage config."""
+    return field(default_factory=cls)

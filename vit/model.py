@@ -1,0 +1,332 @@
+"""The Vision Transformer encoder shared by MAE pretraining, fine-tuning and linear probing.
+
+Parameter names follow timm's `VisionTransformer` (`patch_embed.proj`, `cls_token`,
+`pos_embed`, `blocks.{i}.attn.qkv`, ...), so a state_dict moves between this
+class and timm with `strict=True`. With `global_pool='avg'` the final `norm` is
+applied to every token before pooling, which is timm's `fc_norm=False`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vit.pos_embed import sincos_2d
+
+AttnImpl = Literal["sdpa", "manual"]
+
+
+def layer_norm(dim: int) -> nn.LayerNorm:
+    return nn.LayerNorm(dim, eps=1e-6)
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches -> tokens by a Conv2d with kernel = stride = patch size.
+
+    x: (B, C, H, W) -> (B, N, D) with N = (H / p) * (W / p), patches in row-major order.
+    """
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int):
+        super().__init__()
+        self.img_size = img_size
+        self.patch_size = patch_size
+        self.grid_size = img_size // patch_size
+        self.num_patches = self.grid_size**2
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2:] != (self.img_size, self.img_size):
+            raise ValueError(f"expected images of {self.img_size}x{self.img_size}, got {tuple(x.shape[-2:])}")
+        x = self.proj(x)  # (B, D, H/p, W/p)
+        return x.flatten(2).transpose(1, 2)  # (B, N, D)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with one fused `qkv` projection.
+
+    `impl='sdpa'` calls F.scaled_dot_product_attention (fused kernels where the device
+    has them); `impl='manual'` spells out scores, softmax and the weighted sum and can
+    return the attention weights. Both use the same parameters.
+    """
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0, impl: AttnImpl = "sdpa"):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"num_heads={num_heads} does not divide embed_dim={dim}")
+        if impl not in ("sdpa", "manual"):
+            raise ValueError(f"attn_impl must be 'sdpa' or 'manual', got {impl!r}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.impl = impl
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor, return_attn: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (B, T, D) -> (B, T, D), and the weights (B, H, T, T) when `return_attn`."""
+        B, T, D = x.shape
+        qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, T, Dh)
+        q, k, v = qkv.unbind(0)  # (B, H, T, Dh) each
+        dropout = self.attn_drop if self.training else 0.0
+        attn = None
+        if self.impl == "sdpa" and not return_attn:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)  # (B, H, T, Dh)
+        else:
+            attn = (q * self.scale) @ k.transpose(-2, -1)  # (B, H, T, T)
+            attn = attn.softmax(dim=-1)
+            weights = F.dropout(attn, dropout) if dropout else attn
+            out = weights @ v  # (B, H, T, Dh)
+        out = out.transpose(1, 2).reshape(B, T, D)  # (B, T, H*Dh)
+        out = self.proj_drop(self.proj(out))
+        return (out, attn) if return_attn else out
+
+
+class Mlp(nn.Module):
+    """Linear -> GELU -> Linear: (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop a residual branch for a whole sample with probability `p` (train only)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)  # (B, 1, 1)
+        return x * mask / keep
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, attn_impl: AttnImpl = "sdpa"):
+        super().__init__()
+        self.norm1 = layer_norm(dim)
+        self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, attn_impl)
+        self.norm2 = layer_norm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        # Identity when off, so the module tree (and state_dict) matches timm either way.
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, return_attn: bool = False):
+        if return_attn:
+            out, attn = self.attn(self.norm1(x), return_attn=True)
+            x = x + self.drop_path(out)
+            return x + self.drop_path(self.mlp(self.norm2(x))), attn
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class VisionTransformer(nn.Module):
+    """ViT encoder with an optional linear head (`num_classes=0`: headless)."""
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        pos_embed: Literal["learned", "sincos"] = "learned",
+        global_pool: Literal["token", "avg"] = "token",
+        attn_impl: AttnImpl = "sdpa",
+    ):
+        super().__init__()
+        if img_size % patch_size:
+            raise ValueError(f"img_size={img_size} is not divisible by patch_size={patch_size}")
+        if pos_embed not in ("learned", "sincos"):
+            raise ValueError(f"pos_embed must be 'learned' or 'sincos', got {pos_embed!r}")
+        if global_pool not in ("token", "avg"):
+            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        self.config = dict(
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
+            embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+            drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate,
+            pos_embed=pos_embed, global_pool=global_pool, attn_impl=attn_impl,
+        )  # fmt: skip
+        self.num_classes = num_classes
+        self.embed_dim = embed_dim
+        self.global_pool = global_pool
+        self.num_prefix_tokens = 1
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        num_patches = self.patch_embed.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        # A fixed sin-cos table is still a (frozen) Parameter so the state_dict key matches timm.
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + num_patches, embed_dim), requires_grad=pos_embed == "learned")
+        self.pos_drop = nn.Dropout(drop_rate)
+        rates = torch.linspace(0, drop_path_rate, depth).tolist()  # deeper blocks are dropped more often
+        self.blocks = nn.ModuleList(
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, rates[i], attn_impl) for i in range(depth)
+        )
+        self.norm = layer_norm(embed_dim)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    # ----------------------------------------------------------------- init and settings
+
+    def init_weights(self) -> None:
+        if self.config["pos_embed"] == "sincos":
+            self.pos_embed.data.copy_(sincos_2d(self.embed_dim, self.patch_embed.grid_size).unsqueeze(0))
+        else:
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.cls_token, std=0.02)
+        # Treat the patch projection like a Linear layer over the flattened patch (as MAE does).
+        w = self.patch_embed.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.patch_embed.proj.bias)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def set_attn_impl(self, impl: AttnImpl) -> None:
+        for block in self.blocks:
+            block.attn.impl = impl
+        self.config["attn_impl"] = impl
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.config["num_classes"] = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            nn.init.trunc_normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names that take no weight decay (besides every 1-D tensor)."""
+        return {"pos_embed", "cls_token"}
+
+    @property
+    def num_patches(self) -> int:
+        return self.patch_embed.num_patches
+
+    # ----------------------------------------------------------------- forward
+
+    def embed(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Patch + positional embedding, keep `ids_keep` patches, prepend [CLS].
+
+        x: (B, C, H, W), ids_keep: (B, N') -> (B, 1 + N', D); N' = N when ids_keep is None.
+        """
+        x = self.patch_embed(x) + self.pos_embed[:, 1:]  # (B, N, D)
+        if ids_keep is not None:
+            index = ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1])  # (B, N', D)
+            x = torch.gather(x, 1, index)  # (B, N', D)
+        cls = (self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1)  # (B, 1, D)
+        return self.pos_drop(torch.cat([cls, x], dim=1))
+
+    def forward_features(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, C, H, W), ids_keep: (B, N') of patch indices -> (B, 1 + N', D), final-normed tokens.
+
+        Passing `ids_keep` runs the blocks on those patches only (MAE's visible set);
+        the positional embedding is added before they are picked, so each keeps its place.
+        """
+        x = self.embed(x, ids_keep)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def pool(self, features: torch.Tensor) -> torch.Tensor:
+        """features: (B, 1 + N, D) -> (B, D): the [CLS] token, or the mean of the patch tokens."""
+        if self.global_pool == "avg":
+            return features[:, self.num_prefix_tokens :].mean(dim=1)
+        return features[:, 0]
+
+    def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """features: (B, 1 + N, D) -> logits (B, num_classes), or pooled (B, D) with `pre_logits`."""
+        x = self.head_drop(self.pool(features))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, C, H, W) -> logits (B, num_classes), or pooled features (B, D) when headless."""
+        return self.forward_head(self.forward_features(x))
+
+    @torch.no_grad()
+    def attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every block's attention weights: x (B, C, H, W) -> `depth` tensors of (B, heads, 1 + N, 1 + N).
+
+        Rows are queries and sum to one over keys; index 0 is [CLS].
+        """
+        tokens = self.embed(x)
+        maps = []
+        for block in self.blocks:
+            tokens, attn = block(tokens, return_attn=True)
+            maps.append(attn)
+        return maps
+
+
+# --------------------------------------------------------------------------- presets
+
+PRESETS: dict[str, dict] = {
+    # CIFAR-size: 32x32 input, 8x8 grid of 4x4 patches.
+    "vit_cifar_tiny": dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4, mlp_ratio=4.0),
+    "vit_cifar_small": dict(img_size=32, patch_size=4, embed_dim=256, depth=8, num_heads=8, mlp_ratio=4.0),
+    # The ViT paper / DeiT sizes at ImageNet resolution; override img_size and patch_size for CIFAR.
+    "vit_tiny": dict(img_size=224, patch_size=16, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0),
+    "vit_small": dict(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0),
+    "vit_base": dict(img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0),
+}
+
+
+def create_model(name: str, **overrides) -> VisionTransformer:
+    """A preset encoder with any constructor argument overridden, e.g. `create_model('vit_tiny', img_size=32, patch_size=4)`."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    kwargs = {**PRESETS[name], **overrides}
+    return VisionTransformer(**kwargs)
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def flops_per_image(cfg: dict, tokens: int | None = None, train: bool = True) -> float:
+    """Matmul FLOPs of one image through the encoder blocks (x3 for forward + backward when `train`).
+
+    Counts 2 FLOPs per multiply-add in qkv, attention scores, weighted sum, proj and MLP.
+    """
+    d, depth = cfg["embed_dim"], cfg["depth"]
+    t = tokens if tokens is not None else 1 + (cfg["img_size"] // cfg["patch_size"]) ** 2
+    hidden = int(d * cfg["mlp_ratio"])
+    per_block = 2 * t * d * 3 * d + 2 * t * t * d * 2 + 2 * t * d * d + 2 * t * d * hidden * 2
+    patch = 2 * (t - 1) * cfg["in_chans"] * cfg["patch_size"] ** 2 * d
+    total = depth * per_block + patch
+    return total * (3 if train else 1)
+
+
+__all__ = ["VisionTransformer", "create_model", "PRESETS", "Attention", "Block", "count_parameters", "flops_per_image"]

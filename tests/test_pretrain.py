@@ -172,3 +172,43 @@ def test_unsynchronised_launch_is_refused(tmp_path):
     assert out.returncode != 0
     assert "error: WORLD_SIZE=2 but the accelerator runs 1 process(es)" in out.stderr
     assert not (tmp_path / "runs" / "run").exists()
+
+
+def nan_after(calls: int):
+    """A forward_loss that turns non-finite from its `calls`-th call on."""
+    original = MaskedAutoencoder.forward_loss
+    count = {"n": 0}
+
+    def forward_loss(self, imgs, pred, mask):
+        count["n"] += 1
+        loss = original(self, imgs, pred, mask)
+        return loss * float("nan") if count["n"] >= calls else loss
+
+    return forward_loss
+
+
+def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_good_state(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(MaskedAutoencoder, "forward_loss", nan_after(4))
+    assert main(tiny_overrides(tmp_path, **{"run.save_every": 2})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("error: non-finite loss (nan) at step 3, lr ") and "precision no" in err[0] and "loss pretrain" in err[0]
+    run_dir = tmp_path / "runs" / "run"
+    assert [p.name for p in (run_dir / "states").iterdir()] == ["step_00000002"]
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_non_finite_steps_can_be_skipped_within_a_budget(tmp_path, monkeypatch, capsys):
+    calls = {"n": 0}
+    original = MaskedAutoencoder.forward_loss
+
+    def one_bad(self, imgs, pred, mask):
+        calls["n"] += 1
+        loss = original(self, imgs, pred, mask)
+        return loss * float("inf") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(MaskedAutoencoder, "forward_loss", one_bad)
+    assert main(tiny_overrides(tmp_path, **{"run.nan_skip_budget": 1, "schedule.epochs": 1})) == 0
+    assert "step skipped (1/1)" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())
+    assert summary["steps"] == 5  # 6 batches, one skipped

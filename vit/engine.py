@@ -115,8 +115,12 @@ def git_commit() -> str:
 
 
 def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
-    """An Accelerator on the requested device; refuses a device that is not there and a broken launch."""
+    """An Accelerator on the requested device; refuses a device that is not there and a broken launch.
+
+    A tracker that cannot be set up (say tensorboard is not installed) costs one warning, not the run.
+    """
     from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
 
     device = run_cfg.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -125,7 +129,16 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
         raise ConfigError("run.device=mps was requested but MPS is not available")
     if run_cfg.precision == "fp16" and (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):
         raise ConfigError("run.precision=fp16 needs a GPU; use run.precision=bf16 on CPU")
-    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=run_cfg.precision, log_with=log_with)
+    project = ProjectConfiguration(project_dir=str(run_cfg.path), logging_dir=str(run_cfg.path / "tensorboard"))
+    kwargs = dict(cpu=device == "cpu", mixed_precision=run_cfg.precision, project_config=project)
+    try:
+        accelerator = Accelerator(log_with=log_with, **kwargs)
+    except (ValueError, ImportError) as e:
+        if log_with is None:
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"warning: tracker {log_with!r} is not available ({str(e).splitlines()[0][:160]}); continuing with the run folder only", file=sys.stderr)
+        accelerator = Accelerator(**kwargs)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != accelerator.num_processes:
         raise UserError(
@@ -210,7 +223,7 @@ class Run:
 
     def start_trackers(self, parent: str | None) -> None:
         run_cfg = self.cfg.run
-        if run_cfg.tracker == "none":
+        if run_cfg.tracker == "none" or not self.accelerator.log_with:
             return
         init_kwargs: dict[str, Any] = {}
         if run_cfg.tracker == "wandb":
@@ -221,11 +234,7 @@ class Run:
                 "job_type": self.job_type,
                 "dir": str(self.dir),
                 "mode": run_cfg.wandb_mode,
-                "settings": {"init_timeout": 60},
             }
-        else:
-            self.accelerator.project_configuration.set_directories(str(self.dir))
-            self.accelerator.project_configuration.logging_dir = str(self.dir / "tensorboard")
         config = flatten({**to_dict(self.cfg), "meta": self.meta})
         try:
             self.accelerator.init_trackers(run_cfg.project, config=config, init_kwargs=init_kwargs)

@@ -125,7 +125,7 @@ def timm_state_dict(name: str, init_file: str | None) -> dict[str, torch.Tensor]
     )
 
 
-def build_classifier(cfg, num_classes: int) -> Built:
+def build_classifier(cfg, num_classes: int, device=None) -> Built:
     """The classifier that `cfg.finetune` asks for, initialised as asked."""
     ft = cfg.finetune
     if ft.arch == "resnet18":
@@ -138,7 +138,7 @@ def build_classifier(cfg, num_classes: int) -> Built:
         payload = read_encoder(resolve_encoder_path(init))
         parent = payload.get("meta", {}).get("run")
     try:
-        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(), num_classes=0 if ft.mode == "linear" else num_classes)
+        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode == "linear" else num_classes)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
 

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     with acc.main_process_first():
         splits = load_splits(cfg.data)
     num_classes = len(splits.train.classes)
-    built = build_classifier(cfg, num_classes)
+    built = build_classifier(cfg, num_classes, acc.device)
     if built.arch == "linear_probe" and cfg.data.val_size == 0 and splits.test is None:
         run.warn("no validation or test split: the probe's accuracy cannot be measured")
     n_params = sum(p.numel() for p in built.model.parameters() if p.requires_grad)

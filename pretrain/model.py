@@ -119,8 +119,13 @@ class MaskedAutoencoder(nn.Module):
         latent = self.encoder.forward_features(imgs, ids_keep)
         return latent, mask, ids_restore
 
-    def forward_decoder(self, latent: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
-        """latent: (B, 1 + K, D), ids_restore: (B, L) -> pred (B, L, p*p*C)."""
+    def forward_decoder(self, latent: torch.Tensor, ids_restore: torch.Tensor, only_masked: bool = False) -> torch.Tensor:
+        """latent: (B, 1 + K, D), ids_restore: (B, L) -> pred (B, L, p*p*C).
+
+        only_masked: predict the masked patches alone (the loss needs no more): the last
+        block, the norm and the prediction run on those tokens only, and the visible rows
+        of `pred` are zero.
+        """
         x = self.decoder_embed(latent)  # (B, 1 + K, Dd)
         B, T, Dd = x.shape
         L = ids_restore.shape[1]
@@ -128,10 +133,18 @@ class MaskedAutoencoder(nn.Module):
         patches = torch.cat([x[:, 1:], masks], dim=1)  # (B, L, Dd), visible first, in shuffled order
         patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, Dd))  # (B, L, Dd) in patch order
         x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, 1 + L, Dd)
-        for block in self.decoder_blocks:
+        if not only_masked or not len(self.decoder_blocks):
+            for block in self.decoder_blocks:
+                x = block(x)
+            return self.decoder_pred(self.decoder_norm(x))[:, 1:]  # (B, L, p*p*C), [CLS] dropped
+        K = T - 1
+        ids_masked = torch.argsort(ids_restore, dim=1)[:, K:]  # (B, L - K): shuffled order puts the visible first
+        for block in self.decoder_blocks[:-1]:
             x = block(x)
-        x = self.decoder_norm(x)
-        return self.decoder_pred(x)[:, 1:]  # (B, L, p*p*C), [CLS] dropped
+        x = self.decoder_blocks[-1](x, index=ids_masked + 1)  # (B, L - K, Dd), +1 skips [CLS]
+        pred_masked = self.decoder_pred(self.decoder_norm(x))  # (B, L - K, p*p*C)
+        pred = pred_masked.new_zeros(B, L, pred_masked.shape[-1])
+        return pred.scatter(1, ids_masked.unsqueeze(-1).expand_as(pred_masked), pred_masked)  # (B, L, p*p*C)
 
     def target(self, imgs: torch.Tensor) -> torch.Tensor:
         """What the decoder predicts: imgs (B, C, H, W) -> (B, L, p*p*C), per-patch normalised with `norm_pix_loss`."""
@@ -151,11 +164,12 @@ class MaskedAutoencoder(nn.Module):
     def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None, generator: torch.Generator | None = None):
         """imgs: (B, C, H, W) -> loss (), pred (B, L, p*p*C), mask (B, L) with 1 = masked.
 
-        `generator` (a CPU torch.Generator) fixes the masks, e.g. for a comparable validation loss.
+        In training mode the visible rows of `pred` are zero (see `forward_decoder`). `generator` (a CPU torch.Generator) fixes the masks, e.g. for a comparable validation loss.
         """
         ratio = self.mask_ratio if mask_ratio is None else mask_ratio
         latent, mask, ids_restore = self.forward_encoder(imgs, ratio, generator)
-        pred = self.forward_decoder(latent, ids_restore)
+        # Training needs predictions of the masked patches only; evaluation and figures get all of them.
+        pred = self.forward_decoder(latent, ids_restore, only_masked=self.training)
         return self.forward_loss(imgs, pred, mask), pred, mask
 
 

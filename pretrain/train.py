@@ -16,10 +16,10 @@ from vit.errors import ConfigError, exit_on_user_error
 from vit.model import create_model
 
 
-def build_mae(cfg: PretrainConfig) -> MaskedAutoencoder:
+def build_mae(cfg: PretrainConfig, device=None) -> MaskedAutoencoder:
     """The encoder preset with `model.*` overrides, headless, inside an MAE with the preset's or the config's decoder."""
     try:
-        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(), num_classes=0)
+        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
     decoder = dict(PRESET_DECODERS.get(cfg.model.name, PRESET_DECODERS["vit_cifar_tiny"]))
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     acc = run.accelerator
     with acc.main_process_first():  # the main process decodes into the cache, the others then read it
         splits = load_splits(cfg.data)
-    mae = build_mae(cfg)
+    mae = build_mae(cfg, acc.device)
     img_size = mae.encoder.patch_embed.img_size
     run.print(f"data: {splits.describe()} | model: {cfg.model.name} {mae.encoder.config['embed_dim']}d x {mae.encoder.config['depth']}, "
               f"{sum(p.numel() for p in mae.encoder.parameters()) / 1e6:.2f}M encoder parameters, decoder {mae.decoder_config}")

@@ -70,6 +70,23 @@ def test_bad_overrides_name_the_key(override, message):
         load_config(PretrainConfig, None, extra + [override])
 
 
+def test_yaml_booleans_are_read_back_as_the_choice_they_spell(tmp_path):
+    # YAML 1.1 reads a bare `no` as False; `run.precision: no` must still mean full precision.
+    assert load_config(PretrainConfig, write(tmp_path, {"run": {"precision": False}})).run.precision == "no"
+    assert load_config(PretrainConfig, None, ["run.precision=no"]).run.precision == "no"
+    with pytest.raises(ConfigError, match="run.tracker must be one of"):
+        load_config(PretrainConfig, None, ["run.tracker=no"])
+
+
+def test_auto_attention_resolves_by_device():
+    import torch
+
+    cfg = load_config(PretrainConfig, None, [])
+    assert cfg.model.encoder_kwargs(torch.device("cpu"))["attn_impl"] == "manual"
+    assert cfg.model.encoder_kwargs(torch.device("cuda"))["attn_impl"] == "sdpa"
+    assert load_config(PretrainConfig, None, ["model.attn_impl=sdpa"]).model.encoder_kwargs(torch.device("cpu"))["attn_impl"] == "sdpa"
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file .*nope.yaml"):
         load_config(PretrainConfig, tmp_path / "nope.yaml")

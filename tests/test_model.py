@@ -210,3 +210,25 @@ def test_non_checkpoint_file_is_refused(tmp_path):
     bad.write_bytes(b"not a checkpoint at all")
     with pytest.raises(CheckpointError, match="encoder.pt"):
         read_encoder(bad)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "manual"])
+def test_block_with_query_index_equals_the_full_block_at_those_tokens(impl):
+    from vit.model import Block
+
+    torch.manual_seed(0)
+    block = Block(32, 4, attn_impl=impl).eval()
+    x = torch.randn(3, 17, 32)
+    index = torch.tensor([[1, 5, 16], [0, 2, 3], [9, 8, 7]])
+    full = block(x)
+    part = block(x, index=index)
+    torch.testing.assert_close(part, torch.gather(full, 1, index.unsqueeze(-1).expand(-1, -1, 32)), rtol=1e-5, atol=1e-5)
+
+
+def test_patch_embedding_of_kept_patches_equals_the_conv():
+    torch.manual_seed(0)
+    model = VisionTransformer(**SMALL)
+    x = torch.randn(2, 3, 32, 32)
+    ids = torch.tensor([[0, 5, 15], [3, 2, 1]])
+    full = model.patch_embed(x)  # the Conv2d path
+    torch.testing.assert_close(model.patch_embed(x, ids), torch.gather(full, 1, ids.unsqueeze(-1).expand(-1, -1, 32)), rtol=1e-5, atol=1e-5)

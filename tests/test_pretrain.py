@@ -212,3 +212,18 @@ def test_non_finite_steps_can_be_skipped_within_a_budget(tmp_path, monkeypatch, 
     assert "step skipped (1/1)" in capsys.readouterr().err
     summary = json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())
     assert summary["steps"] == 5  # 6 batches, one skipped
+
+
+def test_training_mode_predicts_masked_patches_exactly_as_eval_mode():
+    torch.manual_seed(0)
+    mae = tiny_mae(norm_pix_loss=True)
+    x = torch.randn(3, 3, 32, 32)
+    mae.eval()
+    loss_eval, pred_eval, mask = mae(x, generator=torch.Generator().manual_seed(1))
+    mae.train()
+    loss_train, pred_train, mask_train = mae(x, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(mask, mask_train)
+    m = mask.bool()
+    torch.testing.assert_close(pred_train[m], pred_eval[m], rtol=1e-5, atol=1e-5)
+    assert torch.all(pred_train[~m] == 0)  # visible patches are not predicted in training
+    torch.testing.assert_close(loss_train, loss_eval, rtol=1e-5, atol=1e-6)

@@ -37,11 +37,22 @@ class PatchEmbed(nn.Module):
         self.num_patches = self.grid_size**2
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, C, H, W), ids_keep: (B, N') -> (B, N', D); all N patches when ids_keep is None.
+
+        With `ids_keep` only the kept patches are embedded (MAE: a quarter of them), as a
+        Linear over their pixels with the conv's own weights: the same numbers, less work.
+        """
         if x.shape[-2:] != (self.img_size, self.img_size):
             raise ValueError(f"expected images of {self.img_size}x{self.img_size}, got {tuple(x.shape[-2:])}")
-        x = self.proj(x)  # (B, D, H/p, W/p)
-        return x.flatten(2).transpose(1, 2)  # (B, N, D)
+        if ids_keep is None:
+            x = self.proj(x)  # (B, D, H/p, W/p)
+            return x.flatten(2).transpose(1, 2)  # (B, N, D)
+        B, C = x.shape[:2]
+        p, g = self.patch_size, self.grid_size
+        patches = x.reshape(B, C, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, C * p * p)  # (B, N, C*p*p), conv weight order
+        patches = torch.gather(patches, 1, ids_keep.unsqueeze(-1).expand(-1, -1, C * p * p))  # (B, N', C*p*p)
+        return F.linear(patches, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)  # (B, N', D)
 
 
 class Attention(nn.Module):
@@ -67,11 +78,23 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, T, D) -> (B, T, D), and the weights (B, H, T, T) when `return_attn`."""
+    def forward(self, x: torch.Tensor, return_attn: bool = False, index: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (B, T, D) -> (B, T, D), and the weights (B, H, T, T) when `return_attn`.
+
+        index: (B, M) token positions whose outputs are wanted -> (B, M, D); those tokens
+        still attend to all T. Only their queries are computed (MAE's last decoder block
+        needs the masked tokens alone).
+        """
         B, T, D = x.shape
-        qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, T, Dh)
-        q, k, v = qkv.unbind(0)  # (B, H, T, Dh) each
+        if index is None:
+            qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, T, Dh)
+            q, k, v = qkv.unbind(0)  # (B, H, T, Dh) each
+        else:
+            w, b = self.qkv.weight, self.qkv.bias  # rows: q, k, v
+            kv = F.linear(x, w[D:], None if b is None else b[D:]).reshape(B, T, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            k, v = kv.unbind(0)  # (B, H, T, Dh) each
+            xq = torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, D))  # (B, M, D)
+            q = F.linear(xq, w[:D], None if b is None else b[:D]).reshape(B, -1, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, M, Dh)
         dropout = self.attn_drop if self.training else 0.0
         attn = None
         if self.impl == "sdpa" and not return_attn:
@@ -81,7 +104,7 @@ class Attention(nn.Module):
             attn = attn.softmax(dim=-1)
             weights = F.dropout(attn, dropout) if dropout else attn
             out = weights @ v  # (B, H, T, Dh)
-        out = out.transpose(1, 2).reshape(B, T, D)  # (B, T, H*Dh)
+        out = out.transpose(1, 2).reshape(B, q.shape[2], D)  # (B, T or M, H*Dh)
         out = self.proj_drop(self.proj(out))
         return (out, attn) if return_attn else out
 
@@ -131,7 +154,12 @@ class Block(nn.Module):
         # Identity when off, so the module tree (and state_dict) matches timm either way.
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False):
+    def forward(self, x: torch.Tensor, return_attn: bool = False, index: torch.Tensor | None = None):
+        """x: (B, T, D) -> (B, T, D); with `index` (B, M) only those tokens' outputs, (B, M, D)."""
+        if index is not None:
+            x_kept = torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, M, D)
+            x = x_kept + self.drop_path(self.attn(self.norm1(x), index=index))
+            return x + self.drop_path(self.mlp(self.norm2(x)))
         if return_attn:
             out, attn = self.attn(self.norm1(x), return_attn=True)
             x = x + self.drop_path(out)
@@ -243,10 +271,10 @@ class VisionTransformer(nn.Module):
 
         x: (B, C, H, W), ids_keep: (B, N') -> (B, 1 + N', D); N' = N when ids_keep is None.
         """
-        x = self.patch_embed(x) + self.pos_embed[:, 1:]  # (B, N, D)
+        pos = self.pos_embed[:, 1:]  # (1, N, D)
         if ids_keep is not None:
-            index = ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1])  # (B, N', D)
-            x = torch.gather(x, 1, index)  # (B, N', D)
+            pos = torch.gather(pos.expand(x.shape[0], -1, -1), 1, ids_keep.unsqueeze(-1).expand(-1, -1, pos.shape[-1]))  # (B, N', D)
+        x = self.patch_embed(x, ids_keep) + pos  # (B, N', D)
         cls = (self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1)  # (B, 1, D)
         return self.pos_drop(torch.cat([cls, x], dim=1))
 

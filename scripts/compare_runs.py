@@ -1,0 +1,572 @@
+"""Compare run folders: a markdown table (and CSV), overlaid training curves, and a report, from the folders alone.
+
+    python scripts/compare_runs.py runs/*                                   # print the table
+    python scripts/compare_runs.py runs/* --csv runs.csv --out report       # + CSV, figures and report/report.md
+    python scripts/compare_runs.py runs --runs 'mae*' ft_cpu_quick --out report
+
+A path is a run folder (it holds config.yaml, metrics.jsonl or summary.json) or a folder
+of run folders. `--runs` keeps the runs whose folder names match (shell patterns).
+Runs without summary.json are unfinished: listed as such, with what metrics.jsonl holds
+so far. Everything is read from the run folders: no tracker, no network.
+
+Figures (in `--out`, each FIGSIZE at DPI): loss, accuracy and learning rate against the
+optimiser step and against training time, and a bar chart of the final accuracies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import csv
+import fnmatch
+import json
+import math
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+if __package__ in (None, ""):  # run as `python scripts/compare_runs.py`: make the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vit.errors import UserError, exit_on_user_error  # noqa: E402
+
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json")
+FIGSIZE = (10.0, 4.0)  # inches; every figure is FIGSIZE * DPI pixels
+DPI = 100
+CLASSIFICATION = "classification"
+
+
+# --------------------------------------------------------------------------- reading run folders
+
+
+@dataclass
+class RunFolder:
+    """What one run folder holds: its config (with `meta`), summary (None while unfinished) and metric lines."""
+
+    name: str
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any] | None
+    metrics: list[dict[str, Any]]
+    problems: list[str] = field(default_factory=list)  # unreadable files, skipped lines
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.config.get("meta") or {}
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    @property
+    def stage(self) -> str:
+        """pretrain, finetune, linprobe, baseline or eval (the job type), else the stage."""
+        s = self.summary or {}
+        return s.get("job_type") or self.meta.get("job_type") or s.get("stage") or self.meta.get("stage") or "?"
+
+    @property
+    def group(self) -> str:
+        """'pretrain' or 'classification': runs whose losses share a scale."""
+        stage = (self.summary or {}).get("stage") or self.meta.get("stage")
+        return "pretrain" if stage == "pretrain" else CLASSIFICATION
+
+
+def is_run_folder(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in RUN_MARKERS)
+
+
+def find_runs(paths: list[str]) -> list[Path]:
+    """Run folders named by `paths`: each is a run folder or holds run folders (one level down). Order kept, no repeats."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise UserError(f"{path} does not exist")
+        if is_run_folder(path):
+            candidates = [path]
+        elif path.is_dir():
+            candidates = sorted(p for p in path.iterdir() if is_run_folder(p))
+            if not candidates:
+                print(f"note: {path} is not a run folder and holds none; skipped", file=sys.stderr)
+        else:
+            print(f"note: {path} is not a run folder; skipped", file=sys.stderr)
+            candidates = []
+        for c in candidates:
+            if c.resolve() not in {f.resolve() for f in found}:
+                found.append(c)
+    return found
+
+
+def run_names(paths: list[Path]) -> list[str]:
+    """Folder names, with the parent folder prepended where two runs share a name."""
+    names = [p.name for p in paths]
+    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
+
+
+def read_run(path: Path, name: str) -> RunFolder:
+    """Read a run folder; an unreadable file is noted in `problems`, never fatal (a run may be mid-write)."""
+    problems = []
+    config: dict[str, Any] = {}
+    if (path / "config.yaml").is_file():
+        try:
+            loaded = yaml.safe_load((path / "config.yaml").read_text())
+            config = loaded if isinstance(loaded, dict) else {}
+        except yaml.YAMLError:
+            problems.append("config.yaml unreadable")
+    summary = None
+    if (path / "summary.json").is_file():
+        try:
+            summary = json.loads((path / "summary.json").read_text())
+        except json.JSONDecodeError:
+            problems.append("summary.json unreadable")
+    metrics, bad = [], 0
+    if (path / "metrics.jsonl").is_file():
+        for line in (path / "metrics.jsonl").read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # e.g. the last line of a run that is writing right now
+                bad += 1
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+                metrics.append(record)
+            else:
+                bad += 1
+    if bad:
+        problems.append(f"{bad} unreadable line(s) in metrics.jsonl")
+    return RunFolder(name, path, config, summary, metrics, problems)
+
+
+def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFolder]:
+    """The runs under `paths`, kept where their names match one of `patterns` (all when None)."""
+    folders = find_runs(paths)
+    if not folders:
+        raise UserError(f"no run folders (with {', '.join(RUN_MARKERS)}) under {' '.join(paths)}")
+    runs = [read_run(p, n) for p, n in zip(folders, run_names(folders))]
+    if patterns:
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(r.name, pattern) for r in runs):
+                raise UserError(f"--runs {pattern!r} matches none of the runs: {', '.join(r.name for r in runs)}")
+        runs = [r for r in runs if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)]
+    return runs
+
+
+# --------------------------------------------------------------------------- curves
+
+
+@dataclass
+class Series:
+    steps: list[float]
+    times: list[float | None]
+    values: list[float]
+
+
+def series(run: RunFolder, key: str) -> Series:
+    """One metric over the run: (step, training time, value), sorted by step.
+
+    A resumed run logs the steps after its last state again; the later line wins. Epoch-end
+    lines that carry no time take the time of the latest line at or before their step.
+    """
+    clock: dict[float, float] = {}
+    values: dict[float, float] = {}
+    for rec in run.metrics:
+        step = rec["step"]
+        if isinstance(rec.get("time"), (int, float)):
+            clock[step] = rec["time"]
+        value = rec.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            values[step] = float(value)
+    timed = sorted(clock)
+    steps = sorted(values)
+    times = []
+    for s in steps:
+        i = bisect.bisect_right(timed, s)  # the timed lines at or before this step
+        times.append(clock[timed[i - 1]] if i else None)
+    return Series(steps, times, [values[s] for s in steps])
+
+
+def last_value(run: RunFolder, key: str) -> float | None:
+    s = series(run, key)
+    return s.values[-1] if s.values else None
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def short_run(ref: str | None) -> str | None:
+    """A run reference (folder, encoder.pt or classifier.pt path) as its run folder's name."""
+    if not ref:
+        return None
+    if ref == "scratch" or ref.startswith("timm:"):
+        return ref
+    path = Path(ref)
+    return path.parent.name if path.suffix in (".pt", ".pth", ".safetensors") else path.name
+
+
+def model_label(run: RunFolder) -> str | None:
+    """The preset name plus the architecture fields the run's config overrode, e.g. `vit_cifar_tiny depth=1` (`timm ...` for timm's ViT)."""
+    s = run.summary or {}
+    model_cfg = run.config.get("model") or {}
+    name = s.get("model") or model_cfg.get("name")
+    if name is None or name == "resnet18":
+        return name
+    if s.get("arch") == "timm_vit":
+        name = f"timm {name}"  # the baseline that runs timm's ViT code on the same configuration
+    changed = [
+        f"{k}={model_cfg[k]}"
+        for k in ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
+        if model_cfg.get(k) is not None
+    ]
+    return " ".join([name, *changed])
+
+
+def first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def row(run: RunFolder) -> dict[str, Any]:
+    """Raw values of one run for the table and the CSV; None where the run does not have the value."""
+    s = run.summary or {}
+    meta = run.meta
+    data = s.get("data") or {}
+    run_cfg = run.config.get("run") or {}
+    last = run.metrics[-1] if run.metrics else {}
+    val_top1 = series(run, "val_top1").values
+    init = (s.get("init") or (run.config.get("finetune") or {}).get("init")) if run.group == CLASSIFICATION else None
+    parent = s.get("parent") or meta.get("parent")
+    init_label = short_run(init)
+    if parent and short_run(parent) != init_label:
+        init_label = f"{init_label} ({short_run(parent)})" if init_label else short_run(parent)
+    status = "finished" if run.finished else "unfinished"
+    if run.problems:
+        status += "; " + "; ".join(run.problems)
+    return {
+        "name": run.name,
+        "status": status,
+        "stage": run.stage,
+        "init": init_label,
+        "model": model_label(run),
+        "epochs": first(s.get("epochs"), last.get("epoch")),
+        "steps": first(s.get("steps"), last.get("step")),
+        "wall_time_sec": first(s.get("wall_time_sec"), last_value(run, "time")),
+        "images_per_sec": s.get("images_per_sec"),
+        "precision": first(s.get("precision"), run_cfg.get("precision")),
+        "processes": first(s.get("processes"), meta.get("processes")),
+        "final_loss": first(s.get("final_loss"), last_value(run, "loss")),
+        "val_loss": first(s.get("final_val_loss"), s.get("val_loss"), last_value(run, "val_loss")),
+        "val_top1": first(s.get("final_val_top1"), s.get("val_top1"), val_top1[-1] if val_top1 else None),
+        "best_val_top1": first(s.get("best_val_top1"), max(val_top1) if val_top1 else None),
+        "test_top1": first(s.get("final_test_top1"), s.get("test_top1")),
+        "dataset": data.get("dataset") or (run.config.get("data") or {}).get("dataset"),
+        "train_images": data.get("train"),
+        "val_images": data.get("val"),
+        "test_images": data.get("test"),
+        "seed": first(s.get("seed"), meta.get("seed")),
+        "device": first(s.get("device"), meta.get("device")),
+        "git_commit": first(s.get("git_commit"), meta.get("git_commit")),
+        "parent": parent,
+        "command": meta.get("command"),
+        "path": str(run.path),
+    }
+
+
+def fmt_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+def fmt_percent(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def fmt_number(x: float) -> str:
+    return f"{x:g}" if isinstance(x, int) or float(x).is_integer() else f"{x:.2f}"
+
+
+# (row key, header, formatter) of the markdown table; the CSV has every key of `row`.
+COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("name", "run", str),
+    ("stage", "stage", str),
+    ("init", "init (parent)", str),
+    ("model", "model", str),
+    ("epochs", "epochs", fmt_number),
+    ("wall_time_sec", "wall time", fmt_duration),
+    ("images_per_sec", "img/s", lambda x: f"{x:.0f}"),
+    ("precision", "precision", str),
+    ("processes", "procs", str),
+    ("final_loss", "loss", lambda x: f"{x:.4f}"),
+    ("val_loss", "val loss", lambda x: f"{x:.4f}"),
+    ("val_top1", "val top-1", fmt_percent),
+    ("best_val_top1", "best val top-1", fmt_percent),
+    ("test_top1", "test top-1", fmt_percent),
+]
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for r in rows:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            value = r.get(key)
+            text = "-" if value is None else fmt(value)
+            if key == "name" and not r["status"].startswith("finished"):
+                text += " (unfinished)"
+            cells.append(cell(text))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def colours(runs: list[RunFolder]) -> dict[str, Any]:
+    """One colour per run, the same in every figure."""
+    cmap = pyplot().get_cmap("tab10" if len(runs) <= 10 else "tab20")
+    return {r.name: cmap(i % cmap.N) for i, r in enumerate(runs)}
+
+
+def xy(s: Series, axis: str) -> tuple[list[float], list[float]]:
+    """The points of a series against 'step' or 'time' (points without a time are dropped)."""
+    if axis == "step":
+        return s.steps, s.values
+    pts = [(t, v) for t, v in zip(s.times, s.values) if t is not None]
+    return [t for t, _ in pts], [v for _, v in pts]
+
+
+XLABEL = {"step": "optimiser step", "time": "training time (s)"}
+
+
+def save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": every figure keeps FIGSIZE * DPI pixels
+    pyplot().close(fig)
+    return path
+
+
+def plot_loss(runs: list[RunFolder], axis: str, path: Path, colour: dict) -> Path | None:
+    """Training loss (solid) and validation loss (dashed, markers): one panel for MAE runs, one for classifiers."""
+    groups = [g for g in ("pretrain", CLASSIFICATION) if any(r.group == g and series(r, "loss").values for r in runs)]
+    if not groups:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(groups), figsize=FIGSIZE, squeeze=False)
+    titles = {"pretrain": "MAE pretraining: masked-patch loss", CLASSIFICATION: "classification: cross-entropy"}
+    for ax, group in zip(axes[0], groups):
+        for r in (r for r in runs if r.group == group):
+            x, y = xy(series(r, "loss"), axis)
+            if x:
+                ax.plot(x, y, color=colour[r.name], label=r.name, linewidth=1.2)
+            x, y = xy(series(r, "val_loss"), axis)
+            if x:
+                ax.plot(x, y, color=colour[r.name], linestyle="--", marker="o", markersize=3, linewidth=1.0, label=f"{r.name} (val)")
+        ax.set_title(titles[group], fontsize=10)
+        ax.set_xlabel(XLABEL[axis])
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def plot_metric(runs: list[RunFolder], key: str, axis: str, path: Path, colour: dict, ylabel: str, title: str,
+                percent: bool = False, log: bool = False) -> Path | None:  # fmt: skip
+    """One metric of every run that logged it, overlaid; None when no run did."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    drawn = 0
+    for r in runs:
+        x, y = xy(series(r, key), axis)
+        if log:
+            x, y = [a for a, b in zip(x, y) if b > 0], [b for b in y if b > 0]
+        if not x:
+            continue
+        y = [100 * v for v in y] if percent else y
+        style = dict(marker="o", markersize=3) if len(x) < 30 else {}
+        ax.plot(x, y, color=colour[r.name], label=r.name, linewidth=1.2, **style)
+        drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return None
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(XLABEL[axis])
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def plot_final_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Grouped bars of final val top-1, best val top-1 and test top-1 per classification run."""
+    bars = [("val_top1", "val top-1 (final)"), ("best_val_top1", "val top-1 (best)"), ("test_top1", "test top-1")]
+    rows = [r for r in rows if any(r.get(k) is not None for k, _ in bars)]
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(rows))]
+        heights = [100 * r[key] if r.get(key) is not None else 0.0 for r in rows]
+        drawn = ax.bar(xs, heights, width, label=label)
+        for rect, r in zip(drawn, rows):
+            if r.get(key) is not None:
+                ax.annotate(
+                    f"{100 * r[key]:.1f}", (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center", va="bottom", fontsize=7
+                )
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=15 if len(rows) > 4 else 0, fontsize=8)
+    ax.set_ylabel("top-1 accuracy (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title("final accuracy", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+FIGURES = [  # file stem, title in report.md
+    ("loss_by_step", "Loss against step"),
+    ("loss_by_time", "Loss against training time"),
+    ("accuracy_by_step", "Validation accuracy against step"),
+    ("accuracy_by_time", "Validation accuracy against training time"),
+    ("lr_by_step", "Learning rate against step"),
+    ("lr_by_time", "Learning rate against training time"),
+    ("final_accuracy", "Final accuracy"),
+]
+
+
+def make_figures(runs: list[RunFolder], rows: list[dict[str, Any]], out: Path) -> dict[str, Path | None]:
+    """Every figure of FIGURES written into `out`; None for one no run has data for."""
+    colour = colours(runs)
+    figures: dict[str, Path | None] = {}
+    for axis in ("step", "time"):
+        figures[f"loss_by_{axis}"] = plot_loss(runs, axis, out / f"loss_by_{axis}.png", colour)
+        figures[f"accuracy_by_{axis}"] = plot_metric(runs, "val_top1", axis, out / f"accuracy_by_{axis}.png", colour,
+                                                     "val top-1 (%)", "validation top-1 accuracy", percent=True)  # fmt: skip
+        figures[f"lr_by_{axis}"] = plot_metric(
+            runs, "lr", axis, out / f"lr_by_{axis}.png", colour, "learning rate", "learning rate (log scale)", log=True
+        )
+    figures["final_accuracy"] = plot_final_accuracy(rows, out / "final_accuracy.png")
+    return figures
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report_markdown(rows: list[dict[str, Any]], figures: dict[str, Path | None], command: str) -> str:
+    unfinished = sum(not r["status"].startswith("finished") for r in rows)
+    lines = [
+        "# Run comparison",
+        "",
+        f"Made by `{command}` from {len(rows)} run folder(s)" + (f", {unfinished} of them unfinished." if unfinished else "."),
+        "Wall time and images/s count training only (no evaluation, no start-up); accuracies are top-1 on the splits below.",
+        "",
+        markdown_table(rows),
+        "",
+        "## Figures",
+        "",
+    ]
+    for stem, title in FIGURES:
+        path = figures.get(stem)
+        lines.append(f"### {title}\n\n![{title}]({path.name})\n" if path else f"### {title}\n\nNo run logged the data for this figure.\n")
+    lines += [
+        "## Runs",
+        "",
+        "| run | folder | data (train / val / test) | seed | device | git commit | command |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        split = " / ".join("-" if r[k] is None else str(r[k]) for k in ("train_images", "val_images", "test_images"))
+        data = f"{r['dataset'] or '?'} {split}"
+        command = f"`{r['command']}`" if r["command"] else "-"
+        lines.append(
+            "| "
+            + " | ".join(
+                cell(str(x if x is not None else "-"))
+                for x in (r["name"], r["path"], data, r["seed"], r["device"], r["git_commit"], command)
+            )
+            + " |"
+        )
+    problems = [f"- {r['name']}: {r['status']}" for r in rows if not r["status"].startswith("finished") or ";" in r["status"]]
+    if problems:
+        lines += ["", "## Unfinished or damaged runs", "", *problems]
+    return "\n".join(lines) + "\n"
+
+
+def compare(paths: list[str], out: Path | None = None, csv_path: Path | None = None, patterns: list[str] | None = None,
+            command: str = "compare_runs.py") -> dict[str, Any]:  # fmt: skip
+    """Read the runs, and write the CSV, the figures and report.md where asked. Returns {"rows", "table", "figures", "report"}."""
+    runs = load_runs(paths, patterns)
+    rows = [row(r) for r in runs]
+    table = markdown_table(rows)
+    result: dict[str, Any] = {"rows": rows, "table": table, "figures": {}, "report": None, "csv": None}
+    if csv_path is not None:
+        result["csv"] = write_csv(rows, csv_path)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        result["figures"] = make_figures(runs, rows, out)
+        report = out / "report.md"
+        report.write_text(report_markdown(rows, result["figures"], command))
+        result["report"] = report
+    return result
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="compare_runs.py", description="Compare run folders: table, CSV, curves and report.md")
+    parser.add_argument("paths", nargs="+", help="run folders, or folders holding run folders (e.g. runs/*)")
+    parser.add_argument("--csv", type=Path, help="also write the table, with every raw value, as CSV here")
+    parser.add_argument("--out", type=Path, help="write the figures and report.md into this folder")
+    parser.add_argument("--runs", nargs="+", metavar="NAME", help="keep only the runs whose folder names match (shell patterns)")
+    return parser.parse_args(argv)
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = shlex.join(["python", "scripts/compare_runs.py", *(sys.argv[1:] if argv is None else argv)])
+    result = compare(args.paths, args.out, args.csv, args.runs, command)
+    print(result["table"])
+    if result["csv"]:
+        print(f"csv: {result['csv']}")
+    if result["report"]:
+        made = [p for p in result["figures"].values() if p]
+        print(f"report: {result['report']} ({len(made)} figures in {args.out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

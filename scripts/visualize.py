@@ -1,0 +1,437 @@
+"""Figures of what a trained encoder does: MAE reconstructions, attention maps, attention rollout, positional embeddings.
+
+    python scripts/visualize.py --checkpoint runs/mae_cpu_quick --out figures/mae                 # the run's own val images
+    python scripts/visualize.py --checkpoint runs/ft_cpu_quick/classifier.pt --images data.root=PATH --out figures/ft
+    python scripts/visualize.py --checkpoint runs/mae_cpu_quick/encoder.pt --images photos/ --out figures/photos
+
+`--checkpoint` is an `encoder.pt`, a `classifier.pt`, or the run folder holding one.
+`--images` is a folder of image files (or one image), or dotted data overrides
+(`data.root=... data.dataset=...`) applied to the run's own data config; left out, the
+run's own data config as it is. Images come from the validation split (else test,
+else train), spread evenly over it.
+
+Writes into `--out`:
+- reconstruction.png: original | masked | reconstruction | reconstruction with the visible
+  patches pasted back (pretraining runs: rebuilt from the newest resume state, which holds
+  the whole MAE; encoder.pt holds only the encoder);
+- attention_heads.png: where [CLS] looks in the last block, one column per head;
+- attention_rollout.png: attention rollout (Abnar & Zuidema 2020) of [CLS] over all blocks;
+- pos_embed_similarity.png: for each patch position, the cosine similarity of its positional
+  embedding with every other position's, as a grid of small heatmaps;
+- patch_grid.png: the inputs cut into the patches the encoder sees;
+- sincos_table.png: the fixed 2-D sin-cos positional table for this encoder's size (and the
+  encoder's own table beside it when it is learned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+if __package__ in (None, ""):  # run as `python scripts/visualize.py`: make the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vit.checkpoint import ENCODER_FORMAT, encoder_from_checkpoint, read_weights_file  # noqa: E402
+from vit.errors import CheckpointError, DataError, UserError, exit_on_user_error  # noqa: E402
+from vit.inspect import (  # noqa: E402
+    attention_rollout,
+    cls_attention,
+    grid_side,
+    patch_grid_overlay,
+    pos_embed_similarity,
+    rollout_cls_map,
+    upsample_maps,
+)
+from vit.model import VisionTransformer  # noqa: E402
+from vit.pos_embed import sincos_2d  # noqa: E402
+
+DPI = 100
+
+
+# --------------------------------------------------------------------------- the checkpoint
+
+
+@dataclass
+class Loaded:
+    """An encoder to inspect, with where it came from."""
+
+    encoder: VisionTransformer
+    kind: str  # "encoder" or "classifier"
+    path: Path  # the checkpoint file
+    run_dir: Path | None  # the run folder with its config.yaml, when one is found
+    run_config: dict[str, Any] | None
+    norm: tuple[tuple[float, ...], tuple[float, ...]] | None  # (mean, std) the classifier was trained with
+
+
+def find_run_dir(*candidates: Path | str | None) -> Path | None:
+    for c in candidates:
+        if c and (Path(c) / "config.yaml").is_file():
+            return Path(c)
+    return None
+
+
+def read_run_config(run_dir: Path | None) -> dict[str, Any] | None:
+    if run_dir is None:
+        return None
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except yaml.YAMLError:
+        raise UserError(f"{run_dir / 'config.yaml'} is not valid YAML") from None
+    return config if isinstance(config, dict) else None
+
+
+def classifier_encoder(model: torch.nn.Module, payload: dict, path: Path) -> VisionTransformer:
+    """The ViT inside a classifier: the model itself, a linear probe's encoder, or timm's ViT rebuilt as ours."""
+    arch = payload["arch"]
+    if arch == "vit":
+        return model
+    if arch == "linear_probe":
+        return model.encoder
+    if arch == "timm_vit":
+        # Same key names by design: timm's weights load into our class strictly, and ours can return attention.
+        encoder = VisionTransformer(**payload["build"]["config"])
+        encoder.load_state_dict(model.state_dict(), strict=True)
+        return encoder
+    raise CheckpointError(f"{path} holds a {arch} classifier: it has no attention or positional embedding to show")
+
+
+def load_checkpoint(checkpoint: str) -> Loaded:
+    """An `encoder.pt`, a `classifier.pt`, or a run folder holding one -> the encoder, its run folder and config."""
+    path = Path(checkpoint).expanduser()
+    if path.is_dir():
+        found = [path / name for name in ("encoder.pt", "classifier.pt") if (path / name).is_file()]
+        if not found:
+            raise CheckpointError(f"{path} holds neither encoder.pt nor classifier.pt")
+        path = found[0]
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a file that is not a checkpoint
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint ({type(e).__name__}); expected an encoder.pt or classifier.pt"
+        ) from None
+    fmt = payload.get("format") if isinstance(payload, dict) else None
+    if fmt == ENCODER_FORMAT:
+        encoder = encoder_from_checkpoint(path)
+        run_dir = find_run_dir(path.parent, payload.get("meta", {}).get("run"))
+        return Loaded(encoder, "encoder", path, run_dir, read_run_config(run_dir), None)
+    from finetune.models import CLASSIFIER_FORMAT, load_classifier
+
+    if fmt == CLASSIFIER_FORMAT:
+        model, payload = load_classifier(str(path))
+        encoder = classifier_encoder(model, payload, path)
+        run_dir = find_run_dir(path.parent)
+        data = payload.get("data") or {}
+        norm = (tuple(data["mean"]), tuple(data["std"])) if "mean" in data and "std" in data else None
+        return Loaded(encoder, "classifier", path, run_dir, read_run_config(run_dir), norm)
+    raise CheckpointError(f"{path} is not an encoder.pt or classifier.pt (format {fmt!r})")
+
+
+def load_mae(loaded: Loaded):
+    """The whole MAE of a pretraining run, from its newest resume state; (mae, None) or (None, why not)."""
+    config = loaded.run_config or {}
+    if loaded.run_dir is None:
+        return None, f"no run folder with config.yaml next to {loaded.path}, so no MAE decoder to rebuild"
+    stage = (config.get("meta") or {}).get("stage")
+    if stage != "pretrain":
+        return None, f"{loaded.run_dir} is a {stage or 'non-pretraining'} run: it has no MAE decoder"
+    from pretrain.config import PretrainConfig
+    from pretrain.train import build_mae
+    from vit.config import load_config
+    from vit.engine import state_dirs
+
+    states = state_dirs(loaded.run_dir)
+    if not states:
+        return None, f"no complete resume state in {loaded.run_dir / 'states'}: encoder.pt alone holds no decoder"
+    state = states[-1]
+    weights = next((state / n for n in ("model.safetensors", "pytorch_model.bin") if (state / n).is_file()), None)
+    if weights is None:
+        return None, f"{state} holds no model weights (model.safetensors)"
+    mae = build_mae(load_config(PretrainConfig, loaded.run_dir / "config.yaml"))
+    state_dict = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in read_weights_file(weights).items()}
+    missing, unexpected = mae.load_state_dict(state_dict, strict=False)
+    if missing or unexpected:
+        found = f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+        return None, f"{weights} does not fit the MAE of {loaded.run_dir / 'config.yaml'} ({found})"
+    return mae.eval(), None
+
+
+# --------------------------------------------------------------------------- the images
+
+
+def dataset_norm(name: str | None) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The normalisation a dataset is trained with in this project (vit.data), or None for an unknown name."""
+    from vit import data
+
+    table = {
+        "cifar10": (data.CIFAR10_MEAN, data.CIFAR10_STD),
+        "cifar100": (data.CIFAR100_MEAN, data.CIFAR100_STD),
+        "mnist": (data.MNIST_MEAN, data.MNIST_STD),
+        "fashionmnist": (data.FASHIONMNIST_MEAN, data.FASHIONMNIST_STD),
+        "imagefolder": (data.IMAGENET_MEAN, data.IMAGENET_STD),
+        "synthetic": (data.SYNTHETIC_MEAN, data.SYNTHETIC_STD),
+    }
+    return table.get(name)
+
+
+def spread(n_total: int, n: int) -> torch.Tensor:
+    """`n` indices spread evenly over `n_total` items (so over a split's classes): -> (min(n, n_total),) int64."""
+    return torch.linspace(0, n_total - 1, min(n, n_total)).round().long().unique()
+
+
+def images_from_folder(folder: Path, size: int, n: int) -> torch.Tensor:
+    """Image files under `folder` (or one file), sorted by path, `n` spread over them: -> (n, 3, size, size) in [0, 1]."""
+    from vit.data import decode_image
+
+    if folder.is_file():
+        files = [folder]
+    else:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+                       and p.suffix.lower() in (".png", ".jpg", ".jpeg", ".bmp", ".webp"))  # fmt: skip
+    if not files:
+        raise DataError(f"no image files (.png, .jpg, .jpeg, .bmp, .webp) under {folder}")
+    picked = [files[i] for i in spread(len(files), n).tolist()]
+    arrays = [decode_image(p.read_bytes(), str(p), image_size=size) for p in picked]  # (size, size, 3) uint8 each
+    return torch.stack([torch.from_numpy(a.copy()).permute(2, 0, 1) for a in arrays]).float() / 255  # (n, 3, S, S)
+
+
+def images_from_data(loaded: Loaded, overrides: list[str], size: int, n: int):
+    """`n` images of the run's data config with `overrides`: -> (images (n, 3, size, size) in [0, 1], mean, std, description)."""
+    from finetune.config import FinetuneConfig
+    from pretrain.config import PretrainConfig
+    from vit.augment import resize
+    from vit.config import load_config
+    from vit.data import load_splits
+
+    overrides = [o if o.startswith("data.") else f"data.{o}" for o in overrides]
+    config_file = loaded.run_dir / "config.yaml" if loaded.run_dir is not None else None
+    stage = ((loaded.run_config or {}).get("meta") or {}).get("stage")
+    cls = FinetuneConfig if stage == "finetune" else PretrainConfig
+    cfg = load_config(cls, config_file if stage in ("pretrain", "finetune") else None, overrides)
+    splits = load_splits(cfg.data)
+    for name, split in (("val", splits.val), ("test", splits.test), ("train", splits.train)):
+        if split is not None and len(split):
+            break
+    picks = split.subset(spread(len(split), n))
+    images = resize(picks.images.float() / 255, size)  # (n, 3, S, S) in [0, 1]
+    return images, splits.mean, splits.std, f"{n} images of the {splits.name} {name} split"
+
+
+def get_images(loaded: Loaded, spec: list[str], n: int):
+    """The images to show: (images (n, 3, S, S) in [0, 1], mean, std, description)."""
+    size = loaded.encoder.patch_embed.img_size
+    if len(spec) == 1 and "=" not in spec[0]:
+        folder = Path(spec[0]).expanduser()
+        if not folder.exists():
+            raise DataError(f"--images {folder} does not exist (give a folder of images or data.key=value overrides)")
+        images = images_from_folder(folder, size, n)
+        norm = loaded.norm or dataset_norm(((loaded.run_config or {}).get("data") or {}).get("dataset"))
+        note = ""
+        if norm is None:
+            from vit.data import IMAGENET_MEAN, IMAGENET_STD
+
+            norm, note = (IMAGENET_MEAN, IMAGENET_STD), " (no run config found: ImageNet normalisation assumed)"
+        return images, norm[0], norm[1], f"{images.shape[0]} images from {folder}{note}"
+    bad = [s for s in spec if "=" not in s]
+    if bad:
+        raise UserError(f"--images {bad[0]!r}: give one folder of images, or data overrides like data.root=PATH")
+    if loaded.run_dir is None and not spec:
+        raise UserError(
+            f"no run folder with config.yaml found for {loaded.path}: say which images with --images FOLDER or data.dataset=... data.root=..."
+        )
+    return images_from_data(loaded, spec, size, n)
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def hwc(image: torch.Tensor):
+    """(3, H, W) in [0, 1] -> (H, W, 3) numpy for imshow."""
+    return image.clamp(0, 1).permute(1, 2, 0).cpu().numpy()
+
+
+def overlay(ax, image: torch.Tensor, heat: torch.Tensor | None = None, title: str | None = None) -> None:
+    ax.imshow(hwc(image), interpolation="nearest")
+    if heat is not None:
+        ax.imshow(heat.cpu().numpy(), cmap="inferno", alpha=0.6, vmin=0, vmax=1, interpolation="nearest")
+    if title:
+        ax.set_title(title, fontsize=7)
+    ax.axis("off")
+
+
+def save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    pyplot().close(fig)
+    return path
+
+
+def figure_attention_heads(images: torch.Tensor, attn_last: torch.Tensor, path: Path) -> Path:
+    """Rows: images; columns: the input, then [CLS]'s attention over the patches for each head of the last block."""
+    heads = cls_attention(attn_last)  # (B, H, G, G)
+    b, h = heads.shape[:2]
+    size = images.shape[-1]
+    plt = pyplot()
+    fig, axes = plt.subplots(b, h + 1, figsize=(1.4 * (h + 1), 1.4 * b + 0.3), squeeze=False)
+    for i in range(b):
+        overlay(axes[i, 0], images[i], title="input" if i == 0 else None)
+        maps = upsample_maps(heads[i], size)  # (H, S, S), each in [0, 1]
+        for j in range(h):
+            overlay(axes[i, j + 1], images[i], maps[j], title=f"head {j}" if i == 0 else None)
+    fig.suptitle("[CLS] attention, last block (each map scaled to its own max)", fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def figure_rollout(images: torch.Tensor, maps: list[torch.Tensor], path: Path) -> Path:
+    """Row 1: the inputs; row 2: [CLS]'s attention rollout through every block, over the input."""
+    rollout = rollout_cls_map(attention_rollout(maps))  # (B, G, G)
+    heat = upsample_maps(rollout, images.shape[-1])  # (B, S, S)
+    b = images.shape[0]
+    plt = pyplot()
+    fig, axes = plt.subplots(2, b, figsize=(1.4 * b, 3.2), squeeze=False)
+    for i in range(b):
+        overlay(axes[0, i], images[i])
+        overlay(axes[1, i], images[i], heat[i])
+    fig.suptitle(f"attention rollout of [CLS] through {len(maps)} block(s)", fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def figure_pos_similarity(pos_embed: torch.Tensor, path: Path) -> Path:
+    """A G x G mosaic: tile (r, c) is the cosine similarity of position (r, c)'s embedding with every position."""
+    sim = pos_embed_similarity(pos_embed)  # (N, N)
+    g = grid_side(sim.shape[0])
+    tiles = sim.reshape(g, g, g, g)  # (row, col, other row, other col)
+    mosaic = torch.full((g * (g + 1) - 1, g * (g + 1) - 1), float("nan"))  # one blank pixel between tiles
+    for r in range(g):
+        for c in range(g):
+            mosaic[r * (g + 1) : r * (g + 1) + g, c * (g + 1) : c * (g + 1) + g] = tiles[r, c]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    shown = ax.imshow(mosaic.numpy(), cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
+    ax.set_xticks([c * (g + 1) + g / 2 - 0.5 for c in range(g)], range(g), fontsize=6)
+    ax.set_yticks([r * (g + 1) + g / 2 - 0.5 for r in range(g)], range(g), fontsize=6)
+    ax.set_xlabel("patch column")
+    ax.set_ylabel("patch row")
+    ax.set_title("positional embedding: cosine similarity of each position with all others", fontsize=8)
+    fig.colorbar(shown, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def figure_patch_grid(images: torch.Tensor, patch_size: int, path: Path) -> Path:
+    scale = max(1, 128 // images.shape[-1])  # small inputs are enlarged so one-pixel lines do not hide them
+    big = torch.nn.functional.interpolate(images, scale_factor=scale, mode="nearest")
+    gridded = patch_grid_overlay(big, patch_size * scale)
+    b = images.shape[0]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, b, figsize=(1.6 * b, 1.9), squeeze=False)
+    for i in range(b):
+        overlay(axes[0, i], gridded[i])
+    g = images.shape[-1] // patch_size
+    fig.suptitle(f"{g} x {g} patches of {patch_size} x {patch_size} pixels", fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def figure_sincos_table(encoder: VisionTransformer, path: Path) -> Path | None:
+    """The fixed sin-cos table (positions x channels) for this encoder's width and grid; the learned one beside it."""
+    d, g = encoder.embed_dim, encoder.patch_embed.grid_size
+    if d % 4:
+        return None
+    tables = [("fixed 2-D sin-cos table", sincos_2d(d, g)[1:])]  # (N, D), [CLS]'s zero row left out
+    if encoder.config["pos_embed"] == "learned":
+        tables.append(("this encoder's learned table", encoder.pos_embed.detach()[0, 1:].float()))
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.0 * len(tables), 4.0), squeeze=False)
+    for ax, (title, table) in zip(axes[0], tables):
+        limit = table.abs().max().item() or 1.0
+        shown = ax.imshow(table.numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("channel (first half: column, second half: row)" if "sin-cos" in title else "channel")
+        ax.set_ylabel("patch position (row-major)")
+        fig.colorbar(shown, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def visualize(checkpoint: str, image_spec: list[str], out: Path, num_images: int = 8, seed: int = 0) -> dict[str, Path | None]:
+    """Every figure for `checkpoint` into `out`; returns {name: path, or None where skipped}. Prints one line per figure."""
+    loaded = load_checkpoint(checkpoint)
+    encoder = loaded.encoder.eval()
+    images, mean, std, described = get_images(loaded, image_spec, num_images)
+    print(f"visualize: {loaded.kind} {loaded.path} ({encoder.config['embed_dim']}d x {encoder.config['depth']} blocks, "
+          f"{encoder.config['num_heads']} heads, {encoder.patch_embed.grid_size}x{encoder.patch_embed.grid_size} patches); {described}")  # fmt: skip
+    from vit.augment import normalize
+
+    x = normalize(images, mean, std)  # (B, 3, S, S), as the encoder saw its training data
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path | None] = {}
+
+    mae, why_not = load_mae(loaded) if loaded.kind == "encoder" else (None, f"{loaded.path} is a classifier: it has no MAE decoder")
+    if mae is not None:
+        from pretrain.figures import save_reconstruction_figure
+
+        written["reconstruction"] = save_reconstruction_figure(mae, x, mean, std, out / "reconstruction.png", seed=seed)
+    else:
+        written["reconstruction"] = None
+        print(f"reconstruction: skipped ({why_not})")
+
+    maps = encoder.attention_maps(x)  # depth x (B, heads, T, T)
+    written["attention_heads"] = figure_attention_heads(images, maps[-1], out / "attention_heads.png")
+    written["attention_rollout"] = figure_rollout(images, maps, out / "attention_rollout.png")
+    written["pos_embed_similarity"] = figure_pos_similarity(encoder.pos_embed, out / "pos_embed_similarity.png")
+    written["patch_grid"] = figure_patch_grid(images, encoder.patch_embed.patch_size, out / "patch_grid.png")
+    written["sincos_table"] = figure_sincos_table(encoder, out / "sincos_table.png")
+    if written["sincos_table"] is None:
+        print(f"sincos_table: skipped (embed_dim={encoder.embed_dim} is not divisible by 4)")
+    for name, path in written.items():
+        if path is not None:
+            print(f"{name}: {path}")
+    return written
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="visualize.py", description="Reconstructions, attention maps and positional-embedding figures")
+    parser.add_argument("--checkpoint", required=True, help="encoder.pt, classifier.pt, or the run folder holding one")
+    parser.add_argument("--images", nargs="*", default=[], metavar="FOLDER | data.key=value",
+                        help="a folder of images, or overrides of the run's data config; default: the run's data config")  # fmt: skip
+    parser.add_argument("--out", type=Path, required=True, help="folder for the PNG figures")
+    parser.add_argument("--num-images", type=int, default=8, help="images to show (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the MAE masks in the reconstruction figure")
+    args = parser.parse_args(argv)
+    if args.num_images < 1:
+        parser.error("--num-images must be at least 1")
+    return args
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with torch.no_grad():
+        visualize(args.checkpoint, args.images, args.out, args.num_images, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""The tools a person runs: scripts/compare_runs.py, scripts/visualize.py (with vit/inspect.py) and scripts/quickstart.py."""
+
+import contextlib
+import csv
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from finetune.train import main as finetune_main
+from helpers import reset_accelerate, tiny_overrides
+from pretrain.train import main as pretrain_main
+from vit.inspect import attention_rollout, cls_attention, patch_grid_overlay, pos_embed_similarity, rollout_cls_map
+from vit.model import VisionTransformer
+from vit.pos_embed import sincos_2d
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """scripts/ is not a package: load a script from its path."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+compare_runs = load_script("compare_runs")
+visualize = load_script("visualize")
+quickstart = load_script("quickstart")
+
+
+# --------------------------------------------------------------------------- compare_runs on hand-written run folders
+
+
+def write_run(root: Path, name: str, meta: dict, summary: dict | None, metrics: list[dict], config: dict | None = None) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    cfg = {"model": {"name": "vit_cifar_tiny", "depth": None}, "run": {"precision": "no"}, **(config or {}), "meta": meta}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+@pytest.fixture
+def fake_runs(tmp_path) -> Path:
+    """runs/{mae (pretrain), ft (finetune of mae), probe (unfinished linear probe)} and a folder that is no run."""
+    root = tmp_path / "runs"
+    write_run(root, "mae", {"stage": "pretrain", "job_type": "pretrain", "seed": 3, "processes": 2, "command": "pretrain --config a.yaml"},
+              {"stage": "pretrain", "final_loss": 0.61234, "final_val_loss": 0.65, "steps": 40, "epochs": 2, "wall_time_sec": 125.0,
+               "images_per_sec": 812.34, "model": "vit_cifar_tiny", "processes": 2, "precision": "bf16", "seed": 3,
+               "data": {"dataset": "cifar10", "train": 45000, "val": 5000, "test": 10000}},
+              [{"step": s, "epoch": s / 20, "lr": 1e-4 * s, "loss": 1.0 - s / 100, "images_per_sec": 800.0, "time": 3.0 * s} for s in range(1, 41)]
+              + [{"step": 40, "epoch": 2, "val_loss": 0.65}],
+              config={"model": {"name": "vit_cifar_tiny", "depth": 3}})  # fmt: skip
+    write_run(root, "ft", {"stage": "finetune", "job_type": "finetune", "parent": str(root / "mae"), "processes": 1},
+              {"stage": "finetune", "mode": "full", "job_type": "finetune", "init": str(root / "mae" / "encoder.pt"), "parent": str(root / "mae"),
+               "model": "vit_cifar_tiny", "arch": "vit", "epochs": 3, "steps": 30, "wall_time_sec": 4000.0, "images_per_sec": 90.0,
+               "best_val_top1": 0.8125, "final_val_top1": 0.8, "final_test_top1": 0.79, "val_loss": 0.7, "precision": "no", "processes": 1},
+              [{"step": 10 * e, "epoch": e, "lr": 1e-3, "loss": 2.0 / e, "images_per_sec": 90.0, "time": 1300.0 * e, "val_top1": v, "val_loss": 1.0}
+               for e, v in ((1, 0.5), (2, 0.8125), (3, 0.8))])  # fmt: skip
+    write_run(root, "probe", {"stage": "finetune", "job_type": "linprobe", "parent": str(root / "mae"), "processes": 1}, None,
+              [{"step": 5, "epoch": 0.5, "lr": 0.1, "loss": 2.2, "images_per_sec": 500.0, "time": 7.5},
+               {"step": 10, "epoch": 1.0, "lr": 0.05, "loss": 2.1, "images_per_sec": 500.0, "time": 15.0, "val_top1": 0.25}],
+              config={"finetune": {"init": str(root / "mae")}})  # fmt: skip
+    with open(root / "probe" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "epo')  # a line cut off mid-write
+    (root / "notes").mkdir()  # not a run folder: skipped
+    return root
+
+
+def test_table_lists_every_run_with_its_numbers_and_unfinished_runs_as_such(fake_runs, tmp_path):
+    result = compare_runs.compare([str(fake_runs)], csv_path=tmp_path / "out" / "runs.csv")
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"mae", "ft", "probe"}
+    expected = {
+        "mae": {"stage": "pretrain", "init": None, "model": "vit_cifar_tiny depth=3", "epochs": 2, "final_loss": 0.61234, "val_loss": 0.65,
+                "val_top1": None, "processes": 2},
+        "ft": {"stage": "finetune", "init": "mae", "val_top1": 0.8, "best_val_top1": 0.8125, "test_top1": 0.79, "final_loss": 2.0 / 3},
+        # Unfinished: what metrics.jsonl holds so far.
+        "probe": {"stage": "linprobe", "init": "mae", "epochs": 1.0, "wall_time_sec": 15.0, "val_top1": 0.25, "best_val_top1": 0.25},
+    }  # fmt: skip
+    for name, want in expected.items():
+        assert {k: rows[name][k] for k in want} == want, name
+    assert rows["mae"]["status"] == "finished" and rows["ft"]["status"] == "finished"
+    assert rows["probe"]["status"] == "unfinished; 1 unreadable line(s) in metrics.jsonl"  # the cut-off last line: noted, not fatal
+
+    lines = result["table"].splitlines()
+    assert lines[0].startswith("| run | stage | init (parent) | model |") and len(lines) == 2 + 3
+    row_of = {line.split(" | ")[0].strip("| "): line for line in lines[2:]}
+    assert set(row_of) == {"mae", "ft", "probe (unfinished)"}
+    assert "| 2m 05s | 812 | bf16 | 2 | 0.6123 | 0.6500 | - | - | - |" in row_of["mae"]
+    assert "| 1h 06m | 90 | no | 1 |" in row_of["ft"] and "| 80.0% | 81.2% | 79.0% |" in row_of["ft"]
+
+    with open(tmp_path / "out" / "runs.csv") as f:
+        table = {r["name"]: r for r in csv.DictReader(f)}
+    assert (
+        float(table["ft"]["best_val_top1"]) == 0.8125 and table["mae"]["seed"] == "3" and table["probe"]["status"].startswith("unfinished")
+    )
+    assert table["mae"]["command"] == "pretrain --config a.yaml" and table["mae"]["train_images"] == "45000"
+
+
+def test_figures_are_images_of_the_set_size_and_the_report_links_them(fake_runs, tmp_path):
+    out = tmp_path / "report"
+    code = compare_runs.main([str(fake_runs / "mae"), str(fake_runs / "ft"), str(fake_runs / "probe"), "--out", str(out)])
+    assert code == 0
+    report = (out / "report.md").read_text()
+    size = (int(compare_runs.FIGSIZE[0] * compare_runs.DPI), int(compare_runs.FIGSIZE[1] * compare_runs.DPI))
+    for stem, _ in compare_runs.FIGURES:
+        path = out / f"{stem}.png"
+        with Image.open(path) as im:
+            assert im.size == size, stem
+            lo, hi = im.convert("L").getextrema()
+            assert hi - lo > 100, f"{stem} is blank"
+        assert f"]({stem}.png)" in report
+    assert "| probe (unfinished) |" in report and "pretrain --config a.yaml" in report
+
+
+def test_a_resumed_runs_redone_steps_replace_the_first_attempt_and_epoch_lines_get_a_time(tmp_path):
+    metrics = [{"step": s, "loss": 1.0, "time": float(s)} for s in (1, 2, 3, 4)]  # crashed after step 4, state saved at step 2
+    metrics += [{"step": s, "loss": 2.0, "time": s + 0.5} for s in (3, 4, 5)] + [{"step": 5, "val_loss": 9.0}]
+    write_run(tmp_path, "r", {"stage": "pretrain"}, None, metrics)
+    run = compare_runs.read_run(tmp_path / "r", "r")
+    loss = compare_runs.series(run, "loss")
+    assert loss.steps == [1, 2, 3, 4, 5] and loss.values == [1.0, 1.0, 2.0, 2.0, 2.0] and loss.times == [1.0, 2.0, 3.5, 4.5, 5.5]
+    val = compare_runs.series(run, "val_loss")
+    assert (val.steps, val.times, val.values) == ([5], [5.5], [9.0])
+
+
+def test_runs_filter_and_bad_paths(fake_runs, tmp_path, capsys):
+    result = compare_runs.compare([str(fake_runs)], patterns=["m*", "ft"])
+    assert [r["name"] for r in result["rows"]] == ["ft", "mae"]
+    assert compare_runs.main([str(fake_runs), "--runs", "nothing*"]) == 2
+    assert compare_runs.main([str(tmp_path / "missing")]) == 2
+    assert compare_runs.main([str(fake_runs / "notes")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    errors = [line for line in err if line.startswith("error:")]
+    assert len(errors) == 3 and "--runs 'nothing*' matches none of the runs: ft, mae, probe" in errors[0]
+    assert "does not exist" in errors[1] and "no run folders" in errors[2]
+
+
+# --------------------------------------------------------------------------- vit/inspect.py
+
+
+def tiny_vit(depth=3, pos_embed="learned") -> VisionTransformer:
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=depth, num_heads=2, num_classes=0, pos_embed=pos_embed).eval()
+
+
+def smoothed(attn: torch.Tensor) -> torch.Tensor:
+    """Rollout's per-block matrix by hand: heads averaged, (A + I) / 2."""
+    a = attn.mean(1)
+    return 0.5 * a + 0.5 * torch.eye(a.shape[-1])
+
+
+def test_attention_maps_and_cls_maps_sum_to_one_over_keys():
+    model = tiny_vit()
+    maps = model.attention_maps(torch.randn(2, 3, 32, 32))
+    assert len(maps) == 3 and all(m.shape == (2, 2, 17, 17) for m in maps)
+    for m in maps:
+        torch.testing.assert_close(m.sum(-1), torch.ones(2, 2, 17))
+    heads = cls_attention(maps[-1])
+    assert heads.shape == (2, 2, 4, 4)
+    # [CLS]'s row: what it gives the 16 patches plus what it keeps for itself is everything.
+    torch.testing.assert_close(heads.sum((-2, -1)) + maps[-1][:, :, 0, 0], torch.ones(2, 2))
+    torch.testing.assert_close(heads[1, 0, 2, 3], maps[-1][1, 0, 0, 1 + 2 * 4 + 3])  # patch (row 2, col 3) is token 1 + 11
+
+
+def test_rollout_rows_sum_to_one_and_multiply_later_blocks_on_the_left():
+    maps = tiny_vit().attention_maps(torch.randn(2, 3, 32, 32))
+    rollout = attention_rollout(maps)
+    assert rollout.shape == (2, 17, 17)
+    torch.testing.assert_close(rollout.sum(-1), torch.ones(2, 17))
+    a1, a2, a3 = (smoothed(m) for m in maps)
+    torch.testing.assert_close(rollout, a3 @ a2 @ a1)
+    assert not torch.allclose(rollout, a1 @ a2 @ a3, atol=1e-4)  # so the order above is really tested
+    torch.testing.assert_close(attention_rollout(maps[:1]), a1)
+    cls_map = rollout_cls_map(rollout)
+    assert cls_map.shape == (2, 4, 4)
+    torch.testing.assert_close(cls_map.flatten(1), rollout[:, 0, 1:])
+
+
+def test_pos_embed_similarity_has_unit_diagonal_and_sincos_neighbours_are_closest():
+    sim = pos_embed_similarity(tiny_vit().pos_embed)  # learned: random
+    assert sim.shape == (16, 16)
+    torch.testing.assert_close(sim.diagonal(), torch.ones(16))
+    torch.testing.assert_close(sim, sim.T)
+    fixed = pos_embed_similarity(sincos_2d(64, 8))  # (1 + 64, 64), [CLS] row dropped
+    assert fixed.shape == (64, 64)
+    torch.testing.assert_close(fixed.diagonal(), torch.ones(64))
+    corner = fixed[0].reshape(8, 8)
+    assert corner[0, 1] > corner[0, 4] > corner[0, 7] and corner[1, 0] > corner[4, 0]  # similarity falls with distance
+
+
+def test_patch_grid_overlay_draws_lines_on_patch_borders_only():
+    images = torch.full((2, 3, 16, 16), 0.25)
+    out = patch_grid_overlay(images, patch_size=4, color=(1.0, 0.0, 0.0))
+    line = torch.zeros(16, dtype=torch.bool)
+    line[::4] = True
+    on = line.view(-1, 1) | line.view(1, -1)  # (16, 16)
+    assert torch.all(out[:, 0][:, on] == 1.0) and torch.all(out[:, 1][:, on] == 0.0)
+    assert torch.all(out[:, :, ~on] == 0.25) and torch.all(images == 0.25)  # the input is left as it was
+
+
+# --------------------------------------------------------------------------- quickstart, end to end on synthetic data
+
+
+def quickstart_overrides(tmp_path) -> list[str]:
+    """tiny_overrides without the run folder (quickstart names the runs), one 1-block epoch, full precision."""
+    tiny = tiny_overrides(tmp_path, **{"model.depth": 1, "schedule.epochs": 1, "run.precision": "no"})
+    return [o for o in tiny if not o.startswith(("run.dir=", "run.name="))]
+
+
+def in_process(argv: list[str]) -> int:
+    """quickstart's stage runner, in this process: `python -m pretrain|finetune ...` and `python scripts/compare_runs.py ...`.
+
+    Starting three interpreters that each import torch would cost far more than the stages themselves.
+    """
+    assert argv[0] == sys.executable
+    if argv[1] == "-m":
+        entry = {"pretrain": pretrain_main, "finetune": finetune_main}[argv[2]]
+        code = entry(argv[3:])
+        reset_accelerate()
+        return code
+    assert Path(argv[1]).resolve() == ROOT / "scripts" / "compare_runs.py"
+    return compare_runs.main(argv[2:])
+
+
+@pytest.fixture(scope="module")
+def quickstart_out(tmp_path_factory):
+    """One quickstart run (pretrain -> linear probe -> fine-tune -> report); returns (out folder, its stdout, exit code)."""
+    tmp = tmp_path_factory.mktemp("quickstart")
+    out = tmp / "qs"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quickstart, "run_command", in_process)
+        mp.delenv(quickstart.DATA_ENV, raising=False)
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            code = quickstart.main(["--out", str(out), "--", *quickstart_overrides(tmp)])
+    return out, buffer.getvalue(), code
+
+
+def test_quickstart_runs_each_stage_command_in_order_and_writes_the_report(quickstart_out):
+    out, stdout, code = quickstart_out
+    assert code == 0, stdout[-2000:]
+    commands = [line[2:] for line in stdout.splitlines() if line.startswith("$ ")]
+    assert len(commands) == 4
+    assert " -m pretrain --config " in commands[0] and "configs/pretrain/cpu_quick.yaml" in commands[0]
+    assert "configs/finetune/linprobe_cpu_quick.yaml" in commands[1] and "configs/finetune/cpu_quick.yaml" in commands[2]
+    for command, name in zip(commands, ("mae", "linprobe", "finetune")):
+        assert f"run.dir={out} run.name={name}" in command and "run.resume=auto" in command and "data.dataset=synthetic" in command
+    assert f"finetune.init={out / 'mae'}" in commands[1] and f"finetune.init={out / 'mae'}" in commands[2]
+    assert "compare_runs.py" in commands[3] and f"--out {out / 'report'}" in commands[3]
+    for name, job in (("mae", "pretrain"), ("linprobe", "linprobe"), ("finetune", "finetune")):
+        summary = json.loads((out / name / "summary.json").read_text())
+        assert summary.get("job_type", summary["stage"]) == job and summary["epochs"] == 1
+        if job != "pretrain":
+            assert summary["parent"] == str(out / "mae") and summary["final_val_top1"] is not None
+    report = (out / "report" / "report.md").read_text()
+    assert "| mae | pretrain |" in report and "| linprobe | linprobe | mae |" in report and "| finetune | finetune | mae |" in report
+    with open(out / "report" / "runs.csv") as f:
+        assert [r["name"] for r in csv.DictReader(f)] == ["mae", "linprobe", "finetune"]
+    for stem in ("loss_by_step", "accuracy_by_time", "lr_by_step", "final_accuracy"):
+        assert (out / "report" / f"{stem}.png").stat().st_size > 0
+    assert f"Report: {out / 'report' / 'report.md'}" in stdout
+
+
+def test_quickstart_stops_at_the_first_failing_stage_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(quickstart, "run_command", in_process)
+    tiny = [o for o in quickstart_overrides(tmp_path) if not o.startswith("data.dataset=")]  # CIFAR-10 from --data
+    code = quickstart.main(["--data", str(tmp_path / "no_such_folder"), "--out", str(tmp_path / "qs"), "--", *tiny])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.out.count("\n$ ") == 1  # the linear probe never started
+    stderr = captured.err.strip().splitlines()
+    assert stderr[0].startswith("error: data.root") and "does not exist" in stderr[0]  # the stage's own line
+    assert stderr[1] == "quickstart: stopped: the MAE pretraining stage exited with code 2 (its message is above)"
+    assert len(stderr) == 2
+
+
+def test_quickstart_refuses_overrides_it_sets_itself(capsys):
+    with pytest.raises(SystemExit) as e:
+        quickstart.parse_args(["--", "run.name=x"])
+    assert e.value.code == 2 and "run.name is set by quickstart" in capsys.readouterr().err
+
+
+def test_stage_runner_returns_the_subprocess_exit_code():
+    assert quickstart.run_command([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+
+
+# --------------------------------------------------------------------------- visualize on the quickstart's runs
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    assert path.stat().st_size > 0
+    with Image.open(path) as im:
+        im.load()
+        return im.size
+
+
+def test_visualize_on_a_pretraining_encoder_writes_every_figure(quickstart_out, tmp_path, capsys):
+    out, _, _ = quickstart_out
+    figures = tmp_path / "figures"
+    assert visualize.main(["--checkpoint", str(out / "mae" / "encoder.pt"), "--out", str(figures), "--num-images", "4"]) == 0
+    stdout = capsys.readouterr().out
+    assert "4 images of the synthetic val split" in stdout and "skipped" not in stdout
+    # The MAE came back from the resume state: 4 rows (views) x 4 images of 64 px (32 px at 2x) with 2 px padding.
+    assert png_size(figures / "reconstruction.png") == (4 * 66 + 2, 4 * 66 + 2)
+    for name in ("attention_heads", "attention_rollout", "pos_embed_similarity", "patch_grid", "sincos_table"):
+        w, h = png_size(figures / f"{name}.png")
+        assert w > 100 and h > 100, name
+
+
+def test_visualize_on_a_classifier_with_an_image_folder(quickstart_out, tmp_path, capsys):
+    out, _, _ = quickstart_out
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(3):
+        Image.new("RGB", (48, 40), (80 * i, 120, 200)).save(folder / f"p{i}.png")
+    figures = tmp_path / "figures"
+    assert visualize.main(["--checkpoint", str(out / "finetune"), "--images", str(folder), "--out", str(figures)]) == 0
+    stdout = capsys.readouterr().out
+    assert "classifier" in stdout and f"3 images from {folder}" in stdout
+    assert "reconstruction: skipped (" in stdout and not (figures / "reconstruction.png").exists()
+    for name in ("attention_heads", "attention_rollout", "pos_embed_similarity", "patch_grid", "sincos_table"):
+        assert png_size(figures / f"{name}.png")[0] > 100
+
+
+def test_visualize_refuses_bad_checkpoints_with_one_line(tmp_path, capsys):
+    (tmp_path / "encoder.pt").write_text("not a checkpoint")
+    (tmp_path / "empty").mkdir()
+    for checkpoint, message in ((tmp_path / "missing.pt", "does not exist"), (tmp_path / "encoder.pt", "is not a readable checkpoint"),
+                                (tmp_path / "empty", "holds neither encoder.pt nor classifier.pt")):  # fmt: skip
+        assert visualize.main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "figures")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "figures").exists()

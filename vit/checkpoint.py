@@ -36,6 +36,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the renamed file gets the usual permissions
     try:
         write(tmp)
         with open(tmp, "rb") as f:
@@ -44,6 +45,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:

@@ -1,0 +1,217 @@
+"""Faults done for real: SIGKILL and SIGTERM mid-run, corrupt states on disk, and bad input that must cost nothing."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.train import main as finetune
+from helpers import reset_accelerate, tiny_overrides
+from pretrain.train import main as pretrain
+from vit.engine import state_dirs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(args: list[str], module: str = "pretrain", env: dict | None = None, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def long_run(tmp_path, name, **extra):
+    """A run long enough to be interrupted: 4 epochs of 29 steps, a state every 5 steps, one thread (deterministic)."""
+    return tiny_overrides(tmp_path, name=name, **{"data.synthetic_size": 512, "optim.batch_size": 16, "schedule.epochs": 4, "run.save_every": 5, **extra})
+
+
+def wait_for_state(run_dir: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    start = time.time()
+    while not state_dirs(run_dir):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before saving a state: {proc.stderr.read()[-2000:]}")
+        if time.time() - start > timeout:
+            proc.kill()
+            raise AssertionError("no resume state appeared in time")
+        time.sleep(0.02)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "encoder.pt", weights_only=True)["state_dict"]
+
+
+def test_sigkill_mid_epoch_then_resume_ends_with_bitwise_equal_weights(tmp_path):
+    # The reference: the same run, never interrupted.
+    assert pretrain(long_run(tmp_path, "whole")) == 0
+    reset_accelerate()
+    run_dir = tmp_path / "runs" / "killed"
+    proc = cli(long_run(tmp_path, "killed"))
+    wait_for_state(run_dir, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    saved = json.loads((state_dirs(run_dir)[-1] / "trainer.json").read_text())
+    assert 0 < saved["step"] < 116 and not (run_dir / "summary.json").exists()
+    resumed = cli(long_run(tmp_path, "killed", **{"run.resume": "auto"}))
+    out, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err[-2000:]
+    assert f"resume: from {state_dirs(run_dir)[0].parent}" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 * (472 // 16)
+    # Same data order, augmentation and masking RNG from the saved step on, one thread: bitwise equal.
+    a, b = weights(tmp_path / "runs" / "whole"), weights(run_dir)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_sigterm_saves_a_resume_state_and_exits(tmp_path):
+    run_dir = tmp_path / "runs" / "term"
+    proc = cli(long_run(tmp_path, "term", **{"run.save_every": 1000}) + ["schedule.epochs=50"])
+    # No periodic state before the first epoch ends (29 steps): wait for training to start, then stop it.
+    start = time.time()
+    while not (run_dir / "metrics.jsonl").exists() and time.time() - start < 120:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped by signal at step" in out
+    states = state_dirs(run_dir)
+    assert states, "no state was saved on SIGTERM"
+    stopped_at = int(out.split("stopped by signal at step ")[1].split(";")[0])
+    assert json.loads((states[-1] / "trainer.json").read_text())["step"] == stopped_at
+
+
+def test_corrupt_newest_state_is_skipped_with_one_warning(tmp_path, capsys):
+    args = tiny_overrides(tmp_path, **{"run.save_every": 2, "run.keep_states": 3})
+    assert pretrain(args + ["schedule.max_steps=6"]) == 0
+    reset_accelerate()
+    run_dir = tmp_path / "runs" / "run"
+    assert [p.name for p in state_dirs(run_dir)] == ["step_00000002", "step_00000004", "step_00000006"]
+    newest = run_dir / "states" / "step_00000006" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated on disk
+    capsys.readouterr()
+    assert pretrain(args + ["run.resume=auto"]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "step_00000006 is unreadable" in warnings[0]
+    assert "resume: from" in captured.out and "step_00000004 at step 4" in captured.out
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12
+
+
+def test_states_are_kept_to_the_newest_k_and_no_temporary_folder_is_left(tmp_path):
+    assert pretrain(tiny_overrides(tmp_path, **{"run.save_every": 1, "run.keep_states": 2})) == 0
+    names = sorted(p.name for p in (tmp_path / "runs" / "run" / "states").iterdir())
+    assert names == ["step_00000011", "step_00000012"]
+    assert not list((tmp_path / "runs" / "run").glob(".*.tmp"))
+
+
+# --------------------------------------------------------------------------- bad input: one line, exit 2, nothing touched
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished pretraining run whose files the bad inputs below must leave as they are."""
+    tmp = tmp_path_factory.mktemp("finished")
+    assert pretrain(tiny_overrides(tmp, name="done", **{"schedule.epochs": 1})) == 0
+    reset_accelerate()
+    return tmp
+
+
+def bad_data(tmp: Path, kind: str) -> str:
+    root = tmp / f"bad_{kind}"
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (root / "train" / c).mkdir(parents=True, exist_ok=True)
+        for i in range(3):
+            Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(root / "train" / c / f"{i}.png")
+    if kind == "empty_class":
+        (root / "train" / "c").mkdir()
+    if kind == "unreadable":
+        (root / "train" / "b" / "broken.png").write_bytes(b"\x89PNG not really")
+    if kind == "truncated":
+        archive = tmp / "bad.tar.gz"
+        with tarfile.open(archive, "w:gz") as tar:
+            tar.add(root / "train", arcname="train")
+        archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+        return str(archive)
+    return str(root)
+
+
+BAD_PRETRAIN = {
+    "unknown key": (["optim.lrr=1"], "unknown config key 'optim.lrr'"),
+    "wrong type": (["optim.batch_size=big"], "optim.batch_size must be an integer"),
+    "mask ratio": (["mae.mask_ratio=1.5"], "mae.mask_ratio must be in (0, 1)"),
+    "image size": (["model.img_size=30", "model.patch_size=4"], "model.img_size 30 is not divisible by model.patch_size=4"),
+    "heads": (["model.embed_dim=32", "model.num_heads=5"], "model.num_heads 5 does not divide model.embed_dim=32"),
+    "negative epochs": (["schedule.epochs=-1"], "schedule.epochs must be positive"),
+    # A new run name, so that the check of the data (not of the folder) is what refuses it.
+    "missing data": (["run.name=other", "data.dataset=imagefolder", "data.root=/nonexistent/cifar"], "/nonexistent/cifar"),
+    "no cuda": (["run.device=cuda"], "run.device=cuda was requested but no CUDA device is available"),
+    "finished run": ([], "already holds a run"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PRETRAIN))
+def test_bad_pretrain_input_is_one_line_and_touches_nothing(finished, case, capsys):
+    extra, message = BAD_PRETRAIN[case]
+    before = snapshot(finished / "runs" / "done")
+    args = tiny_overrides(finished, name="done")
+    assert pretrain(args + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert snapshot(finished / "runs" / "done") == before
+    assert not (finished / "runs" / "other" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("kind, message", [("empty_class", "empty class folder"), ("unreadable", "broken.png"), ("truncated", "bad.tar.gz")])
+def test_bad_data_is_one_line_naming_the_path(tmp_path, kind, message, capsys):
+    root = bad_data(tmp_path, kind)
+    assert pretrain(tiny_overrides(tmp_path) + ["data.dataset=imagefolder", f"data.root={root}", "data.val_size=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()
+
+
+def test_bad_checkpoints_for_finetuning_touch_nothing(finished, tmp_path, capsys):
+    before = snapshot(finished / "runs")
+    other = tiny_overrides(tmp_path, name="ft", **{"model.depth": 3})
+    assert finetune(other + [f"finetune.init={finished / 'runs' / 'done'}"]) == 2
+    assert "depth: 2 != 3" in capsys.readouterr().err
+    junk = tmp_path / "junk.pt"
+    junk.write_text("this is not a checkpoint")
+    assert finetune(tiny_overrides(tmp_path, name="ft2") + [f"finetune.init={junk}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "junk.pt is not a readable checkpoint" in err
+    assert snapshot(finished / "runs") == before
+
+
+def test_the_real_command_line_exits_2_with_one_line(finished):
+    before = snapshot(finished / "runs")
+    proc = cli(tiny_overrides(finished, name="done") + ["mae.mask_ratio=0"])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert err.strip() == "error: mae.mask_ratio must be in (0, 1)"
+    proc = cli(tiny_overrides(finished, name="done"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "already holds a run" in err and err.count("\n") == 1
+    assert snapshot(finished / "runs") == before
+
+
+def test_overwrite_replaces_a_finished_run_only_when_asked(finished, tmp_path):
+    import shutil
+
+    copy = tmp_path / "runs"
+    shutil.copytree(finished / "runs", copy)
+    assert pretrain(tiny_overrides(tmp_path, name="done", **{"schedule.epochs": 1, "run.overwrite": True, "run.seed": 5})) == 0
+    assert json.loads((copy / "done" / "summary.json").read_text())["seed"] == 5

@@ -10,8 +10,17 @@ Sections (each a list of `Case`s, every case a pair of step builders, ours and t
    `VisionTransformer` with the same configuration, cross entropy on 10 classes.
 2. mae: a pretraining step of `pretrain.MaskedAutoencoder` against `ReferenceMAE` below,
    written after facebookresearch/mae `models_mae.py` (timm blocks, argsort masking, gather).
-3. utilisation: the machine's GEMM peak per precision, measured in the same run, and the
+3. e2e: end-to-end training throughput with data loading and augmentation on real images
+   (`--data`, else synthetic ones): our pipeline at its defaults (uint8 dataset on the device,
+   batched augmentation, our model) against the usual one (torchvision transforms with PIL per
+   image, a DataLoader with workers, the timm / official-style model), for pretraining and
+   fine-tuning, at the same precision.
+4. probe: wall time and val accuracy of the cached-features linear probe against the uncached
+   probe on the same images, same head initialisation and same batch order.
+5. utilisation: the machine's GEMM peak per precision, measured in the same run, and the
    model FLOP/s each side reaches as a share of it; peak memory where the device reports it.
+
+"Ours" runs with the defaults a user gets on the device (`model.attn_impl: auto`).
 
 Both sides of a case are built before timing, then run interleaved (K steps of one, K of
 the other, the first side alternating per round) so that load from other processes falls
@@ -42,9 +51,15 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as `python scripts/bench.py`: make the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from finetune.config import AugmentConfig  # noqa: E402
+from finetune.features import FeatureLoader  # noqa: E402
+from finetune.models import LinearProbe  # noqa: E402
 from pretrain.model import PRESET_DECODERS, MaskedAutoencoder  # noqa: E402
-from vit.config import OptimConfig  # noqa: E402
-from vit.engine import make_optimizer, param_groups  # noqa: E402
+from vit.augment import BatchLoader  # noqa: E402
+from vit.config import DataConfig, ModelConfig, OptimConfig  # noqa: E402
+from vit.data import ImageSet, load_splits  # noqa: E402
+from vit.engine import batches_forever, make_optimizer, param_groups  # noqa: E402
+from vit.randaug import make_ops  # noqa: E402
 from vit.model import PRESETS, create_model, flops_per_image  # noqa: E402
 from vit.pos_embed import sincos_2d  # noqa: E402
 
@@ -189,6 +204,11 @@ def reference_mae(preset: str, overrides: dict, norm_pix_loss: bool = True) -> R
                         **PRESET_DECODERS[preset], mlp_ratio=cfg["mlp_ratio"], norm_pix_loss=norm_pix_loss)  # fmt: skip
 
 
+def our_defaults(device: torch.device) -> dict:
+    """The encoder settings a user of this project gets on `device` (attn_impl: auto resolved)."""
+    return {"attn_impl": ModelConfig().encoder_kwargs(device)["attn_impl"]}
+
+
 def our_mae(preset: str, overrides: dict, norm_pix_loss: bool = True) -> MaskedAutoencoder:
     encoder = create_model(preset, num_classes=0, **overrides)
     return MaskedAutoencoder(encoder, **PRESET_DECODERS[preset], mask_ratio=MASK_RATIO, norm_pix_loss=norm_pix_loss)
@@ -258,6 +278,7 @@ def make_cases(args: argparse.Namespace, device: torch.device) -> list[Case]:
     precisions = ["fp32"] + (["bf16"] if bf16_supported(device) else [])
     batch, seed = args.batch, args.seed
     cases = []
+    ours_kw = our_defaults(device)
     for label, (preset, overrides) in MODELS.items():
         img = overrides.get("img_size", PRESETS[preset]["img_size"])
         cfg = create_model(preset, **overrides).config
@@ -265,7 +286,7 @@ def make_cases(args: argparse.Namespace, device: torch.device) -> list[Case]:
             step = partial(training_step, loss_fn=classify, batch=batch, img_size=img, device=device, precision=precision, seed=seed)
             cases.append(Case(
                 f"encoder/{label}/{precision}", "encoder", precision, batch,
-                ours=lambda step=step, p=preset, o=overrides: step(create_model(p, num_classes=NUM_CLASSES, **o)),
+                ours=lambda step=step, p=preset, o=overrides: step(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw)),
                 ref=lambda step=step, p=preset, o=overrides: step(timm_vit(p, o)),
                 ref_name="timm VisionTransformer", flops_per_image=flops_per_image(cfg),
             ))  # fmt: skip
@@ -277,11 +298,186 @@ def make_cases(args: argparse.Namespace, device: torch.device) -> list[Case]:
             step = partial(training_step, loss_fn=reconstruct, batch=batch, img_size=img, device=device, precision=precision, seed=seed)
             cases.append(Case(
                 f"mae/{label}/{precision}", "mae", precision, batch,
-                ours=lambda step=step, p=preset, o=overrides: step(our_mae(p, o)),
+                ours=lambda step=step, p=preset, o=overrides: step(our_mae(p, {**o, **ours_kw})),
                 ref=lambda step=step, p=preset, o=overrides: step(reference_mae(p, o)),
                 ref_name="models_mae-style MAE on timm Blocks", flops_per_image=mae_flops_per_image(preset, overrides),
             ))  # fmt: skip
+    cases += e2e_cases(args, device, precisions[-1])
     return cases
+
+
+# --------------------------------------------------------------------------- end to end: data loading included
+
+
+def bench_images(args: argparse.Namespace) -> ImageSet:
+    """The training images of `--data` (CIFAR-10 folder or archive), else synthetic ones; decoded once, cached."""
+    if args.data:
+        cfg = DataConfig(dataset="cifar10", root=args.data, val_size=0, download=False)
+    else:
+        cfg = DataConfig(dataset="synthetic", synthetic_size=512 if args.quick else 4096, val_size=0)
+    return load_splits(cfg).train
+
+
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+class PILDataset(torch.utils.data.Dataset):
+    """What torchvision's CIFAR10 dataset does per item: a PIL image from uint8 memory, then the transforms."""
+
+    def __init__(self, data: ImageSet, transform):
+        self.images = data.images.permute(0, 2, 3, 1).numpy()  # (N, H, W, 3) uint8
+        self.labels = data.labels.tolist()
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.images[i])), self.labels[i]
+
+
+def usual_loader(data: ImageSet, batch: int, finetune: bool, workers: int):
+    """The pipeline most ViT/MAE code writes: torchvision transforms on PIL images in DataLoader workers."""
+    from torchvision import transforms as T
+
+    ops = [T.RandomResizedCrop(32, scale=(0.35, 1.0)), T.RandomHorizontalFlip()]
+    if finetune:
+        ops.append(T.TrivialAugmentWide())
+    ops += [T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)]
+    if finetune:
+        ops.append(T.RandomErasing(0.25))
+    loader = torch.utils.data.DataLoader(PILDataset(data, T.Compose(ops)), batch_size=batch, shuffle=True, drop_last=True,
+                                         num_workers=workers, persistent_workers=workers > 0)  # fmt: skip
+
+    def forever():
+        while True:
+            yield from loader
+
+    return forever()
+
+
+def stream_step(model: nn.Module, loss_fn, batches, device: torch.device, precision: str) -> Step:
+    """A training step that first takes its batch from `batches` (loading and augmentation are timed too)."""
+    model.to(device).train()
+    optimizer = make_optimizer(param_groups(model, weight_decay=0.05), OptimConfig(), device)
+    for group in optimizer.param_groups:
+        group["lr"] = 1.0e-4
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step() -> None:
+        images, labels = next(batches)
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = loss_fn(model, images, labels)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def e2e_cases(args: argparse.Namespace, device: torch.device, precision: str) -> list[Case]:
+    """Pretraining and fine-tuning, data loading included: ours at its defaults against the usual pipeline."""
+    batch = args.e2e_batch
+    cache: dict[str, ImageSet] = {}
+
+    def data() -> ImageSet:
+        if "train" not in cache:
+            cache["train"] = bench_images(args)
+        return cache["train"]
+
+    def ours(finetune: bool) -> Step:
+        d = data()
+        ops = make_ops(AugmentConfig(mixup=0, cutmix=0)) if finetune else ()
+        loader = BatchLoader(d, batch, device=device, mean=CIFAR_MEAN, std=CIFAR_STD, out_size=32, train=True, seed=args.seed, ops=ops)
+        kw = our_defaults(device)
+        model = create_model("vit_cifar_tiny", num_classes=NUM_CLASSES, **kw) if finetune else our_mae("vit_cifar_tiny", kw)
+        return stream_step(model, classify if finetune else reconstruct, batches_forever(loader), device, precision)
+
+    def ref(finetune: bool) -> Step:
+        model = timm_vit("vit_cifar_tiny", {}) if finetune else reference_mae("vit_cifar_tiny", {})
+        return stream_step(model, classify if finetune else reconstruct, usual_loader(data(), batch, finetune, args.workers), device, precision)
+
+    return [
+        Case(f"e2e/pretrain/{precision}", "e2e", precision, batch, ours=partial(ours, False), ref=partial(ref, False),
+             ref_name=f"torchvision PIL transforms + DataLoader({args.workers} workers) + official-style MAE",
+             flops_per_image=mae_flops_per_image("vit_cifar_tiny", {})),
+        Case(f"e2e/finetune/{precision}", "e2e", precision, batch, ours=partial(ours, True), ref=partial(ref, True),
+             ref_name=f"torchvision PIL transforms (TrivialAugment, erasing) + DataLoader({args.workers} workers) + timm ViT",
+             flops_per_image=flops_per_image(create_model("vit_cifar_tiny").config)),
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- linear probe: cached against uncached
+
+
+def probe_benchmark(args: argparse.Namespace, device: torch.device, precision: str) -> dict:
+    """Train the same linear head on the same frozen encoder twice: on cached features, and through the encoder every step.
+
+    Same head initialisation, same per-epoch batch order, no augmentation: the two must agree
+    in accuracy; the wall times (features included for the cached probe) give the speed-up.
+    """
+    data = bench_images(args)
+    n_train, n_val = args.probe_images, args.probe_images // 4
+    # A seeded random subset: image files are stored class by class, so the first N would be one class.
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed))
+    train, val = data.subset(order[:n_train]), data.subset(order[n_train : n_train + n_val])
+    torch.manual_seed(args.seed)
+    probe = LinearProbe(create_model("vit_cifar_tiny", num_classes=0, **our_defaults(device)), NUM_CLASSES).to(device)
+    head_init = {k: v.clone() for k, v in probe.head.state_dict().items()}
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    common = dict(device=device, mean=CIFAR_MEAN, std=CIFAR_STD, out_size=32)
+    batch, epochs = args.e2e_batch, args.probe_epochs
+
+    def train_head(batches_of_epoch, features_of) -> None:
+        probe.head.load_state_dict(head_init)
+        probe.train()
+        optimizer = torch.optim.SGD(probe.head.parameters(), lr=0.1, momentum=0.9)
+        for epoch in range(epochs):
+            for x, y in batches_of_epoch(epoch):
+                with autocast():
+                    logits = probe.head(features_of(x).float())
+                loss = F.cross_entropy(logits.float(), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+
+    @torch.no_grad()
+    def accuracy(batches, features_of) -> float:
+        probe.eval()
+        hits = total = 0
+        for x, y in batches:
+            with autocast():
+                hits += (probe.head(features_of(x).float()).argmax(1) == y).sum().item()
+            total += y.shape[0]
+        return hits / total
+
+    identity = dict(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip=False)  # no augmentation: both probes see the same inputs
+    synchronize(device)
+    start = time.perf_counter()
+    loader = BatchLoader(train, batch, train=True, seed=args.seed, **identity, **common)
+    train_head(loader.epoch, probe.features)
+    uncached_acc = accuracy(BatchLoader(val, batch, train=False, **common).epoch(0), probe.features)
+    synchronize(device)
+    uncached_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    cache = {}
+    for name, split in (("train", train), ("val", val)):
+        with torch.no_grad(), autocast():
+            feats = [(probe.features(x).float(), y) for x, y in BatchLoader(split, batch, train=False, **common).epoch(0)]
+        cache[name] = (torch.cat([f for f, _ in feats]), torch.cat([y for _, y in feats]))
+    features_s = time.perf_counter() - start
+    feature_loader = FeatureLoader(*cache["train"], batch, seed=args.seed)
+    train_head(feature_loader.epoch, lambda f: f)
+    cached_acc = accuracy(FeatureLoader(*cache["val"], batch, train=False).epoch(0), lambda f: f)
+    synchronize(device)
+    cached_s = time.perf_counter() - start
+    return {"train_images": n_train, "val_images": n_val, "epochs": epochs, "batch": batch, "precision": precision,
+            "uncached_s": uncached_s, "cached_s": cached_s, "cached_features_s": features_s, "speedup": uncached_s / cached_s,
+            "uncached_val_top1": uncached_acc, "cached_val_top1": cached_acc}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- device, timing and memory
@@ -468,8 +664,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-time", type=float, default=1.0, help="seconds a side's block of steps should last when --steps is not given")
     p.add_argument("--gemm", type=int, help="matrix size of the peak GEMM (default 4096; quick 1024)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", help="CIFAR-10 folder or .tar.gz for the e2e and probe sections (default: synthetic images)")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers of the usual pipeline (e2e)")
+    p.add_argument("--e2e-batch", type=int, help="batch of the e2e and probe sections (default 256; quick 32)")
+    p.add_argument("--probe-images", type=int, help="training images of the probe section (default 2000; quick 128)")
+    p.add_argument("--probe-epochs", type=int, help="head epochs of the probe section (default 30; quick 2)")
     args = p.parse_args(argv)
-    defaults = dict(batch=16, warmup=1, rounds=2, steps=1, gemm=1024) if args.quick else dict(batch=128, warmup=3, rounds=5, steps=None, gemm=4096)
+    defaults = (dict(batch=16, warmup=1, rounds=2, steps=1, gemm=1024, e2e_batch=32, probe_images=128, probe_epochs=2) if args.quick
+                else dict(batch=128, warmup=3, rounds=5, steps=None, gemm=4096, e2e_batch=256, probe_images=2000, probe_epochs=30))  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -489,9 +691,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{info['usable_cores']} usable cores | torch threads {threads} | torch {info['torch']} | timm {info['timm']}", flush=True)  # fmt: skip
 
     cases = [c for c in make_cases(args, device) if args.only is None or args.only in c.name]
-    if not cases:
+    if not cases and args.only not in "probe":
         raise SystemExit(f"--only {args.only!r} matches no case")
-    precisions = sorted({c.precision for c in cases}, key=["fp32", "bf16"].index)
+    precisions = sorted({c.precision for c in cases} or {"fp32"} | ({"bf16"} if bf16_supported(device) else set()), key=["fp32", "bf16"].index)
     peaks = {}
     for precision in precisions:
         peaks[precision] = gemm_peak(device, precision, args.gemm, rounds=max(3, args.rounds))
@@ -506,14 +708,23 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         for side in ("ours", "ref"):
             r[side]["utilisation"] = utilisation(r, side, peaks)
+    probe = None
+    if args.only is None or "probe" in args.only:
+        probe = probe_benchmark(args, device, precisions[-1])
+        print(f"probe: cached {probe['cached_s']:.1f}s (features {probe['cached_features_s']:.1f}s) vs uncached {probe['uncached_s']:.1f}s "
+              f"= {probe['speedup']:.1f}x; val top-1 cached {probe['cached_val_top1']:.4f}, uncached {probe['uncached_val_top1']:.4f}", flush=True)  # fmt: skip
 
     wall = time.perf_counter() - start
     print()
     print(markdown(results, peaks))
+    if probe is not None:
+        print(f"\n| linear probe ({probe['train_images']} train / {probe['val_images']} val images, {probe['epochs']} epochs, {probe['precision']}) "
+              f"| wall time | val top-1 |\n|---|---:|---:|\n| uncached (encoder every step) | {probe['uncached_s']:.1f} s | {probe['uncached_val_top1']:.4f} |\n"
+              f"| cached features | {probe['cached_s']:.1f} s | {probe['cached_val_top1']:.4f} |\n| speed-up | {probe['speedup']:.1f}x | |")  # fmt: skip
     print(f"\nwall time {wall:.1f} s | command: python scripts/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     if args.json:
         report = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                  "wall_s": wall, "gemm": peaks, "cases": results}  # fmt: skip
+                  "wall_s": wall, "gemm": peaks, "cases": results, "probe": probe}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

@@ -43,6 +43,13 @@ def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
     assert report["machine"]["threads"] >= 1 and report["machine"]["torch"] == torch.__version__
     assert all(p["peak_flops_per_s"] > 0 for p in report["gemm"].values())
     assert "| ours / ref |" in proc.stdout
+    assert {"e2e/pretrain", "e2e/finetune"} <= {c["name"].rsplit("/", 1)[0] for c in report["cases"]}
+    probe = report["probe"]
+    assert probe["cached_s"] > 0 and probe["uncached_s"] > 0
+    # Same frozen encoder, same head initialisation, same batches: the two probes agree. In bf16 a feature can
+    # round differently when computed in another batch, so allow one image either way (fp32 agrees exactly:
+    # tests/test_finetune.py).
+    assert abs(probe["cached_val_top1"] - probe["uncached_val_top1"]) <= 1 / probe["val_images"] + 1e-9
 
 
 def test_reference_mae_matches_ours_in_shapes_and_ignores_visible_patches():

@@ -159,12 +159,17 @@ def test_unreachable_hub_and_missing_file_are_one_line_errors(tmp_path, capsys, 
     assert code == 2 and err.count("\n") == 1 and "unreachable" in err and "finetune.init_file" in err
 
 
-@pytest.mark.parametrize("config", ["vit_scratch_cpu", "timm_vit_scratch_cpu", "resnet18_cpu"])
+@pytest.mark.parametrize("config", ["vit_scratch_cpu", "timm_vit_scratch_cpu", "resnet18_cpu", "timm_vit_pretrained"])
 def test_every_baseline_config_runs(tmp_path, config):
     overrides = tiny_overrides(tmp_path, name=config, **{"schedule.epochs": 1})
+    if config == "timm_vit_pretrained":
+        # No hub here: a local timm weights file of the tiny size at another resolution stands in for the download.
+        source = timm.models.vision_transformer.VisionTransformer(img_size=64, patch_size=16, embed_dim=32, depth=2, num_heads=2)
+        torch.save(source.state_dict(), tmp_path / "weights.pth")
+        overrides += [f"finetune.init_file={tmp_path / 'weights.pth'}", "model.img_size=32"]
     path = ROOT / "configs" / "baselines" / f"{config}.yaml"
     assert finetune(["--config", str(path)] + overrides) == 0
     s = summary(tmp_path, config)
     assert s["job_type"] == "baseline" and s["final_val_top1"] is not None
     model, payload = load_classifier(tmp_path / "runs" / config)
-    assert payload["arch"] == {"vit_scratch_cpu": "vit", "timm_vit_scratch_cpu": "timm_vit", "resnet18_cpu": "resnet18"}[config]
+    assert payload["arch"] == {"vit_scratch_cpu": "vit", "timm_vit_scratch_cpu": "timm_vit", "resnet18_cpu": "resnet18", "timm_vit_pretrained": "vit"}[config]

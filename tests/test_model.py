@@ -232,3 +232,11 @@ def test_patch_embedding_of_kept_patches_equals_the_conv():
     ids = torch.tensor([[0, 5, 15], [3, 2, 1]])
     full = model.patch_embed(x)  # the Conv2d path
     torch.testing.assert_close(model.patch_embed(x, ids), torch.gather(full, 1, ids.unsqueeze(-1).expand(-1, -1, 32)), rtol=1e-5, atol=1e-5)
+
+
+def test_sincos_pretrained_encoder_fine_tunes_with_a_learned_table_starting_from_it(tmp_path):
+    save_encoder(VisionTransformer(**{**SMALL, "pos_embed": "sincos"}), tmp_path / "encoder.pt")
+    clf = VisionTransformer(**SMALL, pos_embed="learned")
+    load_encoder(clf, tmp_path / "encoder.pt")
+    assert clf.pos_embed.requires_grad
+    torch.testing.assert_close(clf.pos_embed[0], sincos_2d(32, 4))

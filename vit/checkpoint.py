@@ -23,8 +23,10 @@ from vit.pos_embed import resample_patch_embed, resample_pos_embed
 
 ENCODER_FORMAT = "vit-encoder/1"
 
-# Fields that change the meaning of the weights: a checkpoint must agree on all of them.
-ARCHITECTURE_FIELDS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "pos_embed")
+# Fields that change the meaning of the weights: a checkpoint must agree on all of them. `pos_embed`
+# (learned or fixed sin-cos) is not one: the table is stored either way, and fine-tuning a sin-cos
+# pretrained encoder with a learned table that starts from it is MAE's own recipe.
+ARCHITECTURE_FIELDS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:

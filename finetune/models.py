@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vit.checkpoint import CheckpointError, atomic_save, load_encoder, load_timm_weights, read_encoder, read_weights_file
+from vit.checkpoint import CheckpointError, atomic_save, load_encoder, load_timm_weights, read_checkpoint, read_encoder, read_weights_file
 from vit.errors import ConfigError
 from vit.model import VisionTransformer, create_model
 
@@ -179,17 +179,7 @@ def save_classifier(path: Path, built: Built, model: nn.Module, classes: list[st
 
 def load_classifier(init: str) -> tuple[nn.Module, dict[str, Any]]:
     """A finished classifier from its run folder or `classifier.pt`, loaded strictly."""
-    path = Path(init).expanduser()
-    if path.is_dir():
-        path = path / "classifier.pt"
-    if not path.is_file():
-        raise CheckpointError(f"classifier checkpoint {path} does not exist")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(payload, dict) or payload.get("format") != CLASSIFIER_FORMAT:
-        raise CheckpointError(f"{path} is not a classifier checkpoint (expected format {CLASSIFIER_FORMAT!r})")
+    payload = read_checkpoint(init, "classifier.pt", CLASSIFIER_FORMAT, "classifier")
     model = rebuild(payload["arch"], payload["build"])
     model.load_state_dict(payload["state_dict"], strict=True)
     return model, payload

@@ -59,10 +59,15 @@ def loaders(cfg: FinetuneConfig, run: Run, splits: Splits, size: int, augment: b
         splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed, crop_scale=cfg.data.crop_scale, crop_ratio=cfg.data.crop_ratio,
         hflip=cfg.data.hflip, ops=make_ops(cfg.aug) if augment else (), **common,
     )  # fmt: skip
+    return train, eval_loaders(cfg, splits, common)
+
+
+def eval_loaders(cfg: FinetuneConfig, splits: Splits, common: dict) -> dict[str, BatchLoader]:
+    """The evaluation loaders: val when the split is not empty, test when the dataset has one."""
     evals = {"val": BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common)} if len(splits.val.labels) else {}
     if splits.test is not None:
         evals["test"] = BatchLoader(splits.test, cfg.optim.batch_size, train=False, **common)
-    return train, evals
+    return evals
 
 
 def make_loss(cfg: FinetuneConfig, num_classes: int):
@@ -190,9 +195,7 @@ def run_eval(cfg: FinetuneConfig) -> int:
     model = model.to(acc.device)
     size = payload["data"]["image_size"]
     common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=size, rank=acc.process_index, world_size=acc.num_processes)
-    evals = {"val": BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common)} if len(splits.val.labels) else {}
-    if splits.test is not None:
-        evals["test"] = BatchLoader(splits.test, cfg.optim.batch_size, train=False, **common)
+    evals = eval_loaders(cfg, splits, common)
     results = {s: evaluate(model, loader, acc, len(splits.train.classes)) for s, loader in evals.items()}
     flat = report_eval(run, results, splits.train.classes, f"eval {payload['arch']}", cfg.finetune.confusion_matrix)
     summary = run.finish({"mode": "eval", "init": cfg.finetune.init, "model": payload["arch"], "data": splits.describe(), **flat})

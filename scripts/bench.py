@@ -31,6 +31,7 @@ and ours / reference.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -246,23 +247,10 @@ def training_step(model: nn.Module, loss_fn: Callable[[nn.Module, torch.Tensor, 
     The optimiser is the project's own (`make_optimizer`: fused AdamW on CPU and CUDA) for both sides,
     so the comparison is between models. The batch is drawn from `seed`: both sides see the same one.
     """
-    model.to(device).train()
-    optimizer = make_optimizer(param_groups(model, weight_decay=0.05), OptimConfig(), device)
-    for group in optimizer.param_groups:
-        group["lr"] = 1.0e-4  # make_optimizer leaves the LR to the schedule
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, 3, img_size, img_size, generator=g).to(device)
     labels = torch.randint(0, NUM_CLASSES, (batch,), generator=g).to(device)
-    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with autocast():
-            loss = loss_fn(model, images, labels)
-        loss.backward()
-        optimizer.step()
-
-    return step
+    return stream_step(model, loss_fn, itertools.repeat((images, labels)), device, precision)
 
 
 def classify(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -363,7 +351,7 @@ def stream_step(model: nn.Module, loss_fn, batches, device: torch.device, precis
     model.to(device).train()
     optimizer = make_optimizer(param_groups(model, weight_decay=0.05), OptimConfig(), device)
     for group in optimizer.param_groups:
-        group["lr"] = 1.0e-4
+        group["lr"] = 1.0e-4  # make_optimizer leaves the LR to the schedule
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
     def step() -> None:

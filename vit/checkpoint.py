@@ -74,20 +74,29 @@ def save_encoder(model: VisionTransformer, path: str | os.PathLike, step: int = 
     atomic_save(payload, path)
 
 
-def read_encoder(path: str | os.PathLike) -> dict[str, Any]:
-    """Load and check an `encoder.pt`; a missing, corrupt or foreign file is a `CheckpointError`."""
-    path = Path(path)
+def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str) -> dict[str, Any]:
+    """Load a checkpoint of format `fmt` from a file, or `file_name` inside a run folder.
+
+    A missing, corrupt or foreign file is a `CheckpointError` naming the path.
+    """
+    path = Path(path).expanduser()
     if path.is_dir():
-        path = path / "encoder.pt"
+        path = path / file_name
     if not path.is_file():
-        raise CheckpointError(f"encoder checkpoint {path} does not exist")
+        raise CheckpointError(f"{what} checkpoint {path} does not exist")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file; all mean the same to the user
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
-    if not isinstance(payload, dict) or payload.get("format") != ENCODER_FORMAT:
-        raise CheckpointError(f"{path} is not an encoder checkpoint (expected format {ENCODER_FORMAT!r})")
+    if not isinstance(payload, dict) or payload.get("format") != fmt:
+        article = "an" if what[0] in "aeiou" else "a"
+        raise CheckpointError(f"{path} is not {article} {what} checkpoint (expected format {fmt!r})")
     return payload
+
+
+def read_encoder(path: str | os.PathLike) -> dict[str, Any]:
+    """Load and check an `encoder.pt` (or the one in a run folder)."""
+    return read_checkpoint(path, "encoder.pt", ENCODER_FORMAT, "encoder")
 
 
 def config_mismatch(stored: dict, wanted: dict, fields=ARCHITECTURE_FIELDS) -> list[str]:

@@ -36,7 +36,6 @@ import pickle
 import socket
 import sys
 import tarfile
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from vit.checkpoint import atomic_save
 from vit.config import DataConfig
 from vit.errors import DataError
 
@@ -567,29 +567,16 @@ def _read_cache(path: Path) -> dict[str, ImageSet] | None:
 
 
 def _write_cache(path: Path, result: dict[str, ImageSet]) -> None:
+    """Write the decoded splits atomically: readers see the old file or the whole new one, never a torn one."""
     payload = {
         "format": FORMAT_VERSION,
         "classes": list(result["train"].classes),
         "splits": {split: {"images": s.images, "labels": s.labels} for split, s in result.items()},
     }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A temp file in the same folder, then os.replace: readers see the old file or the whole new one, never a torn one.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        atomic_save(payload, path)
     except OSError as e:
-        raise DataError(f"cannot write the data cache into {path.parent} ({e.strerror}); set data.cache_dir to a writable folder") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise DataError(f"cannot write the data cache {path} ({e.strerror}); set data.cache_dir to a writable folder") from None
-        raise
+        raise DataError(f"cannot write the data cache {path} ({e.strerror}); set data.cache_dir to a writable folder") from None
 
 
 def _fingerprint(source: Path) -> tuple[int, int]:

@@ -15,6 +15,7 @@ picks up a half-written one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -169,8 +170,8 @@ class Run:
     dir: Path
     threads: int
     trackers_on: bool = False
-    started: float = field(default_factory=time.time)
     job_type: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)  # written under `meta` in config.yaml
 
     @classmethod
     def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
@@ -519,7 +520,7 @@ def fit(
                     images, labels = next(batches)
                     # No gradient all-reduce until the last micro-batch of the step.
                     sync = micro == accum - 1
-                    context = acc.no_sync(model) if not sync and acc.num_processes > 1 else _null()
+                    context = acc.no_sync(model) if not sync and acc.num_processes > 1 else contextlib.nullcontext()
                     with context:
                         with acc.autocast():
                             loss, extras = loss_fn(model, images, labels)
@@ -592,14 +593,6 @@ def _any_rank(acc, flag: bool) -> bool:
         return flag
     t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
     return bool(acc.reduce(t, reduction="sum").item() > 0)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def make_bar(run: Run, total: int, initial: int):

@@ -1,5 +1,14 @@
 """Helpers shared by the tests."""
 
+import socket
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a test's own process group (a fixed one can be taken)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 
 def reset_accelerate() -> None:
     """Accelerate keeps process-wide singletons; reset them so the next in-process run starts clean."""

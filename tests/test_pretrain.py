@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import tiny_overrides
+from helpers import free_port, tiny_overrides
 from pretrain.model import MaskedAutoencoder, patchify, random_masking, unpatchify
 from pretrain.train import main
 from vit.checkpoint import encoder_from_checkpoint
@@ -146,7 +146,7 @@ def test_resumed_run_reaches_same_step_and_continues_the_lr_schedule(tmp_path):
 def test_two_process_cpu_run_uses_both_ranks_in_sync(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517", "-m", "pretrain"]
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", "pretrain"]
     cmd += tiny_overrides(tmp_path, name="ddp", **{"schedule.epochs": 1, "optim.batch_size": 16})
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -166,7 +166,7 @@ def test_unsynchronised_launch_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29518", "-m", "pretrain"]
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", "pretrain"]
     cmd += [o for o in tiny_overrides(tmp_path) if not o.startswith("run.device")]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode != 0

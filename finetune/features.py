@@ -6,8 +6,7 @@ from typing import Iterator
 
 import torch
 
-from vit.augment import eval_shard
-from vit.data import seeded_generator
+from vit.augment import epoch_order, eval_shard
 
 
 @torch.no_grad()
@@ -69,9 +68,7 @@ class FeatureLoader:
                 lo, hi = start + b * bs, min(start + (b + 1) * bs, stop)
                 yield self.features[lo:hi], self.labels[lo:hi]
             return
-        n = self.labels.shape[0]
-        perm = torch.randperm(n, generator=seeded_generator("epoch", self.seed, epoch))
-        mine = perm[self.rank :: self.world_size][: self.num_batches * bs].to(self.features.device)
+        mine = epoch_order(self.labels.shape[0], bs, self.seed, epoch, self.rank, self.world_size).to(self.features.device)
         for b in range(start_batch, self.num_batches):
             index = mine[b * bs : (b + 1) * bs]
             yield self.features.index_select(0, index), self.labels.index_select(0, index)

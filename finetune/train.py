@@ -106,8 +106,11 @@ def report_eval(run: Run, results: dict[str, dict], classes: list[str], tag: str
     return out
 
 
-def train_classifier(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> tuple[nn.Module, dict, object]:
-    """Full fine-tuning, the baselines, or an uncached linear probe: the classifier trained end to end."""
+def train_classifier(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> tuple[nn.Module, dict, object, float]:
+    """Full fine-tuning, the baselines, or an uncached linear probe: the classifier trained end to end.
+
+    Returns the model, the final evaluation per split, the progress, and seconds spent before training (none).
+    """
     acc = run.accelerator
     ft = cfg.finetune
     model = built.model
@@ -135,11 +138,14 @@ def train_classifier(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built
 
     progress = fit(run, forward, optimizer, train_loader, make_loss(cfg, num_classes), spec, progress, on_epoch_end)
     results = {split: evaluate(unwrap(model), loader, acc, num_classes) for split, loader in evals.items()}
-    return unwrap(model), results, progress
+    return unwrap(model), results, progress, 0.0
 
 
-def train_cached_probe(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> tuple[nn.Module, dict, object]:
-    """Linear probe on features computed once: the head trains on the cache for many epochs in seconds."""
+def train_cached_probe(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> tuple[nn.Module, dict, object, float]:
+    """Linear probe on features computed once: the head trains on the cache for many epochs in seconds.
+
+    Returns what `train_classifier` does, with the seconds spent computing the features.
+    """
     acc = run.accelerator
     probe = built.model.to(acc.device)
     size = image_size(cfg, built, splits)
@@ -177,8 +183,7 @@ def train_cached_probe(cfg: FinetuneConfig, run: Run, splits: Splits, built: Bui
     progress = fit(run, head, optimizer, train_loader, loss_fn, spec, progress, on_epoch_end)
     results = {split: evaluate(unwrap(head), loader, acc, num_classes) for split, loader in evals.items()}
     probe.head = unwrap(head)
-    results["feature_time_sec"] = feature_time
-    return probe, results, progress
+    return probe, results, progress, feature_time
 
 
 def run_eval(cfg: FinetuneConfig) -> int:
@@ -221,14 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     run.print(f"data: {splits.describe()} | {built.arch} ({cfg.finetune.mode}, init {cfg.finetune.init}): {n_params / 1e6:.2f}M trainable parameters")
     try:
         if cfg.finetune.mode == "linear" and cfg.finetune.probe_cache:
-            model, results, progress = train_cached_probe(cfg, run, splits, built)
+            model, results, progress, feature_time = train_cached_probe(cfg, run, splits, built)
         else:
-            model, results, progress = train_classifier(cfg, run, splits, built)
+            model, results, progress, feature_time = train_classifier(cfg, run, splits, built)
     except Preempted as e:
         run.print(str(e))
         return 143
     # The cached probe's stage time includes computing the features, not only training the head.
-    feature_time = results.pop("feature_time_sec", 0.0)
     wall_time = progress.train_time + feature_time
     size = image_size(cfg, built, splits)
     data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vit.model import Block, VisionTransformer, layer_norm
+from vit.model import Block, VisionTransformer, gather_tokens, layer_norm
 from vit.pos_embed import sincos_2d
 
 
@@ -131,7 +131,7 @@ class MaskedAutoencoder(nn.Module):
         L = ids_restore.shape[1]
         masks = self.mask_token.to(x.dtype).expand(B, L + 1 - T, -1)  # (B, L - K, Dd)
         patches = torch.cat([x[:, 1:], masks], dim=1)  # (B, L, Dd), visible first, in shuffled order
-        patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, Dd))  # (B, L, Dd) in patch order
+        patches = gather_tokens(patches, ids_restore)  # (B, L, Dd) in patch order
         x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, 1 + L, Dd)
         if not only_masked or not len(self.decoder_blocks):
             for block in self.decoder_blocks:
@@ -164,7 +164,8 @@ class MaskedAutoencoder(nn.Module):
     def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None, generator: torch.Generator | None = None):
         """imgs: (B, C, H, W) -> loss (), pred (B, L, p*p*C), mask (B, L) with 1 = masked.
 
-        In training mode the visible rows of `pred` are zero (see `forward_decoder`). `generator` (a CPU torch.Generator) fixes the masks, e.g. for a comparable validation loss.
+        In training mode the visible rows of `pred` are zero (see `forward_decoder`).
+        `generator` (a CPU torch.Generator) fixes the masks, e.g. for a comparable validation loss.
         """
         ratio = self.mask_ratio if mask_ratio is None else mask_ratio
         latent, mask, ids_restore = self.forward_encoder(imgs, ratio, generator)

@@ -129,6 +129,17 @@ def resize(images: torch.Tensor, out_size: int) -> torch.Tensor:
     return F.interpolate(images, size=(out_size, out_size), mode="bilinear", align_corners=False, antialias=True)
 
 
+def epoch_order(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    """The sample indices `rank` trains on in `epoch`, in order: (num_batches * batch_size,), a pure function of its arguments.
+
+    One seeded permutation per epoch, shared by all ranks; rank r takes perm[r::world_size], cut so
+    every rank has the same number of full batches (drop_last).
+    """
+    num_batches = (n // world_size) // batch_size
+    perm = torch.randperm(n, generator=seeded_generator("epoch", seed, epoch))  # same on every rank
+    return perm[rank::world_size][: num_batches * batch_size]
+
+
 def eval_shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
     """The contiguous slice [start, stop) of n samples that `rank` evaluates; shards differ in size by at most one."""
     return rank * n // world_size, (rank + 1) * n // world_size
@@ -214,9 +225,8 @@ class BatchLoader:
         return self._eval_epoch(start_batch)
 
     def _train_epoch(self, epoch: int, start_batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        n, bs = self.labels.shape[0], self.batch_size
-        perm = torch.randperm(n, generator=seeded_generator("epoch", self.seed, epoch))  # same on every rank
-        mine = perm[self.rank :: self.world_size][: self.num_batches * bs].to(self.device)  # (num_batches * B,)
+        bs = self.batch_size
+        mine = epoch_order(self.labels.shape[0], bs, self.seed, epoch, self.rank, self.world_size).to(self.device)  # (num_batches * B,)
         for b in range(start_batch, self.num_batches):
             index = mine[b * bs : (b + 1) * bs]
             images = self.images.index_select(0, index)  # (B, 3, H, W) uint8

@@ -184,10 +184,9 @@ class Run:
         check_run_dir(run_dir, run_cfg)
         accelerator.wait_for_everyone()  # every rank checked the folder before the main one writes to it
         set_seed(run_cfg.seed, device_specific=True)  # each rank draws different dropout / masks
-        run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=job_type or stage)
         meta = {
             "stage": stage,
-            "job_type": run.job_type,
+            "job_type": job_type or stage,
             "git_commit": git_commit(),
             "seed": run_cfg.seed,
             "parent": parent,
@@ -197,7 +196,7 @@ class Run:
             "torch": str(torch.__version__),
             "command": " ".join(sys.argv),
         }
-        run.meta = meta
+        run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta)
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(run_dir / "config.yaml", dump_config(cfg, meta))

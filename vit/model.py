@@ -23,6 +23,11 @@ def layer_norm(dim: int) -> nn.LayerNorm:
     return nn.LayerNorm(dim, eps=1e-6)
 
 
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The tokens at `index` of each sample: x (B, T, D), index (B, M) -> (B, M, D)."""
+    return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping patches -> tokens by a Conv2d with kernel = stride = patch size.
 
@@ -51,7 +56,7 @@ class PatchEmbed(nn.Module):
         B, C = x.shape[:2]
         p, g = self.patch_size, self.grid_size
         patches = x.reshape(B, C, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, C * p * p)  # (B, N, C*p*p), conv weight order
-        patches = torch.gather(patches, 1, ids_keep.unsqueeze(-1).expand(-1, -1, C * p * p))  # (B, N', C*p*p)
+        patches = gather_tokens(patches, ids_keep)  # (B, N', C*p*p)
         return F.linear(patches, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)  # (B, N', D)
 
 
@@ -93,7 +98,7 @@ class Attention(nn.Module):
             w, b = self.qkv.weight, self.qkv.bias  # rows: q, k, v
             kv = F.linear(x, w[D:], None if b is None else b[D:]).reshape(B, T, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             k, v = kv.unbind(0)  # (B, H, T, Dh) each
-            xq = torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, D))  # (B, M, D)
+            xq = gather_tokens(x, index)  # (B, M, D)
             q = F.linear(xq, w[:D], None if b is None else b[:D]).reshape(B, -1, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, M, Dh)
         dropout = self.attn_drop if self.training else 0.0
         attn = None
@@ -157,7 +162,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, return_attn: bool = False, index: torch.Tensor | None = None):
         """x: (B, T, D) -> (B, T, D); with `index` (B, M) only those tokens' outputs, (B, M, D)."""
         if index is not None:
-            x_kept = torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, M, D)
+            x_kept = gather_tokens(x, index)  # (B, M, D)
             x = x_kept + self.drop_path(self.attn(self.norm1(x), index=index))
             return x + self.drop_path(self.mlp(self.norm2(x)))
         if return_attn:
@@ -273,7 +278,7 @@ class VisionTransformer(nn.Module):
         """
         pos = self.pos_embed[:, 1:]  # (1, N, D)
         if ids_keep is not None:
-            pos = torch.gather(pos.expand(x.shape[0], -1, -1), 1, ids_keep.unsqueeze(-1).expand(-1, -1, pos.shape[-1]))  # (B, N', D)
+            pos = gather_tokens(pos.expand(x.shape[0], -1, -1), ids_keep)  # (B, N', D)
         x = self.patch_embed(x, ids_keep) + pos  # (B, N', D)
         cls = (self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1)  # (B, 1, D)
         return self.pos_drop(torch.cat([cls, x], dim=1))

@@ -59,7 +59,7 @@ from pretrain.model import PRESET_DECODERS, MaskedAutoencoder  # noqa: E402
 from vit.augment import BatchLoader  # noqa: E402
 from vit.config import DataConfig, ModelConfig, OptimConfig  # noqa: E402
 from vit.data import ImageSet, load_splits  # noqa: E402
-from vit.engine import batches_forever, make_optimizer, param_groups  # noqa: E402
+from vit.engine import batches_forever, make_optimizer, native_bf16, param_groups  # noqa: E402
 from vit.randaug import make_ops  # noqa: E402
 from vit.model import PRESETS, create_model, flops_per_image  # noqa: E402
 from vit.pos_embed import sincos_2d  # noqa: E402
@@ -263,7 +263,7 @@ def reconstruct(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) ->
 
 def make_cases(args: argparse.Namespace, device: torch.device) -> list[Case]:
     """Every case this run measures, in order, before `--only` filtering."""
-    precisions = ["fp32"] + (["bf16"] if bf16_supported(device) else [])
+    precisions = ["fp32"] + (["bf16"] if native_bf16(device) else [])
     batch, seed = args.batch, args.seed
     cases = []
     ours_kw = our_defaults(device)
@@ -485,21 +485,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def bf16_supported(device: torch.device) -> bool:
-    """Whether bf16 has hardware support here; without it, CPU autocast emulates it slowly and the figures mean little."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        cpu = torch.cpu
-        return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    try:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
-        return True
-    except (RuntimeError, TypeError):
-        return False
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -681,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in make_cases(args, device) if args.only is None or args.only in c.name]
     if not cases and args.only not in "probe":
         raise SystemExit(f"--only {args.only!r} matches no case")
-    precisions = sorted({c.precision for c in cases} or {"fp32"} | ({"bf16"} if bf16_supported(device) else set()), key=["fp32", "bf16"].index)
+    precisions = sorted({c.precision for c in cases} or {"fp32"} | ({"bf16"} if native_bf16(device) else set()), key=["fp32", "bf16"].index)
     peaks = {}
     for precision in precisions:
         peaks[precision] = gemm_peak(device, precision, args.gemm, rounds=max(3, args.rounds))

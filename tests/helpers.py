@@ -40,6 +40,7 @@ def tiny_overrides(tmp_path, name="run", **extra) -> list[str]:
         "run.threads": 1,
         "run.log_every": 1,
         "run.device": "cpu",
+        "run.precision": "no",  # the same numbers on every CPU; `auto` would be bf16 on some
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -38,7 +38,7 @@ def test_yaml_and_overrides_map_to_typed_sections(tmp_path):
         ({"modle": {}}, r"unknown config key 'modle' in .*cfg.yaml"),
         ({"optim": {"batch_size": "big"}}, r"optim.batch_size must be an integer in .*cfg.yaml, got 'big'"),
         ({"optim": {"batch_size": 3.5}}, r"optim.batch_size must be an integer"),
-        ({"run": {"precision": "fp8"}}, r"run.precision must be one of 'no' \| 'bf16' \| 'fp16' in .*cfg.yaml"),
+        ({"run": {"precision": "fp8"}}, r"run.precision must be one of 'auto' \| 'no' \| 'bf16' \| 'fp16' in .*cfg.yaml"),
         ({"optim": {"betas": [0.9]}}, r"optim.betas must be a list of 2 values"),
         ({"run": {"overwrite": "yes"}}, r"run.overwrite must be true or false"),
         ({"optim": 3}, r"optim must be a mapping"),

@@ -159,7 +159,7 @@ class RunConfig:
     resume: str = ""  # "": fresh run; "auto": newest complete state in the run folder; or a state folder
     overwrite: bool = False  # allow a fresh run into a folder that already holds one
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    precision: Literal["no", "bf16", "fp16"] = "no"
+    precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 where the device has it natively, else fp32
     threads: int | None = None  # CPU threads per process; None: cores / local processes
     compile: bool = False  # torch.compile the model
     log_every: int = 20  # optimiser steps between metric lines

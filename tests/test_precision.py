@@ -1,0 +1,48 @@
+"""`run.precision`: `auto` picks bf16 only where the device computes it natively; what ran is recorded."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import vit.engine as engine
+from helpers import tiny_overrides
+from pretrain.train import main
+from vit.engine import resolve_precision
+from vit.errors import ConfigError
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bf16_only_on_a_cpu_with_native_bf16(monkeypatch, native):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert resolve_precision("auto", CPU) == ("bf16" if native else "no")
+    # An explicit choice is kept either way.
+    assert resolve_precision("bf16", CPU) == "bf16"
+    assert resolve_precision("no", CPU) == "no"
+
+
+def test_fp16_off_the_gpu_is_refused():
+    with pytest.raises(ConfigError, match="run.precision=fp16 needs a GPU"):
+        resolve_precision("fp16", CPU)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_run_records_the_precision_auto_chose(tmp_path, monkeypatch, native):
+    monkeypatch.setattr(engine, "native_bf16", lambda device: native)
+    overrides = tiny_overrides(tmp_path, **{"run.precision": "auto", "schedule.epochs": 1})
+    assert main(overrides) == 0
+    chosen = "bf16" if native else "no"
+    run = tmp_path / "runs" / "run"
+    assert json.loads((run / "summary.json").read_text())["precision"] == chosen
+    assert yaml.safe_load((run / "config.yaml").read_text())["run"]["precision"] == chosen
+
+
+def test_explicit_bf16_without_native_support_warns_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(engine, "native_bf16", lambda device: False)
+    assert main(tiny_overrides(tmp_path, **{"run.precision": "bf16", "schedule.epochs": 1, "schedule.max_steps": 1})) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: run.precision=bf16")]
+    assert len(warnings) == 1 and "emulated" in warnings[0]

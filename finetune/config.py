@@ -30,6 +30,7 @@ class FinetuneSection:
     label_smoothing: float = 0.1
     probe_cache: bool = True  # linear mode: train the head on features computed once
     probe_pool: Literal["token", "avg"] = "token"
+    patch_keep: float = 1.0  # full mode, ViTs: fraction of patches each training image keeps (patch dropout); eval sees all
     eval_every: int = 1  # epochs between evaluations
     confusion_matrix: bool = True
 
@@ -37,6 +38,9 @@ class FinetuneSection:
         _check(self.layer_decay is None or 0.0 < self.layer_decay <= 1.0, "finetune.layer_decay", "must be in (0, 1]")
         _check(0.0 <= self.label_smoothing < 1.0, "finetune.label_smoothing", "must be in [0, 1)")
         _check(self.eval_every > 0, "finetune.eval_every", "must be positive")
+        _check(0.0 < self.patch_keep <= 1.0, "finetune.patch_keep", "must be in (0, 1]")
+        _check(self.patch_keep == 1.0 or (self.arch in ("vit", "timm_vit") and self.mode == "full"), "finetune.patch_keep",
+               "< 1 needs finetune.mode=full and a ViT (finetune.arch=vit or timm_vit)")
         _check(self.mode != "eval" or self.init != "scratch", "finetune.init", "must name a finished run folder or classifier.pt in eval mode")
         if self.init.startswith("timm:"):
             _check(len(self.init) > 5, "finetune.init", "must look like timm:<model name>")

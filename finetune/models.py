@@ -63,13 +63,17 @@ def cifar_resnet18(num_classes: int) -> nn.Module:
     return model
 
 
-def timm_vit(config: dict[str, Any], pretrained_name: str | None = None) -> nn.Module:
-    """timm's own VisionTransformer with our encoder's configuration (fc_norm=False matches our avg pooling)."""
+def timm_vit(config: dict[str, Any], patch_keep: float = 1.0) -> nn.Module:
+    """timm's own VisionTransformer with our encoder's configuration (fc_norm=False matches our avg pooling).
+
+    patch_keep < 1 is timm's own patch dropout (`patch_drop_rate`), which keeps the same number of
+    patches, int(N * keep), as `finetune.patch_keep` does for our encoder.
+    """
     import timm.models.vision_transformer as tv
 
     kwargs = {k: config[k] for k in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
                                      "qkv_bias", "drop_rate", "attn_drop_rate", "drop_path_rate", "global_pool")}  # fmt: skip
-    return tv.VisionTransformer(fc_norm=False, **kwargs)
+    return tv.VisionTransformer(fc_norm=False, patch_drop_rate=1.0 - patch_keep, **kwargs)
 
 
 @dataclass
@@ -149,7 +153,7 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
         load_encoder(encoder, resolve_encoder_path(init))
 
     if ft.arch == "timm_vit":
-        model = timm_vit(encoder.config)
+        model = timm_vit(encoder.config, ft.patch_keep)
         model.load_state_dict(encoder.state_dict(), strict=True)  # the same initial weights, run by timm's code
         return Built(model, "timm_vit", {"config": encoder.config}, parent, encoder.config)
     if ft.mode == "linear":

@@ -24,6 +24,7 @@ from vit.cli import parse
 from vit.data import Splits, load_splits
 from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import exit_on_user_error
+from vit.model import random_masking
 from vit.randaug import make_ops
 
 
@@ -70,8 +71,14 @@ def eval_loaders(cfg: FinetuneConfig, splits: Splits, common: dict) -> dict[str,
     return evals
 
 
-def make_loss(cfg: FinetuneConfig, num_classes: int):
-    """Cross-entropy with label smoothing, and mixup / cutmix with soft targets where enabled."""
+def make_loss(cfg: FinetuneConfig, num_classes: int, num_patches: int | None = None):
+    """Cross-entropy with label smoothing, mixup / cutmix with soft targets where enabled, and patch dropout.
+
+    Patch dropout (`finetune.patch_keep` < 1; applied here when `num_patches`, our encoder's patch
+    count, is given): each training image runs on a random subset of its patches, as an MAE encoder
+    does in pretraining (Liu et al. 2022, PatchDropout); a step costs about that fraction of the
+    FLOPs, less for attention. Evaluation always sees every patch.
+    """
     aug = cfg.aug
     mixup = None
     if cfg.finetune.mode == "full" and (aug.mixup > 0 or aug.cutmix > 0) and aug.mix_prob > 0:
@@ -80,13 +87,20 @@ def make_loss(cfg: FinetuneConfig, num_classes: int):
         mixup = Mixup(mixup_alpha=aug.mixup, cutmix_alpha=aug.cutmix, prob=aug.mix_prob, switch_prob=aug.switch_prob,
                       label_smoothing=cfg.finetune.label_smoothing, num_classes=num_classes)  # fmt: skip
     smoothing = cfg.finetune.label_smoothing
+    keep = cfg.finetune.patch_keep if num_patches is not None else 1.0
+
+    def forward(model, images):
+        if keep >= 1.0:
+            return model(images)
+        ids_keep, _, _ = random_masking(images.shape[0], num_patches, 1.0 - keep, images.device)  # (B, N * keep)
+        return model(images, ids_keep)
 
     def loss_fn(model, images, labels):
         if mixup is not None and images.shape[0] % 2 == 0:
             images, targets = mixup(images, labels)  # soft targets (B, C), smoothing included
-            logits = model(images)
+            logits = forward(model, images)
             return torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean(), {}
-        logits = model(images)
+        logits = forward(model, images)
         return F.cross_entropy(logits.float(), labels, label_smoothing=smoothing), {}
 
     return loss_fn
@@ -136,7 +150,9 @@ def train_classifier(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built
         run.print(f"epoch {epoch}: val top-1 {r['top1']:.2%} (best {best:.2%}), top-5 {r['top5']:.2%}, loss {r['loss']:.4f}")
         return {"val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]}
 
-    progress = fit(run, forward, optimizer, train_loader, make_loss(cfg, num_classes), spec, progress, on_epoch_end)
+    # Our encoder takes the kept patches from the loss; timm's ViT drops patches inside its own forward.
+    num_patches = unwrap(model).num_patches if built.arch == "vit" else None
+    progress = fit(run, forward, optimizer, train_loader, make_loss(cfg, num_classes, num_patches), spec, progress, on_epoch_end)
     results = {split: evaluate(unwrap(model), loader, acc, num_classes) for split, loader in evals.items()}
     return unwrap(model), results, progress, 0.0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vit.model import Block, VisionTransformer, gather_tokens, layer_norm
+from vit.model import Block, VisionTransformer, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
 from vit.pos_embed import sincos_2d
 
 
@@ -37,26 +37,6 @@ def unpatchify(patches: torch.Tensor, patch_size: int, channels: int = 3) -> tor
     x = patches.reshape(B, h, h, p, p, channels)
     x = x.permute(0, 5, 1, 3, 2, 4)  # (B, C, h, p, w, p)
     return x.reshape(B, channels, h * p, h * p)
-
-
-def random_masking(batch: int, num_patches: int, mask_ratio: float, device=None, generator: torch.Generator | None = None):
-    """Per-sample random masking by sorting uniform noise.
-
-    Returns ids_keep (B, K) of visible patches with K = int(L * (1 - mask_ratio)),
-    ids_restore (B, L) that undoes the shuffle, and mask (B, L) with 1 = masked, 0 = visible.
-    """
-    keep = int(num_patches * (1 - mask_ratio))
-    if generator is not None:  # a seeded CPU generator: the same masks on every device
-        noise = torch.rand(batch, num_patches, generator=generator).to(device)  # (B, L)
-    else:
-        noise = torch.rand(batch, num_patches, device=device)  # (B, L)
-    ids_shuffle = torch.argsort(noise, dim=1)  # ascending: the first `keep` are visible
-    ids_restore = torch.argsort(ids_shuffle, dim=1)
-    ids_keep = ids_shuffle[:, :keep]  # (B, K)
-    mask = torch.ones(batch, num_patches, device=device)
-    mask[:, :keep] = 0
-    mask = torch.gather(mask, 1, ids_restore)  # (B, L) back in patch order
-    return ids_keep, ids_restore, mask
 
 
 class MaskedAutoencoder(nn.Module):

@@ -1,15 +1,18 @@
-"""The main job on a small budget in one command: MAE pretraining -> linear probe -> fine-tuning -> comparison report.
+"""The main job in one command: MAE pretraining -> linear probe -> fine-tuning -> comparison report.
 
     python scripts/quickstart.py --data PATH                    # CIFAR-10 at PATH (cifar-10-batches-py, a train/<class>/ tree or a .tar.gz)
     VIT_DATA=PATH python scripts/quickstart.py --fast           # a fifth of the training images, one epoch per stage
     python scripts/quickstart.py --data PATH -- optim.batch_size=128 run.seed=1    # overrides for every stage
 
+The stages run the best CPU recipe found (RESULTS.md, row 2: about an hour on 2 cores); --fast
+is a few-minute smoke run of the same pipeline.
+
 Each stage is the ordinary entry point, run as a subprocess and printed first, so every
 command can be copied and rerun alone:
 
-    python -m pretrain --config configs/pretrain/cpu_quick.yaml data.root=PATH run.dir=OUT run.name=mae run.resume=auto
-    python -m finetune --config configs/finetune/linprobe_cpu_quick.yaml ... run.name=linprobe finetune.init=OUT/mae
-    python -m finetune --config configs/finetune/cpu_quick.yaml ... run.name=finetune finetune.init=OUT/mae
+    python -m pretrain --config configs/pretrain/cpu.yaml data.root=PATH run.dir=OUT run.name=mae run.resume=auto
+    python -m finetune --config configs/finetune/linprobe_cpu.yaml ... run.name=linprobe finetune.init=OUT/mae
+    python -m finetune --config configs/finetune/cpu.yaml ... run.name=finetune finetune.init=OUT/mae
     python scripts/compare_runs.py OUT/mae OUT/linprobe OUT/finetune --out OUT/report --csv OUT/report/runs.csv
 
 Without --data or VIT_DATA the stages download CIFAR-10 (data.download=true) where the
@@ -46,16 +49,16 @@ class Stage:
 
 FAST_DATA = ("data.train_fraction=0.2", "data.val_size=1000")
 STAGES = (
-    Stage("MAE pretraining", "pretrain", "configs/pretrain/cpu_quick.yaml", "mae", FAST_DATA + ("schedule.epochs=1",)),
+    Stage("MAE pretraining", "pretrain", "configs/pretrain/cpu.yaml", "mae", FAST_DATA + ("schedule.epochs=1", "schedule.warmup_epochs=0.2")),
     Stage(
         "linear probe",
         "finetune",
-        "configs/finetune/linprobe_cpu_quick.yaml",
+        "configs/finetune/linprobe_cpu.yaml",
         "linprobe",
         FAST_DATA + ("schedule.epochs=10", "schedule.warmup_epochs=1"),
         needs_encoder=True,
     ),  # fmt: skip
-    Stage("fine-tuning", "finetune", "configs/finetune/cpu_quick.yaml", "finetune", FAST_DATA + ("schedule.epochs=1",), needs_encoder=True),
+    Stage("fine-tuning", "finetune", "configs/finetune/cpu.yaml", "finetune", FAST_DATA + ("schedule.epochs=1", "schedule.warmup_epochs=0.2"), needs_encoder=True),
 )
 
 

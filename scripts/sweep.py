@@ -42,7 +42,7 @@ from vit.errors import ConfigError, exit_on_user_error  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("pretrain", "finetune")
-RESERVED = ("run.dir=", "run.name=", "finetune.init=", "run.resume=")  # the sweep sets these per job
+RESERVED = ("run.dir=", "run.name=", "run.resume=")  # the sweep sets these per job
 
 
 @dataclass

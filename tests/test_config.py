@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from finetune.config import FinetuneConfig
+from helpers import load_script
 from pretrain.config import PretrainConfig
 from vit.config import dump_config, load_config
 from vit.errors import ConfigError
@@ -112,7 +113,18 @@ def test_resolved_config_reloads_with_its_meta(tmp_path):
     assert again == cfg
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+SWEEPS = ROOT / "configs" / "sweeps"
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").rglob("*.yaml") if SWEEPS not in p.parents), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_shipped_config_loads(path):
     cls = PretrainConfig if "pretrain" in path.parts else FinetuneConfig
     load_config(cls, path)
+
+
+@pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_job_of_every_shipped_sweep_loads(path):
+    common, jobs = load_script("sweep").read_sweep(path)
+    for job in jobs:
+        cls = PretrainConfig if job.module == "pretrain" else FinetuneConfig
+        load_config(cls, ROOT / job.config, common + job.overrides)

@@ -2,7 +2,6 @@
 
 import contextlib
 import csv
-import importlib.util
 import io
 import json
 import sys
@@ -14,22 +13,13 @@ import yaml
 from PIL import Image
 
 from finetune.train import main as finetune_main
-from helpers import reset_accelerate, tiny_overrides
+from helpers import load_script, reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain_main
 from vit.inspect import attention_rollout, cls_attention, patch_grid_overlay, pos_embed_similarity, rollout_cls_map
 from vit.model import VisionTransformer
 from vit.pos_embed import sincos_2d
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    """scripts/ is not a package: load a script from its path."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 compare_runs = load_script("compare_runs")
@@ -254,8 +244,8 @@ def test_quickstart_runs_each_stage_command_in_order_and_writes_the_report(quick
     assert code == 0, stdout[-2000:]
     commands = [line[2:] for line in stdout.splitlines() if line.startswith("$ ")]
     assert len(commands) == 4
-    assert " -m pretrain --config " in commands[0] and "configs/pretrain/cpu_quick.yaml" in commands[0]
-    assert "configs/finetune/linprobe_cpu_quick.yaml" in commands[1] and "configs/finetune/cpu_quick.yaml" in commands[2]
+    assert " -m pretrain --config " in commands[0] and "configs/pretrain/cpu.yaml" in commands[0]
+    assert "configs/finetune/linprobe_cpu.yaml" in commands[1] and "configs/finetune/cpu.yaml" in commands[2]
     for command, name in zip(commands, ("mae", "linprobe", "finetune")):
         assert f"run.dir={out} run.name={name}" in command and "run.resume=auto" in command and "data.dataset=synthetic" in command
     assert f"finetune.init={out / 'mae'}" in commands[1] and f"finetune.init={out / 'mae'}" in commands[2]

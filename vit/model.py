@@ -28,6 +28,26 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
+def random_masking(batch: int, num_patches: int, mask_ratio: float, device=None, generator: torch.Generator | None = None):
+    """Per-sample random masking by sorting uniform noise.
+
+    Returns ids_keep (B, K) of visible patches with K = int(L * (1 - mask_ratio)),
+    ids_restore (B, L) that undoes the shuffle, and mask (B, L) with 1 = masked, 0 = visible.
+    """
+    keep = int(num_patches * (1 - mask_ratio))
+    if generator is not None:  # a seeded CPU generator: the same masks on every device
+        noise = torch.rand(batch, num_patches, generator=generator).to(device)  # (B, L)
+    else:
+        noise = torch.rand(batch, num_patches, device=device)  # (B, L)
+    ids_shuffle = torch.argsort(noise, dim=1)  # ascending: the first `keep` are visible
+    ids_restore = torch.argsort(ids_shuffle, dim=1)
+    ids_keep = ids_shuffle[:, :keep]  # (B, K)
+    mask = torch.ones(batch, num_patches, device=device)
+    mask[:, :keep] = 0
+    mask = torch.gather(mask, 1, ids_restore)  # (B, L) back in patch order
+    return ids_keep, ids_restore, mask
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping patches -> tokens by a Conv2d with kernel = stride = patch size.
 
@@ -305,9 +325,12 @@ class VisionTransformer(nn.Module):
         x = self.head_drop(self.pool(features))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, C, H, W) -> logits (B, num_classes), or pooled features (B, D) when headless."""
-        return self.forward_head(self.forward_features(x))
+    def forward(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, C, H, W) -> logits (B, num_classes), or pooled features (B, D) when headless.
+
+        ids_keep: (B, N') patch indices to run on (patch dropout in training); None: every patch.
+        """
+        return self.forward_head(self.forward_features(x, ids_keep))
 
     @torch.no_grad()
     def attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -362,4 +385,4 @@ def flops_per_image(cfg: dict, tokens: int | None = None, train: bool = True) ->
     return total * (3 if train else 1)
 
 
-__all__ = ["VisionTransformer", "create_model", "PRESETS", "Attention", "Block", "count_parameters", "flops_per_image"]
+__all__ = ["VisionTransformer", "create_model", "PRESETS", "Attention", "Block", "count_parameters", "flops_per_image", "random_masking"]

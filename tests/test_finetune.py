@@ -173,3 +173,42 @@ def test_every_baseline_config_runs(tmp_path, config):
     assert s["job_type"] == "baseline" and s["final_val_top1"] is not None
     model, payload = load_classifier(tmp_path / "runs" / config)
     assert payload["arch"] == {"vit_scratch_cpu": "vit", "timm_vit_scratch_cpu": "timm_vit", "resnet18_cpu": "resnet18", "timm_vit_pretrained": "vit"}[config]
+
+
+@pytest.mark.parametrize("arch", ["vit", "timm_vit"])
+def test_patch_dropout_trains_on_the_kept_fraction_and_evaluates_on_every_patch(tmp_path, monkeypatch, arch):
+    import timm.layers
+
+    seen = []  # patch tokens per image that reach the blocks, and whether the model was training
+    if arch == "vit":
+        original = VisionTransformer.forward_features
+
+        def spy(self, x, ids_keep=None):
+            out = original(self, x, ids_keep)
+            seen.append((out.shape[1] - 1, self.training))
+            return out
+
+        monkeypatch.setattr(VisionTransformer, "forward_features", spy)
+    else:
+        original = timm.layers.PatchDropout.forward
+
+        def spy(self, x):
+            out = original(self, x)
+            seen.append((out.shape[1] - self.num_prefix_tokens, self.training))
+            return out
+
+        monkeypatch.setattr(timm.layers.PatchDropout, "forward", spy)
+    overrides = tiny_overrides(tmp_path, **{"schedule.epochs": 1, "finetune.patch_keep": 0.5, "finetune.arch": arch, "finetune.layer_decay": "null"})
+    assert finetune(overrides) == 0
+    patches = (32 // 8) ** 2  # tiny_overrides: 32 px, patch 8
+    assert {n for n, training in seen if training} == {patches // 2}
+    assert {n for n, training in seen if not training} == {patches}
+    assert summary(tmp_path, "run")["final_val_top1"] is not None
+
+
+@pytest.mark.parametrize("extra", [{"finetune.arch": "resnet18"}, {"finetune.mode": "linear"}, {"finetune.patch_keep": 0.0}])
+def test_patch_dropout_where_it_cannot_apply_is_a_one_line_error(tmp_path, capsys, extra):
+    overrides = tiny_overrides(tmp_path, **{"finetune.patch_keep": 0.5, **extra})
+    assert finetune(overrides) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: finetune.patch_keep")

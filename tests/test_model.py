@@ -121,6 +121,14 @@ def test_ids_keep_selecting_all_tokens_equals_plain_forward():
     torch.testing.assert_close(model.forward_features(x, ids), model.forward_features(x))
 
 
+def test_forward_with_ids_keep_is_the_head_on_the_kept_tokens():
+    model = VisionTransformer(**{**SMALL, "global_pool": "avg"}).eval()
+    x = torch.randn(2, 3, 32, 32)
+    ids = torch.tensor([[3, 0, 7, 12], [15, 2, 9, 4]])
+    torch.testing.assert_close(model(x, ids), model.forward_head(model.forward_features(x, ids)))
+    assert not torch.allclose(model(x, ids), model(x))  # fewer patches: other logits
+
+
 def test_ids_keep_subset_keeps_positions():
     model = VisionTransformer(**{**SMALL, "depth": 0}).eval()  # no blocks: tokens stay independent
     x = torch.randn(2, 3, 32, 32)

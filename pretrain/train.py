@@ -1,4 +1,4 @@
-"""MAE pretraining: `accelerate launch -m pretrain --config configs/pretrain/cpu_quick.yaml [key=value ...]`."""
+"""MAE pretraining: `accelerate launch -m pretrain --config configs/pretrain/cpu.yaml [key=value ...]`."""
 
 from __future__ import annotations
 

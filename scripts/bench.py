@@ -18,7 +18,9 @@ Sections (each a list of `Case`s, every case a pair of step builders, ours and t
 4. probe: wall time and val accuracy of the cached-features linear probe against the uncached
    probe on the same images, same head initialisation and same batch order.
 5. utilisation: the machine's GEMM peak per precision, measured in the same run, and the
-   model FLOP/s each side reaches as a share of it; peak memory where the device reports it.
+   model FLOP/s each side reaches as a share of it. Peak memory of each side's training steps:
+   the allocator's peak on CUDA; on a Linux CPU the rise of the resident set during the steps
+   of that side alone in a child process (encoder and MAE cases).
 
 "Ours" runs with the defaults a user gets on the device (`model.attn_impl: auto`).
 
@@ -38,6 +40,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -502,6 +505,46 @@ def timed(step: Step, k: int, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def rss_kib(field: str) -> int | None:
+    """A memory figure of this process from /proc/self/status (Linux): VmRSS now, VmHWM its high-water mark, in KiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def host_step_memory(case: Case, side: str, warmup: int) -> dict:
+    """One side of a case alone in this process: how far its training steps raise the resident set (CPU memory).
+
+    The high-water mark is reset after the model and optimiser are built (Linux `clear_refs`), so the
+    figure is the steps' working set: activations, gradients and the optimiser state's first touch.
+    """
+    step = getattr(case, side)()
+    before = rss_kib("VmRSS")
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    except OSError:
+        pass
+    for _ in range(max(1, warmup)):
+        step()
+    peak = rss_kib("VmHWM")
+    return {"peak_memory_mib": None if before is None or peak is None else max(0, peak - before) / 1024}
+
+
+def host_memory_of(case: Case, side: str, argv: list[str]) -> float | None:
+    """`host_step_memory` of one side in a fresh process (so neither side inherits the other's freed pages); None off Linux."""
+    if not Path("/proc/self/status").exists():
+        return None
+    command = [sys.executable, __file__, *argv, "--memory-of", case.name, side]
+    out = subprocess.run(command, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"memory measurement of {case.name} ({side}) failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_memory_mib"]
+
+
 class PeakMemory:
     """Peak device memory (MiB) allocated since `start()`, over what was allocated then; None where not reported (CPU, MPS)."""
 
@@ -642,6 +685,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-batch", type=int, help="batch of the e2e and probe sections (default 256; quick 32)")
     p.add_argument("--probe-images", type=int, help="training images of the probe section (default 2000; quick 128)")
     p.add_argument("--probe-epochs", type=int, help="head epochs of the probe section (default 30; quick 2)")
+    p.add_argument("--memory-of", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)  # internal: one side's CPU memory, in a child
     args = p.parse_args(argv)
     defaults = (dict(batch=16, warmup=1, rounds=2, steps=1, gemm=1024, e2e_batch=32, probe_images=128, probe_epochs=2) if args.quick
                 else dict(batch=128, warmup=3, rounds=5, steps=None, gemm=4096, e2e_batch=256, probe_images=2000, probe_epochs=30))  # fmt: skip
@@ -663,6 +707,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device.type}{' (' + info['device_name'] + ')' if 'device_name' in info else ''} | cpu {info['cpu']} | "
           f"{info['usable_cores']} usable cores | torch threads {threads} | torch {info['torch']} | timm {info['timm']}", flush=True)  # fmt: skip
 
+    if args.memory_of:
+        name, side = args.memory_of
+        case = next(c for c in make_cases(args, device) if c.name == name)
+        seed_everything(args.seed)
+        print(json.dumps(host_step_memory(case, side, args.warmup)))
+        return 0
     cases = [c for c in make_cases(args, device) if args.only is None or args.only in c.name]
     if not cases and args.only not in "probe":
         raise SystemExit(f"--only {args.only!r} matches no case")
@@ -678,6 +728,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(f"[{i}/{len(cases)}] {case.name}: ours {r['ours']['median_images_per_s']:.1f} img/s, "
               f"ref {r['ref']['median_images_per_s']:.1f} img/s, ratio {r['ratio']:.2f}x", flush=True)  # fmt: skip
+    if device.type == "cpu":
+        # CPU memory is not counted by the allocator: each side's steps run alone in a child process.
+        child_argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+        for case, r in zip(cases, results):
+            if case.section in ("encoder", "mae"):  # e2e's reference spreads over DataLoader workers
+                for side in ("ours", "ref"):
+                    r[side]["peak_memory_mib"] = host_memory_of(case, side, child_argv)
     for r in results:
         for side in ("ours", "ref"):
             r[side]["utilisation"] = utilisation(r, side, peaks)

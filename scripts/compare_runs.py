@@ -2,7 +2,7 @@
 
     python scripts/compare_runs.py runs/*                                   # print the table
     python scripts/compare_runs.py runs/* --csv runs.csv --out report       # + CSV, figures and report/report.md
-    python scripts/compare_runs.py runs --runs 'mae*' ft_cpu_quick --out report
+    python scripts/compare_runs.py runs --runs 'mae*' ft_cpu --out report
 
 A path is a run folder (it holds config.yaml, metrics.jsonl or summary.json) or a folder
 of run folders. `--runs` keeps the runs whose folder names match (shell patterns).
@@ -10,7 +10,8 @@ Runs without summary.json are unfinished: listed as such, with what metrics.json
 so far. Everything is read from the run folders: no tracker, no network.
 
 Figures (in `--out`, each FIGSIZE at DPI): loss, accuracy and learning rate against the
-optimiser step and against training time, and a bar chart of the final accuracies.
+optimiser step and against training time, a bar chart of the final accuracies, and the
+accuracy of probes and fine-tunes against the pretraining time of their encoders.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import fnmatch
 import json
 import math
 import shlex
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -458,6 +460,56 @@ def plot_final_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return save(fig, path)
 
 
+def pretraining_points(runs: list[RunFolder], rows: list[dict[str, Any]]) -> dict[str, dict[float, list[float]]]:
+    """Final val top-1 of the probes and fine-tunes, keyed by the pretraining time (minutes) of the encoder they start from.
+
+    Returns {job type: {minutes: [val top-1 of each run, e.g. one per seed]}}. The parent must be one
+    of the finished pretraining runs given; a linear probe of a random encoder (init scratch) is the
+    point at 0 minutes.
+    """
+    minutes = {r.name: r.summary["wall_time_sec"] / 60 for r in runs
+               if r.group == "pretrain" and r.finished and r.summary.get("wall_time_sec") is not None}  # fmt: skip
+    points: dict[str, dict[float, list[float]]] = {}
+    for r in rows:
+        if r["stage"] not in ("linprobe", "finetune") or r["val_top1"] is None or not r["status"].startswith("finished"):
+            continue
+        parent = short_run(r["parent"])
+        if parent in minutes:
+            x = minutes[parent]
+        elif r["stage"] == "linprobe" and r["init"] == "scratch":
+            x = 0.0
+        else:
+            continue
+        points.setdefault(r["stage"], {}).setdefault(x, []).append(r["val_top1"])
+    return points
+
+
+def plot_accuracy_vs_pretraining(runs: list[RunFolder], rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Val top-1 of probes and fine-tunes against their encoder's pretraining time: the mean, and the range over seeds."""
+    points = pretraining_points(runs, rows)
+    if not points:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    labels = {"linprobe": "linear probe (0 min: a random encoder)", "finetune": "full fine-tuning"}
+    for stage, by_x in sorted(points.items()):
+        xs = sorted(by_x)
+        means = [100 * statistics.mean(by_x[x]) for x in xs]
+        low = [m - 100 * min(by_x[x]) for m, x in zip(means, xs)]
+        high = [100 * max(by_x[x]) - m for m, x in zip(means, xs)]
+        ax.errorbar(xs, means, yerr=[low, high], marker="o", markersize=4, capsize=3, linewidth=1.2, label=labels[stage])
+        for x, m in zip(xs, means):
+            n = len(by_x[x])
+            ax.annotate(f"{m:.1f}" + (f" (n={n})" if n > 1 else ""), (x, m), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("pretraining time of the encoder (min)")
+    ax.set_ylabel("val top-1 (%)")
+    ax.set_title("accuracy against MAE pretraining length", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, path)
+
+
 FIGURES = [  # file stem, title in report.md
     ("loss_by_step", "Loss against step"),
     ("loss_by_time", "Loss against training time"),
@@ -466,6 +518,7 @@ FIGURES = [  # file stem, title in report.md
     ("lr_by_step", "Learning rate against step"),
     ("lr_by_time", "Learning rate against training time"),
     ("final_accuracy", "Final accuracy"),
+    ("accuracy_vs_pretraining", "Accuracy against the pretraining length of the encoder"),
 ]
 
 
@@ -481,6 +534,7 @@ def make_figures(runs: list[RunFolder], rows: list[dict[str, Any]], out: Path) -
             runs, "lr", axis, out / f"lr_by_{axis}.png", colour, "learning rate", "learning rate (log scale)", log=True
         )
     figures["final_accuracy"] = plot_final_accuracy(rows, out / "final_accuracy.png")
+    figures["accuracy_vs_pretraining"] = plot_accuracy_vs_pretraining(runs, rows, out / "accuracy_vs_pretraining.png")
     return figures
 
 

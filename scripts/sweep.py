@@ -1,6 +1,6 @@
 """Run a set of training jobs, several at a time on one machine, and print their comparison table.
 
-    python scripts/sweep.py configs/sweeps/cifar10_cpu_hour.yaml --out runs/sweep --parallel 4 -- data.root=PATH run.device=cuda
+    python scripts/sweep.py configs/sweeps/cifar10_round2.yaml --out runs/round2 --parallel 4 -- data.root=PATH run.device=cuda
 
 A sweep file lists jobs; each is one ordinary stage command (`python -m pretrain|finetune`):
 
@@ -8,11 +8,11 @@ A sweep file lists jobs; each is one ordinary stage command (`python -m pretrain
     jobs:
       - name: mae_blr1e-3                                 # its run folder: <out>/<name>
         module: pretrain
-        config: configs/pretrain/cpu_hour.yaml
+        config: configs/pretrain/cpu.yaml
         overrides: [optim.base_lr=1e-3]
       - name: ft_blr1e-3
         module: finetune
-        config: configs/finetune/cpu_hour.yaml
+        config: configs/finetune/cpu.yaml
         init: mae_blr1e-3                                 # finetune.init=<out>/mae_blr1e-3; runs after that job succeeded
 
 A job's command line is: its config, run.dir/run.name, finetune.init (from `init`), `common`,

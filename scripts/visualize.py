@@ -1,8 +1,8 @@
 """Figures of what a trained encoder does: MAE reconstructions, attention maps, attention rollout, positional embeddings.
 
-    python scripts/visualize.py --checkpoint runs/mae_cpu_quick --out figures/mae                 # the run's own val images
-    python scripts/visualize.py --checkpoint runs/ft_cpu_quick/classifier.pt --images data.root=PATH --out figures/ft
-    python scripts/visualize.py --checkpoint runs/mae_cpu_quick/encoder.pt --images photos/ --out figures/photos
+    python scripts/visualize.py --checkpoint runs/mae_cpu --out figures/mae                 # the run's own val images
+    python scripts/visualize.py --checkpoint runs/ft_cpu/classifier.pt --images data.root=PATH --out figures/ft
+    python scripts/visualize.py --checkpoint runs/mae_cpu/encoder.pt --images photos/ --out figures/photos
 
 `--checkpoint` is an `encoder.pt`, a `classifier.pt`, or the run folder holding one.
 `--images` is a folder of image files (or one image), or dotted data overrides

@@ -1,29 +1,21 @@
 """scripts/bench.py: the quick run completes and reports every case; the reference MAE matches ours in shapes and loss."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from helpers import load_script
 from pretrain.model import patchify, unpatchify
 
 ROOT = Path(__file__).resolve().parents[1]
+LINUX = Path("/proc/self/status").exists()
 
-
-def load_bench():
-    """scripts/ is not a package: load bench.py from its path."""
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load_script("bench")
 
 
 def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
@@ -43,6 +35,12 @@ def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
     assert report["machine"]["threads"] >= 1 and report["machine"]["torch"] == torch.__version__
     assert all(p["peak_flops_per_s"] > 0 for p in report["gemm"].values())
     assert "| ours / ref |" in proc.stdout
+    for case in report["cases"]:  # CPU memory: each side's steps alone in a child process (Linux), none for e2e
+        memory = [case[side]["peak_memory_mib"] for side in ("ours", "ref")]
+        if LINUX and case["section"] in ("encoder", "mae"):
+            assert all(m is not None and m > 0 for m in memory), case["name"]
+        else:
+            assert memory == [None, None], case["name"]
     assert {"e2e/pretrain", "e2e/finetune"} <= {c["name"].rsplit("/", 1)[0] for c in report["cases"]}
     probe = report["probe"]
     assert probe["cached_s"] > 0 and probe["uncached_s"] > 0
@@ -74,3 +72,17 @@ def test_reference_mae_matches_ours_in_shapes_and_ignores_visible_patches():
     assert not torch.isclose(loss, ref.forward_loss(imgs, pred + mask_r.unsqueeze(-1), mask_r))
     # ...and it is the same loss as ours on the same prediction and mask.
     torch.testing.assert_close(loss, ours.forward_loss(imgs, pred, mask_r))
+
+
+@pytest.mark.skipif(not LINUX, reason="the CPU memory figure reads /proc/self/status")
+def test_host_step_memory_sees_what_a_step_holds():
+    held = []
+
+    def builder():
+        def step():
+            held.append(torch.ones(64 * 2**20 // 4))  # 64 MiB, touched
+        return step
+
+    case = bench.Case("toy", "encoder", "fp32", 1, ours=builder, ref=builder, ref_name="toy")
+    grew = bench.host_step_memory(case, "ours", warmup=1)["peak_memory_mib"]
+    assert 56 <= grew <= 96

@@ -147,7 +147,8 @@ def test_two_process_cpu_run_uses_both_ranks_in_sync(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", "pretrain"]
-    cmd += tiny_overrides(tmp_path, name="ddp", **{"schedule.epochs": 1, "optim.batch_size": 16})
+    # No run.device: the README's command leaves the device to Accelerate, which must honour ACCELERATE_USE_CPU.
+    cmd += [o for o in tiny_overrides(tmp_path, name="ddp", **{"schedule.epochs": 1, "optim.batch_size": 16}) if not o.startswith("run.device")]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "ddp" / "summary.json").read_text())

@@ -115,6 +115,31 @@ def test_figures_are_images_of_the_set_size_and_the_report_links_them(fake_runs,
     assert "| probe (unfinished) |" in report and "pretrain --config a.yaml" in report
 
 
+def test_accuracy_against_pretraining_length_groups_seeds_and_puts_the_random_probe_at_zero(tmp_path):
+    root = tmp_path / "runs"
+    for name, seconds in (("mae_short", 600.0), ("mae_long", 1800.0)):
+        write_run(root, name, {"stage": "pretrain", "job_type": "pretrain"}, {"stage": "pretrain", "wall_time_sec": seconds, "epochs": 3}, [])
+
+    def classifier(name, job, parent, init, top1):
+        meta = {"stage": "finetune", "job_type": job, "parent": parent}
+        summary = {"stage": "finetune", "job_type": job, "parent": parent, "init": init, "final_val_top1": top1}
+        write_run(root, name, meta, summary, [])
+
+    classifier("probe_short_s0", "linprobe", str(root / "mae_short"), str(root / "mae_short"), 0.40)
+    classifier("probe_short_s1", "linprobe", str(root / "mae_short"), str(root / "mae_short"), 0.50)
+    classifier("probe_long", "linprobe", str(root / "mae_long"), str(root / "mae_long"), 0.60)
+    classifier("ft_long", "finetune", str(root / "mae_long"), str(root / "mae_long"), 0.75)
+    classifier("probe_random", "linprobe", None, "scratch", 0.30)
+    classifier("scratch_vit", "baseline", None, "scratch", 0.70)  # no encoder to place it by: left out
+    runs = compare_runs.load_runs([str(root)])
+    points = compare_runs.pretraining_points(runs, [compare_runs.row(r) for r in runs])
+    assert points == {"linprobe": {0.0: [0.30], 10.0: [0.40, 0.50], 30.0: [0.60]}, "finetune": {30.0: [0.75]}}
+    path = compare_runs.compare([str(root)], out=tmp_path / "report")["figures"]["accuracy_vs_pretraining"]
+    with Image.open(path) as im:
+        lo, hi = im.convert("L").getextrema()
+        assert hi - lo > 100
+
+
 def test_a_resumed_runs_redone_steps_replace_the_first_attempt_and_epoch_lines_get_a_time(tmp_path):
     metrics = [{"step": s, "loss": 1.0, "time": float(s)} for s in (1, 2, 3, 4)]  # crashed after step 4, state saved at step 2
     metrics += [{"step": s, "loss": 2.0, "time": s + 0.5} for s in (3, 4, 5)] + [{"step": 5, "val_loss": 9.0}]
@@ -334,3 +359,52 @@ def test_visualize_refuses_bad_checkpoints_with_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert not (tmp_path / "figures").exists()
+
+
+# --------------------------------------------------------------------------- sweep.py
+
+sweep = load_script("sweep")
+
+
+def write_sweep(path: Path, jobs: list[dict], common: list[str] | None = None) -> Path:
+    path.write_text(yaml.safe_dump({"common": common or ["run.tracker=none"], "jobs": jobs}))
+    return path
+
+
+def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_keeps_finished_ones(tmp_path, capsys):
+    spec = write_sweep(tmp_path / "sweep.yaml", [
+        {"name": "pre", "module": "pretrain", "config": "configs/pretrain/cpu.yaml", "overrides": ["schedule.epochs=1"]},
+        {"name": "ft", "module": "finetune", "config": "configs/finetune/cpu.yaml", "init": "pre", "overrides": ["schedule.epochs=1"]},
+        {"name": "bad", "module": "pretrain", "config": "configs/pretrain/cpu.yaml", "overrides": ["optim.weight_decay=-1"]},
+        {"name": "after_bad", "module": "finetune", "config": "configs/finetune/cpu.yaml", "init": "bad"},
+    ])  # fmt: skip
+    tiny = [o for o in tiny_overrides(tmp_path) if not o.startswith(("run.dir=", "run.name=", "schedule.epochs="))]
+    out = tmp_path / "sweep"
+    assert sweep.main([str(spec), "--out", str(out), "--parallel", "2", "--", *tiny, "schedule.warmup_epochs=0"]) == 1
+    said = capsys.readouterr().out
+    assert "sweep: pre: ok" in said and "sweep: ft: ok" in said and "sweep: bad: exit 2" in said
+    assert "sweep: after_bad: skipped (bad failed)" in said and "sweep: 2/4 jobs ok" in said
+    summary = json.loads((out / "ft" / "summary.json").read_text())
+    assert Path(summary["parent"]).name == "pre" and summary["epochs"] == 1
+    assert "optim.weight_decay must be >= 0" in (out / "bad.log").read_text()
+    # The same command again keeps the finished jobs and retries the failed one.
+    before = (out / "ft" / "summary.json").stat().st_mtime_ns
+    assert sweep.main([str(spec), "--out", str(out), "--", *tiny, "schedule.warmup_epochs=0"]) == 1
+    said = capsys.readouterr().out
+    assert "sweep: pre: finished earlier, kept" in said and "sweep: ft: finished earlier, kept" in said and "sweep: bad: exit 2" in said
+    assert (out / "ft" / "summary.json").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("jobs, message", [
+    ([{"name": "a", "module": "finetune", "config": "configs/finetune/cpu.yaml", "init": "b"}], "init 'b' must name an earlier job"),
+    ([{"name": "a", "module": "pretrain", "config": "configs/pretrain/cpu.yaml"}] * 2, "job name 'a' is used twice"),
+    ([{"name": "a", "module": "train", "config": "configs/pretrain/cpu.yaml"}], "module must be one of pretrain, finetune"),
+    ([{"name": "a", "module": "pretrain", "config": "configs/nope.yaml"}], "config 'configs/nope.yaml' is not a file"),
+    ([{"name": "a", "module": "pretrain", "config": "configs/pretrain/cpu.yaml", "overrides": ["run.name=x"]}], "run.name is set by the sweep"),
+])  # fmt: skip
+def test_a_bad_sweep_file_is_one_line_naming_the_job(tmp_path, capsys, jobs, message):
+    spec = write_sweep(tmp_path / "sweep.yaml", jobs)
+    assert sweep.main([str(spec), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "jobs[" in err[0]
+    assert not (tmp_path / "out").exists()

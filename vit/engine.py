@@ -142,22 +142,24 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     is not installed) costs one warning, not the run.
     """
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import ProjectConfiguration, parse_flag_from_env
 
     device = run_cfg.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("run.device=cuda was requested but no CUDA device is available")
     if device == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise ConfigError("run.device=mps was requested but MPS is not available")
-    # Accelerate's own choice of device (launch flags and ACCELERATE_USE_CPU included) decides the precision.
-    state = PartialState(cpu=device == "cpu")
+    # Accelerate's own choice of device decides the precision. The Accelerator reads ACCELERATE_USE_CPU
+    # (a multi-process CPU launch) itself; the state made first must see it too, or it starts one process.
+    cpu = device == "cpu" or parse_flag_from_env("ACCELERATE_USE_CPU")
+    state = PartialState(cpu=cpu)
     requested = run_cfg.precision
     run_cfg.precision = resolve_precision(requested, state.device)
     if requested == "bf16" and not native_bf16(state.device) and state.is_main_process:
         print(f"warning: run.precision=bf16 on a {state.device.type} without native bf16 is emulated and can be many times slower "
               "than fp32; run.precision=auto chooses for the device", file=sys.stderr)  # fmt: skip
     project = ProjectConfiguration(project_dir=str(run_cfg.path), logging_dir=str(run_cfg.path / "tensorboard"))
-    kwargs = dict(cpu=device == "cpu", mixed_precision=run_cfg.precision, project_config=project)
+    kwargs = dict(cpu=cpu, mixed_precision=run_cfg.precision, project_config=project)
     try:
         accelerator = Accelerator(log_with=log_with, **kwargs)
     except (ValueError, ImportError) as e:

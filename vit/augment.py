@@ -39,8 +39,8 @@ BatchOp = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 # --------------------------------------------------------------------------- pure ops
 
 
-def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """Per-channel (x - mean) / std: images (B, 3, H, W) float in [0, 1] -> (B, 3, H, W)."""
+def normalize(images: torch.Tensor, mean: Sequence[float] | torch.Tensor, std: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Per-channel (x - mean) / std: images (B, 3, H, W) float in [0, 1] -> (B, 3, H, W); mean, std (3,)."""
     mean_t = torch.as_tensor(mean, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
     std_t = torch.as_tensor(std, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
     return (images - mean_t) / std_t
@@ -192,6 +192,9 @@ class BatchLoader:
         self.classes = list(data.classes)
         self.batch_size = batch_size
         self.mean, self.std = tuple(mean), tuple(std)
+        # On the device once: a fresh tensor from a list each batch would be a blocking host-to-device copy each time.
+        self._mean_t = torch.tensor(self.mean, dtype=torch.float32, device=self.device)
+        self._std_t = torch.tensor(self.std, dtype=torch.float32, device=self.device)
         self.out_size = out_size
         self.train = train
         self.seed, self.rank, self.world_size = seed, rank, world_size
@@ -240,11 +243,11 @@ class BatchLoader:
         x = random_resized_crop_flip(x, boxes, flips, self.out_size)
         for op in self.ops:
             x = op(x, generator)
-        return normalize(x, self.mean, self.std)
+        return normalize(x, self._mean_t, self._std_t)
 
     def _eval_epoch(self, start_batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         start, stop = self.shard
         for b in range(start_batch, self.num_batches):
             lo, hi = start + b * self.batch_size, min(start + (b + 1) * self.batch_size, stop)
             x = resize(self.images[lo:hi].float().div_(255), self.out_size)
-            yield normalize(x, self.mean, self.std), self.labels[lo:hi]
+            yield normalize(x, self._mean_t, self._std_t), self.labels[lo:hi]

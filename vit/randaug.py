@@ -177,7 +177,7 @@ class RandomErasing:
         if not erase.any():
             return images
         index = erase.nonzero().squeeze(1)  # (n,) on the CPU: no device sync to find the erased images
-        top, left, h, w = boxes[index].to(images.device).unbind(dim=1)  # (n,) each
+        index, top, left, h, w = torch.cat([index[:, None], boxes[index]], dim=1).to(images.device).unbind(dim=1)  # (n,) each, one copy
         rows = torch.arange(height, device=images.device)
         cols = torch.arange(width, device=images.device)
         in_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])  # (n, H)
@@ -185,7 +185,6 @@ class RandomErasing:
         mask = (in_rows[:, :, None] & in_cols[:, None, :]).unsqueeze(1)  # (n, 1, H, W)
         noise_gen = torch.Generator(device=images.device).manual_seed(noise_seed)
         noise = torch.rand(index.shape[0], c, height, width, generator=noise_gen, device=images.device, dtype=images.dtype)
-        index = index.to(images.device)
         erased = torch.where(mask, noise, images.index_select(0, index))  # (n, C, H, W)
         return images.index_copy(0, index, erased)
 
@@ -217,23 +216,26 @@ def apply_ops(images: torch.Tensor, ops: torch.Tensor, mags: torch.Tensor) -> to
     b, _, height, width = images.shape
     if ops.shape != (b,) or mags.shape != (b,):
         raise ValueError(f"apply_ops expects ops and mags of shape ({b},), got {tuple(ops.shape)} and {tuple(mags.shape)}")
+    # Group the images by op on the CPU and send the grouping, the magnitudes and the geometric matrices to the
+    # device in one copy: from pageable memory every host-to-device copy waits for the device to drain, and a
+    # copy per op (two dozen a batch) left a GPU idle for most of the augmentation.
+    order = torch.argsort(ops, stable=True)  # (B,) images grouped by op, in OPS order
+    ends = torch.bincount(ops, minlength=len(OPS)).cumsum(0).tolist()  # group k is order[ends[k-1]:ends[k]]
+    geo_lo, geo_hi = ends[OP_INDEX[GEOMETRIC[0]] - 1], ends[OP_INDEX[GEOMETRIC[-1]]]  # the geometric ops are adjacent in OPS
+    theta = affine_theta(ops[order[geo_lo:geo_hi]], mags[order[geo_lo:geo_hi]], height, width)  # (n_geo, 2, 3)
+    # cast on the CPU before moving: MPS has no float64; indices below 2^24 are exact in float32
+    packed = torch.cat([order.to(torch.float64), mags[order].to(torch.float64), theta.flatten()]).to(images.dtype).to(images.device)
+    order_dev, mags_dev, theta_dev = packed[:b].long(), packed[b : 2 * b], packed[2 * b :].view(-1, 2, 3)
     out = images.clone()
-    geometric = torch.zeros(b, dtype=torch.bool)
-    for name in GEOMETRIC:
-        geometric |= ops == OP_INDEX[name]
-    if geometric.any():
-        index = geometric.nonzero().squeeze(1)  # (n,) on the CPU
-        theta = affine_theta(ops[index], mags[index], height, width)  # (n, 2, 3)
-        index_dev = index.to(images.device)
-        out.index_copy_(0, index_dev, affine(images.index_select(0, index_dev), theta))
+    if geo_hi > geo_lo:
+        index = order_dev[geo_lo:geo_hi]
+        out.index_copy_(0, index, affine(images.index_select(0, index), theta_dev))
     for name, fn in _COLOUR_OPS.items():
-        chosen = ops == OP_INDEX[name]
-        if chosen.any():
-            index = chosen.nonzero().squeeze(1)  # (n,)
-            index_dev = index.to(images.device)
-            # cast on the CPU before moving: MPS has no float64
-            m = mags[index].to(images.dtype).to(images.device)  # (n,)
-            out.index_copy_(0, index_dev, fn(images.index_select(0, index_dev), m))
+        k = OP_INDEX[name]
+        lo, hi = ends[k - 1], ends[k]
+        if hi > lo:
+            index = order_dev[lo:hi]
+            out.index_copy_(0, index, fn(images.index_select(0, index), mags_dev[lo:hi]))
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
-from vit.engine import state_dirs
+from vit.engine import state_dirs, trim_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +58,8 @@ def test_sigkill_mid_epoch_then_resume_ends_with_bitwise_equal_weights(tmp_path)
     assert proc.returncode == -signal.SIGKILL
     saved = json.loads((state_dirs(run_dir)[-1] / "trainer.json").read_text())
     assert 0 < saved["step"] < 116 and not (run_dir / "summary.json").exists()
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11')  # a record the kill cut off mid-write
     resumed = cli(long_run(tmp_path, "killed", **{"run.resume": "auto"}))
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err[-2000:]
@@ -68,6 +70,25 @@ def test_sigkill_mid_epoch_then_resume_ends_with_bitwise_equal_weights(tmp_path)
     a, b = weights(tmp_path / "runs" / "whole"), weights(run_dir)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # The records logged between the saved state and the kill are logged again, not twice.
+    assert "metrics record(s) logged after step" in out
+    assert logged(run_dir) == logged(tmp_path / "runs" / "whole")
+
+
+def logged(run_dir: Path) -> list[tuple]:
+    """metrics.jsonl without its timings: (step, epoch, lr, loss, val loss) per record."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["epoch"], r.get("lr"), r.get("loss"), r.get("val_loss")) for r in records]
+
+
+def test_trim_metrics_drops_what_follows_the_state_and_a_cut_off_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (5, 10, 15)] + [json.dumps({"note": "no step"}), '{"step": 2']
+    path.write_text("\n".join(lines) + "\n")
+    assert trim_metrics(path, 10) == 2
+    assert path.read_text().splitlines() == [lines[0], lines[1], lines[3]]
+    assert trim_metrics(path, 10) == 0
+    assert trim_metrics(tmp_path / "absent.jsonl", 10) == 0
 
 
 def test_sigterm_saves_a_resume_state_and_exits(tmp_path):

@@ -384,6 +384,30 @@ def save_state(run: Run, progress: Progress) -> Path:
     return final
 
 
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop the records of metrics.jsonl logged after `step` (and a line cut off by a kill); returns how many.
+
+    A run resumed from the state of step S repeats the steps after S and logs them again, so
+    without this the file would hold those steps twice.
+    """
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line + "\n")
+    if dropped:
+        atomic_write_text(path, "".join(kept))
+    return dropped
+
+
 def load_state(run: Run) -> Progress | None:
     """Restore the state named by `run.resume` ('auto': newest complete one that loads); None for a fresh run."""
     resume = run.cfg.run.resume
@@ -409,6 +433,10 @@ def load_state(run: Run) -> Progress | None:
             run.warn(f"resume state {path} is unreadable ({type(e).__name__}); trying the one before")
             continue
         run.print(f"resume: from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batch})")
+        if run.is_main:
+            dropped = trim_metrics(run.dir / "metrics.jsonl", progress.step)
+            if dropped:
+                run.print(f"resume: dropped {dropped} metrics record(s) logged after step {progress.step}; they are logged again")
         return progress
     raise ConfigError(f"run.resume=auto: none of the saved states in {run.dir / STATE_DIR} loads")
 
@@ -537,7 +565,7 @@ def fit(
             train_mode(model)
             batches = loader.epoch(progress.epoch, start_batch=progress.batch)
             steps_left_in_epoch = (len(loader) - progress.batch) // accum
-            for _ in range(steps_left_in_epoch):
+            for i in range(steps_left_in_epoch):
                 if progress.step >= stop_at:
                     break
                 lr = lr_at(progress.step, spec.total_steps, spec.warmup_steps, spec.peak_lr, spec.min_lr)
@@ -582,7 +610,9 @@ def fit(
                     if bar is not None:
                         bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", img_s=f"{rec['images_per_sec']:.0f}")
                 preempted = _any_rank(acc, signals.received is not None)
-                if progress.step % run_cfg.save_every == 0 or preempted:
+                # The last step of an epoch is saved after its evaluation (below), so that a state at step S
+                # always follows every metrics record of steps <= S (see trim_metrics).
+                if (progress.step % run_cfg.save_every == 0 and i < steps_left_in_epoch - 1) or preempted:
                     progress.train_time += time.perf_counter() - segment_start
                     segment_start = time.perf_counter()
                     save_state(run, progress)

@@ -220,19 +220,20 @@ def apply_ops(images: torch.Tensor, ops: torch.Tensor, mags: torch.Tensor) -> to
     # device in one copy: from pageable memory every host-to-device copy waits for the device to drain, and a
     # copy per op (two dozen a batch) left a GPU idle for most of the augmentation.
     order = torch.argsort(ops, stable=True)  # (B,) images grouped by op, in OPS order
-    ends = torch.bincount(ops, minlength=len(OPS)).cumsum(0).tolist()  # group k is order[ends[k-1]:ends[k]]
-    geo_lo, geo_hi = ends[OP_INDEX[GEOMETRIC[0]] - 1], ends[OP_INDEX[GEOMETRIC[-1]]]  # the geometric ops are adjacent in OPS
+    ends = torch.bincount(ops, minlength=len(OPS)).cumsum(0).tolist()
+    starts = [0] + ends[:-1]  # group k is order[starts[k]:ends[k]]
+    geo_lo, geo_hi = starts[OP_INDEX[GEOMETRIC[0]]], ends[OP_INDEX[GEOMETRIC[-1]]]  # the geometric ops are adjacent in OPS
     theta = affine_theta(ops[order[geo_lo:geo_hi]], mags[order[geo_lo:geo_hi]], height, width)  # (n_geo, 2, 3)
-    # cast on the CPU before moving: MPS has no float64; indices below 2^24 are exact in float32
-    packed = torch.cat([order.to(torch.float64), mags[order].to(torch.float64), theta.flatten()]).to(images.dtype).to(images.device)
-    order_dev, mags_dev, theta_dev = packed[:b].long(), packed[b : 2 * b], packed[2 * b :].view(-1, 2, 3)
+    # float32 whatever the images' dtype (indices below 2^24 are exact in it), cast on the CPU: MPS has no float64
+    packed = torch.cat([order.to(torch.float64), mags[order].to(torch.float64), theta.flatten()]).to(torch.float32).to(images.device)
+    order_dev = packed[:b].long()
+    mags_dev, theta_dev = packed[b : 2 * b].to(images.dtype), packed[2 * b :].view(-1, 2, 3).to(images.dtype)
     out = images.clone()
     if geo_hi > geo_lo:
         index = order_dev[geo_lo:geo_hi]
         out.index_copy_(0, index, affine(images.index_select(0, index), theta_dev))
     for name, fn in _COLOUR_OPS.items():
-        k = OP_INDEX[name]
-        lo, hi = ends[k - 1], ends[k]
+        lo, hi = starts[OP_INDEX[name]], ends[OP_INDEX[name]]
         if hi > lo:
             index = order_dev[lo:hi]
             out.index_copy_(0, index, fn(images.index_select(0, index), mags_dev[lo:hi]))

@@ -1,0 +1,55 @@
+"""Time budgets: the step plan is a pure function of what was measured."""
+
+import pytest
+
+from vit.budget import StepMeter, eval_seconds_estimate, plan_steps
+
+
+def test_plan_fills_the_budget_with_steps_and_evaluations():
+    # 600 s budget, 60 s gone, 1 s/step, 100 steps/epoch, 10 s per evaluation, 20 s at the end:
+    # each step costs 1 + 10/100 = 1.1 s; (600 - 60 - 20) / 1.1 = 472.7 -> 472 more steps.
+    total = plan_steps(600, 60, done_steps=10, seconds_per_step=1.0, steps_per_epoch=100, eval_seconds=10, final_seconds=20)
+    assert total == 10 + 472
+    # The plan's own estimate of the stage time stays within the budget, and one more step would not.
+    def cost(n):
+        steps = n - 10
+        return 60 + steps * 1.0 + steps / 100 * 10 + 20
+    assert cost(total) <= 600 < cost(total + 1)
+
+
+def test_plan_spreads_evaluations_over_eval_every():
+    every_epoch = plan_steps(1000, 0, 0, 1.0, steps_per_epoch=10, eval_seconds=10, eval_every_epochs=1)
+    every_5 = plan_steps(1000, 0, 0, 1.0, steps_per_epoch=10, eval_seconds=10, eval_every_epochs=5)
+    assert every_epoch == 500 and every_5 == int(1000 // 1.2)
+
+
+def test_a_spent_budget_stops_where_the_run_is():
+    assert plan_steps(60, 90, done_steps=25, seconds_per_step=0.5, steps_per_epoch=10) == 25
+
+
+def test_plan_refuses_a_zero_step_time():
+    with pytest.raises(ValueError):
+        plan_steps(60, 0, 0, 0.0, 10)
+
+
+def test_eval_estimate_is_a_forward_share_of_training():
+    assert eval_seconds_estimate(3000, train_images_per_sec=100) == pytest.approx(10.0)
+    assert eval_seconds_estimate(3000, 100, cost_per_image=1.0) == pytest.approx(30.0)
+    assert eval_seconds_estimate(0, 100) == 0.0
+
+
+def test_meter_skips_warmup_and_waits_for_steps_and_seconds():
+    now = [0.0]
+    meter = StepMeter(warmup=2, min_steps=3, min_seconds=5.0, clock=lambda: now[0])
+    for dt in (10.0, 10.0):  # slow warm-up steps are not measured
+        now[0] += dt
+        meter.tick()
+    assert not meter.done
+    for _ in range(3):
+        now[0] += 1.0
+        meter.tick()
+    assert meter.steps == 3 and not meter.done  # 3 steps but only 3 s
+    for _ in range(2):
+        now[0] += 1.0
+        meter.tick()
+    assert meter.done and meter.seconds_per_step == pytest.approx(1.0)

@@ -1,0 +1,100 @@
+"""Time budgets: turn `schedule.budget_minutes` into a fixed number of optimiser steps.
+
+A run with a budget measures its own speed over a few steps after warm-up, then fixes
+the total step count once, so that the stage (setup, training, the evaluations it does
+along the way and at the end) ends within the budget on whatever machine runs it:
+
+    meter = StepMeter(warmup=3, min_steps=8, min_seconds=5.0)
+    ...each optimiser step: meter.tick(progress.step)
+    if meter.done: plan = plan_budget(...)      # once; stored in the resume state
+
+The plan is stored in the run folder and the resume state, so a resumed run keeps
+the same schedule: the learning-rate curve never changes mid-run. Evaluation cost is
+an estimate (a forward pass costs about a third of a training step per image), so the
+summary records the planned and the actual wall time side by side.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+# A forward pass is about a third of a training step's work per image (backward ~ 2x forward).
+FORWARD_SHARE = 1 / 3
+
+
+@dataclass
+class BudgetPlan:
+    """A budget fixed into steps: what was measured and what it implies."""
+
+    budget_minutes: float
+    total_steps: int
+    seconds_per_step: float  # measured after warm-up
+    eval_seconds: float  # estimated cost of one evaluation during training
+    final_seconds: float  # estimated cost of what runs after the last step (final evaluations)
+    elapsed_seconds: float  # stage wall time when the plan was made (setup and measured steps included)
+    measured_steps: int  # steps the speed was measured over
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_steps(
+    budget_seconds: float,
+    elapsed_seconds: float,
+    done_steps: int,
+    seconds_per_step: float,
+    steps_per_epoch: int,
+    eval_seconds: float = 0.0,
+    eval_every_epochs: int = 1,
+    final_seconds: float = 0.0,
+) -> int:
+    """Total optimiser steps such that the remaining steps, evaluations and final work fit the budget.
+
+    Each step costs `seconds_per_step`; every `eval_every_epochs` epochs (of `steps_per_epoch` steps) an
+    evaluation costs `eval_seconds`, spread here over the steps it follows; `final_seconds` runs once at the
+    end. Never fewer than `done_steps` (a budget already spent stops the run where it is).
+    """
+    if seconds_per_step <= 0:
+        raise ValueError(f"seconds_per_step must be positive, got {seconds_per_step}")
+    per_step = seconds_per_step
+    if eval_seconds > 0 and eval_every_epochs > 0:
+        per_step += eval_seconds / (steps_per_epoch * eval_every_epochs)
+    left = budget_seconds - elapsed_seconds - final_seconds
+    return done_steps + max(0, int(left // per_step))
+
+
+def eval_seconds_estimate(images: int, train_images_per_sec: float, cost_per_image: float = FORWARD_SHARE) -> float:
+    """Seconds to evaluate `images` images, from the training rate: `cost_per_image` training images' work each."""
+    if images <= 0 or train_images_per_sec <= 0:
+        return 0.0
+    return images * cost_per_image / train_images_per_sec
+
+
+class StepMeter:
+    """Seconds per optimiser step, measured after `warmup` steps over at least `min_steps` and `min_seconds`."""
+
+    def __init__(self, warmup: int = 3, min_steps: int = 8, min_seconds: float = 5.0, clock=time.perf_counter):
+        self.warmup, self.min_steps, self.min_seconds, self.clock = warmup, min_steps, min_seconds, clock
+        self.seen = 0
+        self.start: float | None = None
+        self.steps = 0
+        self.elapsed = 0.0
+
+    def tick(self) -> None:
+        """Call once after each optimiser step."""
+        self.seen += 1
+        now = self.clock()
+        if self.seen == self.warmup:
+            self.start = now
+        elif self.start is not None and self.seen > self.warmup:
+            self.steps = self.seen - self.warmup
+            self.elapsed = now - self.start
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.min_steps and self.elapsed >= self.min_seconds
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.elapsed / self.steps if self.steps else float("nan")

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vit.checkpoint import CheckpointError, atomic_save, load_encoder, load_timm_weights, read_checkpoint, read_encoder, read_weights_file
+from vit.checkpoint import CheckpointError, load_encoder, load_timm_weights, read_checkpoint, read_encoder, read_weights_file
 from vit.errors import ConfigError
+from vit.io import atomic_save
 from vit.model import VisionTransformer, create_model
+from vit.runs import CLASSIFIER_FILE, ENCODER_FILE
 
 CLASSIFIER_FORMAT = "vit-classifier/1"
 HUB_HOST = ("huggingface.co", 443)
@@ -87,7 +89,7 @@ class Built:
 
 def resolve_encoder_path(init: str) -> Path:
     path = Path(init).expanduser()
-    return path / "encoder.pt" if path.is_dir() else path
+    return path / ENCODER_FILE if path.is_dir() else path
 
 
 def hub_reachable(timeout: float = 5.0) -> bool:
@@ -183,7 +185,7 @@ def save_classifier(path: Path, built: Built, model: nn.Module, classes: list[st
 
 def load_classifier(init: str) -> tuple[nn.Module, dict[str, Any]]:
     """A finished classifier from its run folder or `classifier.pt`, loaded strictly."""
-    payload = read_checkpoint(init, "classifier.pt", CLASSIFIER_FORMAT, "classifier")
+    payload = read_checkpoint(init, CLASSIFIER_FILE, CLASSIFIER_FORMAT, "classifier")
     model = rebuild(payload["arch"], payload["build"])
     model.load_state_dict(payload["state_dict"], strict=True)
     return model, payload

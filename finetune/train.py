@@ -6,9 +6,7 @@ finished classifier, and the baselines (scratch ViT, timm ViT, ResNet-18).
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -26,6 +24,7 @@ from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimize
 from vit.errors import exit_on_user_error
 from vit.model import random_masking
 from vit.randaug import make_ops
+from vit.runs import CLASSIFIER_FILE, confusion_path
 
 
 def job_type(cfg: FinetuneConfig) -> str:
@@ -115,7 +114,7 @@ def report_eval(run: Run, results: dict[str, dict], classes: list[str], tag: str
         out[f"{split}_loss"] = r["loss"]
         out[f"{split}_per_class"] = dict(zip(classes, r["per_class"]))
         if figures and run.is_main:
-            path = save_confusion_matrix(r["confusion"], classes, run.dir / f"confusion_{split}.png", f"{tag} - {split} top-1 {r['top1']:.2%}")
+            path = save_confusion_matrix(r["confusion"], classes, confusion_path(run.dir, split), f"{tag} - {split} top-1 {r['top1']:.2%}")
             run.log_images({f"confusion_{split}": path}, step=0)
     return out
 
@@ -253,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     size = image_size(cfg, built, splits)
     data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std)}
     if run.is_main:
-        save_classifier(run.dir / "classifier.pt", built, model, splits.train.classes, data_info, progress.step)
+        save_classifier(run.dir / CLASSIFIER_FILE, built, model, splits.train.classes, data_info, progress.step)
     tag = f"{built.arch} {cfg.finetune.mode} ({cfg.finetune.init})"
     flat = report_eval(run, results, splits.train.classes, tag, cfg.finetune.confusion_matrix)
     summary = run.finish({
@@ -281,7 +280,3 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("(no test split in this dataset: val only)")
     run.print(f"done in {summary['wall_time_sec']:.0f}s: " + ", ".join(lines) + f" -> {run.dir}")
     return 0
-
-
-def read_summary(run_dir: str | Path) -> dict:
-    return json.loads((Path(run_dir) / "summary.json").read_text())

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vit.checkpoint import read_mae
+from vit.errors import CheckpointError
 from vit.model import Block, VisionTransformer, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
 from vit.pos_embed import sincos_2d
 
@@ -163,3 +165,14 @@ PRESET_DECODERS: dict[str, dict] = {
     # The paper's ViT-B/16 decoder: 8 blocks of 512 wide.
     "vit_base": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
 }
+
+
+def mae_from_checkpoint(path) -> MaskedAutoencoder:
+    """The whole MAE saved as `mae.pt` (a file, or the one in a run folder), rebuilt from its stored configs, loaded strictly."""
+    payload = read_mae(path)
+    try:
+        mae = MaskedAutoencoder(VisionTransformer(**payload["config"]), **payload["mae"])
+        mae.load_state_dict(payload["state_dict"], strict=True)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path} does not rebuild an MAE ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    return mae

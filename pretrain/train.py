@@ -8,12 +8,13 @@ from pretrain.config import PretrainConfig
 from pretrain.figures import save_reconstruction_figure
 from pretrain.model import PRESET_DECODERS, MaskedAutoencoder
 from vit.augment import BatchLoader
-from vit.checkpoint import save_encoder, unwrap
+from vit.checkpoint import save_encoder, save_mae, unwrap
 from vit.cli import parse
 from vit.data import load_splits
 from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import ConfigError, exit_on_user_error
 from vit.model import create_model
+from vit.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, last_logged
 
 
 def build_mae(cfg: PretrainConfig, device=None) -> MaskedAutoencoder:
@@ -87,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         figure_loader = BatchLoader(picks, cfg.mae.figure_images, train=False, device=acc.device, mean=splits.mean, std=splits.std, out_size=img_size)
         figure_batch = next(figure_loader.epoch(0))[0]
 
-    def figure(step: int, name: str) -> None:
+    def figure(step: int, path) -> None:
         if figure_batch is None or not run.is_main:
             return
         with acc.autocast():
-            path = save_reconstruction_figure(unwrap(model), figure_batch, splits.mean, splits.std, run.dir / name, seed=cfg.run.seed)
+            path = save_reconstruction_figure(unwrap(model), figure_batch, splits.mean, splits.std, path, seed=cfg.run.seed)
         run.log_images({"reconstruction": path}, step)
 
     first_batch_sum = next(train_loader.epoch(0))[0].double().sum().item()
@@ -106,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics["val_loss"] = validation_loss(unwrap(model), val_loader, run, cfg.run.seed)
             run.print(f"epoch {epoch}: val loss {metrics['val_loss']:.4f}")
         if cfg.run.figure_every and epoch % cfg.run.figure_every == 0:
-            figure(progress.step, f"figures/reconstruction_epoch{epoch:04d}.png")
-        if run.is_main:
-            save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run))
+            figure(progress.step, epoch_figure_path(run.dir, "reconstruction", epoch))
+        save_weights(run, model, progress.step)
         return metrics
 
     progress = load_state(run)
@@ -117,12 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         run.print(str(e))
         return 143
-    if run.is_main:
-        save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run))
-    figure(progress.step, "reconstruction.png")
+    save_weights(run, model, progress.step)
+    figure(progress.step, run.dir / RECONSTRUCTION_FILE)
     final_val = validation_loss(unwrap(model), val_loader, run, cfg.run.seed) if val_loader is not None else None
     summary = run.finish({
-        "final_loss": last_logged(run, "loss"),
+        "final_loss": last_logged(run.dir, "loss") if run.is_main else None,
         "final_val_loss": final_val,
         "steps": progress.step,
         "epochs": progress.epoch,
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": rank_report(run, model, first_batch_sum, progress.images // acc.num_processes),
     })
     run.print(f"done: {summary['steps']} steps in {summary['wall_time_sec']:.0f}s ({summary['images_per_sec']:.0f} img/s), "
-              f"loss {summary['final_loss']}, val loss {final_val} -> {run.dir / 'encoder.pt'}")
+              f"loss {summary['final_loss']}, val loss {final_val} -> {run.dir / ENCODER_FILE}")
     return 0
 
 
@@ -145,16 +144,9 @@ def encoder_meta(run: Run) -> dict:
     return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed}
 
 
-def last_logged(run: Run, key: str):
-    """The last value of `key` in metrics.jsonl (main process), or None."""
-    import json
-
-    path = run.dir / "metrics.jsonl"
-    if not run.is_main or not path.exists():
-        return None
-    value = None
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        if key in rec:
-            value = rec[key]
-    return value
+def save_weights(run: Run, model, step: int) -> None:
+    """encoder.pt, what the classification stage starts from, and mae.pt, the whole MAE that figures rebuild (main process)."""
+    if run.is_main:
+        mae = unwrap(model)
+        save_encoder(mae.encoder, run.dir / ENCODER_FILE, step=step, meta=encoder_meta(run))
+        save_mae(mae, run.dir / MAE_FILE, step=step, meta=encoder_meta(run))

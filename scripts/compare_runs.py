@@ -20,65 +20,25 @@ import argparse
 import bisect
 import csv
 import fnmatch
-import json
 import math
 import shlex
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
-
-import yaml
 
 if __package__ in (None, ""):  # run as `python scripts/compare_runs.py`: make the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vit.errors import UserError, exit_on_user_error  # noqa: E402
+from vit.runs import CLASSIFICATION, RUN_MARKERS, RunFolder, is_run_folder, read_run  # noqa: E402
 
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json")
 FIGSIZE = (10.0, 4.0)  # inches; every figure is FIGSIZE * DPI pixels
 DPI = 100
-CLASSIFICATION = "classification"
 
 
 # --------------------------------------------------------------------------- reading run folders
-
-
-@dataclass
-class RunFolder:
-    """What one run folder holds: its config (with `meta`), summary (None while unfinished) and metric lines."""
-
-    name: str
-    path: Path
-    config: dict[str, Any]
-    summary: dict[str, Any] | None
-    metrics: list[dict[str, Any]]
-    problems: list[str] = field(default_factory=list)  # unreadable files, skipped lines
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        return self.config.get("meta") or {}
-
-    @property
-    def finished(self) -> bool:
-        return self.summary is not None
-
-    @property
-    def stage(self) -> str:
-        """pretrain, finetune, linprobe, baseline or eval (the job type), else the stage."""
-        s = self.summary or {}
-        return s.get("job_type") or self.meta.get("job_type") or s.get("stage") or self.meta.get("stage") or "?"
-
-    @property
-    def group(self) -> str:
-        """'pretrain' or 'classification': runs whose losses share a scale."""
-        stage = (self.summary or {}).get("stage") or self.meta.get("stage")
-        return "pretrain" if stage == "pretrain" else CLASSIFICATION
-
-
-def is_run_folder(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in RUN_MARKERS)
 
 
 def find_runs(paths: list[str]) -> list[Path]:
@@ -107,41 +67,6 @@ def run_names(paths: list[Path]) -> list[str]:
     """Folder names, with the parent folder prepended where two runs share a name."""
     names = [p.name for p in paths]
     return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
-
-
-def read_run(path: Path, name: str) -> RunFolder:
-    """Read a run folder; an unreadable file is noted in `problems`, never fatal (a run may be mid-write)."""
-    problems = []
-    config: dict[str, Any] = {}
-    if (path / "config.yaml").is_file():
-        try:
-            loaded = yaml.safe_load((path / "config.yaml").read_text())
-            config = loaded if isinstance(loaded, dict) else {}
-        except yaml.YAMLError:
-            problems.append("config.yaml unreadable")
-    summary = None
-    if (path / "summary.json").is_file():
-        try:
-            summary = json.loads((path / "summary.json").read_text())
-        except json.JSONDecodeError:
-            problems.append("summary.json unreadable")
-    metrics, bad = [], 0
-    if (path / "metrics.jsonl").is_file():
-        for line in (path / "metrics.jsonl").read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # e.g. the last line of a run that is writing right now
-                bad += 1
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
-                metrics.append(record)
-            else:
-                bad += 1
-    if bad:
-        problems.append(f"{bad} unreadable line(s) in metrics.jsonl")
-    return RunFolder(name, path, config, summary, metrics, problems)
 
 
 def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFolder]:

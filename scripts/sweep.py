@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as `python scripts/sweep.py`: make the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vit.errors import ConfigError, exit_on_user_error  # noqa: E402
+from vit.runs import is_finished  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("pretrain", "finetune")
@@ -129,7 +130,7 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
                 outcome[job.name] = f"skipped ({job.init} failed)"
                 print(f"sweep: {job.name}: {outcome[job.name]}", flush=True)
                 continue
-            if (out / job.name / "summary.json").is_file():
+            if is_finished(out / job.name):
                 pending.remove(job)
                 outcome[job.name] = "ok"
                 print(f"sweep: {job.name}: finished earlier, kept", flush=True)

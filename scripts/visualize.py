@@ -12,8 +12,8 @@ else train), spread evenly over it.
 
 Writes into `--out`:
 - reconstruction.png: original | masked | reconstruction | reconstruction with the visible
-  patches pasted back (pretraining runs: rebuilt from the newest resume state, which holds
-  the whole MAE; encoder.pt holds only the encoder);
+  patches pasted back (pretraining runs: the whole MAE, rebuilt from the mae.pt beside
+  encoder.pt; encoder.pt holds only the encoder);
 - attention_heads.png: where [CLS] looks in the last block, one column per head;
 - attention_rollout.png: attention rollout (Abnar & Zuidema 2020) of [CLS] over all blocks;
 - pos_embed_similarity.png: for each patch position, the cosine similarity of its positional
@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 if __package__ in (None, ""):  # run as `python scripts/visualize.py`: make the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vit.checkpoint import ENCODER_FORMAT, encoder_from_checkpoint, read_weights_file  # noqa: E402
+from vit.checkpoint import ENCODER_FORMAT, encoder_from_checkpoint, read_payload  # noqa: E402
 from vit.errors import CheckpointError, DataError, UserError, exit_on_user_error  # noqa: E402
 from vit.inspect import (  # noqa: E402
     attention_rollout,
@@ -50,6 +49,7 @@ from vit.inspect import (  # noqa: E402
 )
 from vit.model import VisionTransformer  # noqa: E402
 from vit.pos_embed import sincos_2d  # noqa: E402
+from vit.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, MAE_FILE, read_config  # noqa: E402
 
 DPI = 100
 
@@ -71,19 +71,9 @@ class Loaded:
 
 def find_run_dir(*candidates: Path | str | None) -> Path | None:
     for c in candidates:
-        if c and (Path(c) / "config.yaml").is_file():
+        if c and (Path(c) / CONFIG_FILE).is_file():
             return Path(c)
     return None
-
-
-def read_run_config(run_dir: Path | None) -> dict[str, Any] | None:
-    if run_dir is None:
-        return None
-    try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    except yaml.YAMLError:
-        raise UserError(f"{run_dir / 'config.yaml'} is not valid YAML") from None
-    return config if isinstance(config, dict) else None
 
 
 def classifier_encoder(model: torch.nn.Module, payload: dict, path: Path) -> VisionTransformer:
@@ -105,23 +95,16 @@ def load_checkpoint(checkpoint: str) -> Loaded:
     """An `encoder.pt`, a `classifier.pt`, or a run folder holding one -> the encoder, its run folder and config."""
     path = Path(checkpoint).expanduser()
     if path.is_dir():
-        found = [path / name for name in ("encoder.pt", "classifier.pt") if (path / name).is_file()]
+        found = [path / name for name in (ENCODER_FILE, CLASSIFIER_FILE) if (path / name).is_file()]
         if not found:
-            raise CheckpointError(f"{path} holds neither encoder.pt nor classifier.pt")
+            raise CheckpointError(f"{path} holds neither {ENCODER_FILE} nor {CLASSIFIER_FILE}")
         path = found[0]
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a file that is not a checkpoint
-        raise CheckpointError(
-            f"{path} is not a readable checkpoint ({type(e).__name__}); expected an encoder.pt or classifier.pt"
-        ) from None
-    fmt = payload.get("format") if isinstance(payload, dict) else None
+    payload = read_payload(path)
+    fmt = payload.get("format")
     if fmt == ENCODER_FORMAT:
         encoder = encoder_from_checkpoint(path)
         run_dir = find_run_dir(path.parent, payload.get("meta", {}).get("run"))
-        return Loaded(encoder, "encoder", path, run_dir, read_run_config(run_dir), None)
+        return Loaded(encoder, "encoder", path, run_dir, read_config(run_dir) if run_dir else None, None)
     from finetune.models import CLASSIFIER_FORMAT, load_classifier
 
     if fmt == CLASSIFIER_FORMAT:
@@ -130,37 +113,20 @@ def load_checkpoint(checkpoint: str) -> Loaded:
         run_dir = find_run_dir(path.parent)
         data = payload.get("data") or {}
         norm = (tuple(data["mean"]), tuple(data["std"])) if "mean" in data and "std" in data else None
-        return Loaded(encoder, "classifier", path, run_dir, read_run_config(run_dir), norm)
-    raise CheckpointError(f"{path} is not an encoder.pt or classifier.pt (format {fmt!r})")
+        return Loaded(encoder, "classifier", path, run_dir, read_config(run_dir) if run_dir else None, norm)
+    raise CheckpointError(f"{path} is not an {ENCODER_FILE} or {CLASSIFIER_FILE} (format {fmt!r})")
 
 
 def load_mae(loaded: Loaded):
-    """The whole MAE of a pretraining run, from its newest resume state; (mae, None) or (None, why not)."""
-    config = loaded.run_config or {}
-    if loaded.run_dir is None:
-        return None, f"no run folder with config.yaml next to {loaded.path}, so no MAE decoder to rebuild"
-    stage = (config.get("meta") or {}).get("stage")
-    if stage != "pretrain":
-        return None, f"{loaded.run_dir} is a {stage or 'non-pretraining'} run: it has no MAE decoder"
-    from pretrain.config import PretrainConfig
-    from pretrain.train import build_mae
-    from vit.config import load_config
-    from vit.engine import state_dirs
+    """The whole MAE of a pretraining run, from the mae.pt beside its encoder.pt; (mae, None) or (None, why not)."""
+    if loaded.kind != "encoder":
+        return None, f"{loaded.path} is a classifier: it has no MAE decoder"
+    path = loaded.path.parent / MAE_FILE
+    if not path.is_file():
+        return None, f"no {MAE_FILE} beside {loaded.path}, which holds the encoder alone (a run pretrained before {MAE_FILE} existed?)"
+    from pretrain.model import mae_from_checkpoint
 
-    states = state_dirs(loaded.run_dir)
-    if not states:
-        return None, f"no complete resume state in {loaded.run_dir / 'states'}: encoder.pt alone holds no decoder"
-    state = states[-1]
-    weights = next((state / n for n in ("model.safetensors", "pytorch_model.bin") if (state / n).is_file()), None)
-    if weights is None:
-        return None, f"{state} holds no model weights (model.safetensors)"
-    mae = build_mae(load_config(PretrainConfig, loaded.run_dir / "config.yaml"))
-    state_dict = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in read_weights_file(weights).items()}
-    missing, unexpected = mae.load_state_dict(state_dict, strict=False)
-    if missing or unexpected:
-        found = f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
-        return None, f"{weights} does not fit the MAE of {loaded.run_dir / 'config.yaml'} ({found})"
-    return mae.eval(), None
+    return mae_from_checkpoint(path).eval(), None
 
 
 # --------------------------------------------------------------------------- the images
@@ -211,7 +177,7 @@ def images_from_data(loaded: Loaded, overrides: list[str], size: int, n: int):
     from vit.data import load_splits
 
     overrides = [o if o.startswith("data.") else f"data.{o}" for o in overrides]
-    config_file = loaded.run_dir / "config.yaml" if loaded.run_dir is not None else None
+    config_file = loaded.run_dir / CONFIG_FILE if loaded.run_dir is not None else None
     stage = ((loaded.run_config or {}).get("meta") or {}).get("stage")
     cls = FinetuneConfig if stage == "finetune" else PretrainConfig
     cfg = load_config(cls, config_file if stage in ("pretrain", "finetune") else None, overrides)
@@ -244,7 +210,7 @@ def get_images(loaded: Loaded, spec: list[str], n: int):
         raise UserError(f"--images {bad[0]!r}: give one folder of images, or data overrides like data.root=PATH")
     if loaded.run_dir is None and not spec:
         raise UserError(
-            f"no run folder with config.yaml found for {loaded.path}: say which images with --images FOLDER or data.dataset=... data.root=..."
+            f"no run folder with {CONFIG_FILE} found for {loaded.path}: say which images with --images FOLDER or data.dataset=... data.root=..."
         )
     return images_from_data(loaded, spec, size, n)
 
@@ -388,7 +354,7 @@ def visualize(checkpoint: str, image_spec: list[str], out: Path, num_images: int
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path | None] = {}
 
-    mae, why_not = load_mae(loaded) if loaded.kind == "encoder" else (None, f"{loaded.path} is a classifier: it has no MAE decoder")
+    mae, why_not = load_mae(loaded)
     if mae is not None:
         from pretrain.figures import save_reconstruction_figure
 

@@ -11,11 +11,16 @@ import torch
 import yaml
 
 from helpers import free_port, tiny_overrides
-from pretrain.model import MaskedAutoencoder, patchify, random_masking, unpatchify
-from pretrain.train import main
-from vit.checkpoint import encoder_from_checkpoint
+from pretrain.config import PretrainConfig
+from pretrain.figures import reconstruct
+from pretrain.model import MaskedAutoencoder, mae_from_checkpoint, patchify, random_masking, unpatchify
+from pretrain.train import build_mae, main
+from vit.checkpoint import encoder_from_checkpoint, save_encoder, save_mae
+from vit.config import load_config
 from vit.engine import lr_at
+from vit.errors import CheckpointError
 from vit.model import VisionTransformer
+from vit.runs import state_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +102,7 @@ def test_short_run_lowers_loss_and_leaves_a_complete_run_folder(tmp_path):
     overrides = tiny_overrides(tmp_path, **{"schedule.epochs": 6, "optim.lr": 2e-3, "mae.norm_pix_loss": False})
     assert main(overrides) == 0
     run_dir = tmp_path / "runs" / "run"
-    for name in ("config.yaml", "metrics.jsonl", "summary.json", "encoder.pt", "reconstruction.png"):
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "encoder.pt", "mae.pt", "reconstruction.png"):
         assert (run_dir / name).is_file(), name
     metrics = [m for m in read_metrics(run_dir) if "loss" in m]
     first = sum(m["loss"] for m in metrics[:3]) / 3
@@ -115,6 +120,37 @@ def test_short_run_lowers_loss_and_leaves_a_complete_run_folder(tmp_path):
     fresh.load_state_dict(payload["state_dict"], strict=True)
     encoder = encoder_from_checkpoint(run_dir / "encoder.pt")
     assert encoder.config["embed_dim"] == 32 and payload["step"] == summary["steps"]
+    # mae.pt is the whole MAE training ended with: the model of the final resume state, rebuilt from the file alone.
+    assert torch.load(run_dir / "mae.pt", weights_only=True)["step"] == summary["steps"]
+    from safetensors.torch import load_file
+
+    trained = build_mae(load_config(PretrainConfig, run_dir / "config.yaml"), torch.device("cpu"))  # attention as the run computed it
+    trained.load_state_dict(load_file(state_path(run_dir, summary["steps"]) / "model.safetensors"), strict=True)
+    rebuilt = mae_from_checkpoint(run_dir)
+    x = torch.randn(4, 3, 32, 32)
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    assert torch.equal(reconstruct(rebuilt, x, mean, std, seed=1), reconstruct(trained, x, mean, std, seed=1))
+
+
+def test_mae_checkpoint_holds_plain_tensors_and_its_configs_and_refuses_other_files(tmp_path):
+    torch.manual_seed(0)
+    mae = tiny_mae(mask_ratio=0.6, norm_pix_loss=True)
+    save_mae(mae, tmp_path / "mae.pt", step=4, meta={"stage": "pretrain"})
+    payload = torch.load(tmp_path / "mae.pt", weights_only=True)
+    assert payload["format"] == "vit-mae/1" and payload["step"] == 4 and payload["config"]["embed_dim"] == 32
+    assert payload["mae"] == {"decoder_embed_dim": 32, "decoder_depth": 1, "decoder_num_heads": 2, "mlp_ratio": 4.0,
+                              "mask_ratio": 0.6, "norm_pix_loss": True}  # fmt: skip
+    rebuilt = mae_from_checkpoint(tmp_path)  # the mae.pt of a run folder
+    assert rebuilt.mask_ratio == 0.6 and rebuilt.norm_pix_loss
+    x = torch.randn(2, 3, 32, 32)
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    assert torch.equal(reconstruct(rebuilt, x, mean, std, seed=2), reconstruct(mae, x, mean, std, seed=2))
+    save_encoder(mae.encoder, tmp_path / "encoder.pt")
+    with pytest.raises(CheckpointError, match=r"encoder.pt is not a masked autoencoder checkpoint \(expected format 'vit-mae/1'\)"):
+        mae_from_checkpoint(tmp_path / "encoder.pt")
+    (tmp_path / "old_run").mkdir()  # a run pretrained before mae.pt was written
+    with pytest.raises(CheckpointError, match=r"masked autoencoder checkpoint .*old_run/mae.pt does not exist"):
+        mae_from_checkpoint(tmp_path / "old_run")
 
 
 def test_resumed_run_reaches_same_step_and_continues_the_lr_schedule(tmp_path):

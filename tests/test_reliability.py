@@ -16,7 +16,7 @@ import torch
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
-from vit.engine import state_dirs, trim_metrics
+from vit.runs import state_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,16 +79,6 @@ def logged(run_dir: Path) -> list[tuple]:
     """metrics.jsonl without its timings: (step, epoch, lr, loss, val loss) per record."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["epoch"], r.get("lr"), r.get("loss"), r.get("val_loss")) for r in records]
-
-
-def test_trim_metrics_drops_what_follows_the_state_and_a_cut_off_line(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (5, 10, 15)] + [json.dumps({"note": "no step"}), '{"step": 2']
-    path.write_text("\n".join(lines) + "\n")
-    assert trim_metrics(path, 10) == 2
-    assert path.read_text().splitlines() == [lines[0], lines[1], lines[3]]
-    assert trim_metrics(path, 10) == 0
-    assert trim_metrics(tmp_path / "absent.jsonl", 10) == 0
 
 
 def test_sigterm_saves_a_resume_state_and_exits(tmp_path):

@@ -4,6 +4,7 @@ import contextlib
 import csv
 import io
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from pretrain.train import main as pretrain_main
 from vit.inspect import attention_rollout, cls_attention, patch_grid_overlay, pos_embed_similarity, rollout_cls_map
 from vit.model import VisionTransformer
 from vit.pos_embed import sincos_2d
+from vit.runs import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +146,7 @@ def test_a_resumed_runs_redone_steps_replace_the_first_attempt_and_epoch_lines_g
     metrics = [{"step": s, "loss": 1.0, "time": float(s)} for s in (1, 2, 3, 4)]  # crashed after step 4, state saved at step 2
     metrics += [{"step": s, "loss": 2.0, "time": s + 0.5} for s in (3, 4, 5)] + [{"step": 5, "val_loss": 9.0}]
     write_run(tmp_path, "r", {"stage": "pretrain"}, None, metrics)
-    run = compare_runs.read_run(tmp_path / "r", "r")
+    run = read_run(tmp_path / "r")
     loss = compare_runs.series(run, "loss")
     assert loss.steps == [1, 2, 3, 4, 5] and loss.values == [1.0, 1.0, 2.0, 2.0, 2.0] and loss.times == [1.0, 2.0, 3.5, 4.5, 5.5]
     val = compare_runs.series(run, "val_loss")
@@ -322,17 +324,26 @@ def png_size(path: Path) -> tuple[int, int]:
         return im.size
 
 
-def test_visualize_on_a_pretraining_encoder_writes_every_figure(quickstart_out, tmp_path, capsys):
+def test_visualize_on_a_pretraining_encoder_writes_every_figure_without_resume_states(quickstart_out, tmp_path, capsys):
     out, _, _ = quickstart_out
+    run = shutil.copytree(out / "mae", tmp_path / "mae")
+    shutil.rmtree(run / "states")  # pruned: the whole MAE comes from mae.pt
     figures = tmp_path / "figures"
-    assert visualize.main(["--checkpoint", str(out / "mae" / "encoder.pt"), "--out", str(figures), "--num-images", "4"]) == 0
+    assert visualize.main(["--checkpoint", str(run / "encoder.pt"), "--out", str(figures), "--num-images", "4"]) == 0
     stdout = capsys.readouterr().out
     assert "4 images of the synthetic val split" in stdout and "skipped" not in stdout
-    # The MAE came back from the resume state: 4 rows (views) x 4 images of 64 px (32 px at 2x) with 2 px padding.
+    # 4 rows (views) x 4 images of 64 px (32 px at 2x) with 2 px padding.
     assert png_size(figures / "reconstruction.png") == (4 * 66 + 2, 4 * 66 + 2)
     for name in ("attention_heads", "attention_rollout", "pos_embed_similarity", "patch_grid", "sincos_table"):
         w, h = png_size(figures / f"{name}.png")
         assert w > 100 and h > 100, name
+    # A run pretrained before mae.pt was written: one line says why there is no reconstruction; the other figures follow.
+    (run / "mae.pt").unlink()
+    older = tmp_path / "figures_older"
+    assert visualize.main(["--checkpoint", str(run), "--out", str(older), "--num-images", "2"]) == 0
+    stdout = capsys.readouterr().out
+    assert f"reconstruction: skipped (no mae.pt beside {run / 'encoder.pt'}, which holds the encoder alone" in stdout
+    assert not (older / "reconstruction.png").exists() and png_size(older / "attention_rollout.png")[0] > 100
 
 
 def test_visualize_on_a_classifier_with_an_image_folder(quickstart_out, tmp_path, capsys):

@@ -1,66 +1,39 @@
-"""Encoder checkpoints (`encoder.pt`), timm weights, and atomic writes.
+"""Encoder and MAE checkpoints (`encoder.pt`, `mae.pt`) and timm weights.
 
-`encoder.pt` holds plain tensors and dicts only, so it loads with
-`torch.load(weights_only=True)`:
+Both hold plain tensors and dicts only, so they load with `torch.load(weights_only=True)`:
 
-    {"format": "vit-encoder/1", "config": {...VisionTransformer kwargs...},
-     "state_dict": {...timm key names...}, "step": int, "meta": {...}}
+    encoder.pt: {"format": "vit-encoder/1", "config": {...VisionTransformer kwargs...},
+                 "state_dict": {...timm key names...}, "step": int, "meta": {...}}
+    mae.pt:     {"format": "vit-mae/1", "config": {...the encoder's kwargs...},
+                 "mae": {...MaskedAutoencoder kwargs: decoder size, mask_ratio, norm_pix_loss...},
+                 "state_dict": {...encoder.* and decoder keys...}, "step": int, "meta": {...}}
+
+`mae.pt` is what figures rebuild the whole MAE from, so they never depend on resume states
+(which are pruned); `pretrain.model.mae_from_checkpoint` builds the model from it.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from vit.errors import CheckpointError
+from vit.io import atomic_save
 from vit.model import VisionTransformer
 from vit.pos_embed import resample_patch_embed, resample_pos_embed
+from vit.runs import ENCODER_FILE, MAE_FILE
 
 ENCODER_FORMAT = "vit-encoder/1"
+MAE_FORMAT = "vit-mae/1"
 
 # Fields that change the meaning of the weights: a checkpoint must agree on all of them. `pos_embed`
 # (learned or fixed sin-cos) is not one: the table is stored either way, and fine-tuning a sin-cos
 # pretrained encoder with a learned table that starts from it is MAE's own recipe.
 ARCHITECTURE_FIELDS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)` on a temporary file next to `path`, fsync it, then rename it over `path`.
-
-    A crash mid-write leaves the old file intact: the rename is atomic on POSIX.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the renamed file gets the usual permissions
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def encoder_state_dict(model: VisionTransformer) -> dict[str, torch.Tensor]:
@@ -74,6 +47,29 @@ def save_encoder(model: VisionTransformer, path: str | os.PathLike, step: int = 
     atomic_save(payload, path)
 
 
+def save_mae(mae: nn.Module, path: str | os.PathLike, step: int = 0, meta: dict | None = None) -> None:
+    """Write the whole MAE (a `pretrain.model.MaskedAutoencoder`: encoder and decoder) as `mae.pt`."""
+    mae_kwargs = {**mae.decoder_config, "mask_ratio": mae.mask_ratio, "norm_pix_loss": mae.norm_pix_loss}
+    state = {k: v.detach().cpu().clone() for k, v in mae.state_dict().items()}
+    payload = {"format": MAE_FORMAT, "config": {**mae.encoder.config, "num_classes": 0}, "mae": mae_kwargs, "state_dict": state,
+               "step": step, "meta": meta or {}}  # fmt: skip
+    atomic_save(payload, path)
+
+
+def read_payload(path: str | os.PathLike, what: str = "") -> dict[str, Any]:
+    """The dict a checkpoint file holds, read with `weights_only=True`; a missing or corrupt file is a `CheckpointError`."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"{what + ' ' if what else ''}checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a bad file; all mean the same to the user
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path} is not a checkpoint of this project (it holds a {type(payload).__name__})")
+    return payload
+
+
 def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str) -> dict[str, Any]:
     """Load a checkpoint of format `fmt` from a file, or `file_name` inside a run folder.
 
@@ -82,13 +78,8 @@ def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / file_name
-    if not path.is_file():
-        raise CheckpointError(f"{what} checkpoint {path} does not exist")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a bad file; all mean the same to the user
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
-    if not isinstance(payload, dict) or payload.get("format") != fmt:
+    payload = read_payload(path, what)
+    if payload.get("format") != fmt:
         article = "an" if what[0] in "aeiou" else "a"
         raise CheckpointError(f"{path} is not {article} {what} checkpoint (expected format {fmt!r})")
     return payload
@@ -96,7 +87,12 @@ def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str
 
 def read_encoder(path: str | os.PathLike) -> dict[str, Any]:
     """Load and check an `encoder.pt` (or the one in a run folder)."""
-    return read_checkpoint(path, "encoder.pt", ENCODER_FORMAT, "encoder")
+    return read_checkpoint(path, ENCODER_FILE, ENCODER_FORMAT, "encoder")
+
+
+def read_mae(path: str | os.PathLike) -> dict[str, Any]:
+    """Load and check a `mae.pt` (or the one in a run folder)."""
+    return read_checkpoint(path, MAE_FILE, MAE_FORMAT, "masked autoencoder")
 
 
 def config_mismatch(stored: dict, wanted: dict, fields=ARCHITECTURE_FIELDS) -> list[str]:

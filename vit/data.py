@@ -45,9 +45,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from vit.checkpoint import atomic_save
 from vit.config import DataConfig
 from vit.errors import DataError
+from vit.io import atomic_save
 
 FORMAT_VERSION = 1  # bump when the cache layout or the decode changes, so old caches are not reused
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")

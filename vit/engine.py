@@ -16,7 +16,6 @@ picks up a half-written one.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -31,14 +30,27 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from vit.checkpoint import atomic_write_text
 from vit.config import RunConfig, dump_config, to_dict
 from vit.errors import ConfigError, UserError
-
-STATE_DIR = "states"
-STATE_FILE = "trainer.json"  # written last: its presence marks a complete state
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "encoder.pt", "classifier.pt", STATE_DIR)  # what makes a folder hold a run
-
+from vit.runs import (
+    METRICS_FILE,
+    STATE_DIR,
+    STATE_FILE,
+    TENSORBOARD_DIR,
+    append_metrics,
+    clear_outputs,
+    complete_state,
+    holds_run,
+    is_complete_state,
+    partial_state_path,
+    read_state_progress,
+    state_dirs,
+    state_path,
+    trim_metrics,
+    trim_states,
+    write_config,
+    write_summary,
+)
 
 # --------------------------------------------------------------------------- schedule and optimiser
 
@@ -158,7 +170,7 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     if requested == "bf16" and not native_bf16(state.device) and state.is_main_process:
         print(f"warning: run.precision=bf16 on a {state.device.type} without native bf16 is emulated and can be many times slower "
               "than fp32; run.precision=auto chooses for the device", file=sys.stderr)  # fmt: skip
-    project = ProjectConfiguration(project_dir=str(run_cfg.path), logging_dir=str(run_cfg.path / "tensorboard"))
+    project = ProjectConfiguration(project_dir=str(run_cfg.path), logging_dir=str(run_cfg.path / TENSORBOARD_DIR))
     kwargs = dict(cpu=cpu, mixed_precision=run_cfg.precision, project_config=project)
     try:
         accelerator = Accelerator(log_with=log_with, **kwargs)
@@ -227,7 +239,7 @@ class Run:
         run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta)
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(run_dir / "config.yaml", dump_config(cfg, meta))
+            write_config(run_dir, dump_config(cfg, meta))
         run.print(
             f"{stage}: run folder {run_dir} | device {accelerator.device} x {accelerator.num_processes} process(es), "
             f"{threads} thread(s) each | precision {run_cfg.precision} | seed {run_cfg.seed}"
@@ -276,13 +288,12 @@ class Run:
         """Append one JSON line to metrics.jsonl and send it to the trackers (main process only)."""
         if not self.is_main:
             return
-        with open(self.dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_metrics(self.dir, record)
         if self.trackers_on:
             try:
                 self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
             except Exception as e:
-                self.warn(f"tracker log failed ({type(e).__name__}); metrics stay in metrics.jsonl")
+                self.warn(f"tracker log failed ({type(e).__name__}); metrics stay in {METRICS_FILE}")
 
     def log_images(self, images: dict[str, Path], step: int) -> None:
         if not (self.is_main and self.trackers_on):
@@ -301,7 +312,7 @@ class Run:
                    "threads_per_process": self.threads, "precision": self.cfg.run.precision, "seed": self.cfg.run.seed,
                    "git_commit": self.meta["git_commit"], "run_dir": str(self.dir)}  # fmt: skip
         if self.is_main:
-            atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_summary(self.dir, summary)
         if self.trackers_on:
             try:
                 self.accelerator.end_training()
@@ -324,7 +335,7 @@ def check_run_dir(run_dir: Path, run_cfg: RunConfig) -> None:
     """Refuse to start a fresh run over an existing one unless told to overwrite."""
     if run_cfg.resume or not run_dir.exists():
         return
-    if not any((run_dir / name).exists() for name in RUN_OUTPUTS):
+    if not holds_run(run_dir):
         return  # an empty folder, or one holding only the config of a run that failed to start
     if not run_cfg.overwrite:
         raise ConfigError(
@@ -333,9 +344,7 @@ def check_run_dir(run_dir: Path, run_cfg: RunConfig) -> None:
         )
     # Overwrite: clear the previous run's outputs so they cannot be mistaken for this one's.
     if int(os.environ.get("RANK", "0")) == 0:
-        for name in RUN_OUTPUTS:
-            path = run_dir / name
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        clear_outputs(run_dir)
 
 
 # --------------------------------------------------------------------------- resume states
@@ -354,20 +363,11 @@ class Progress:
     best: dict[str, float] = field(default_factory=dict)
 
 
-def state_dirs(run_dir: Path) -> list[Path]:
-    """Complete resume states, oldest first."""
-    root = run_dir / STATE_DIR
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.name.startswith("step_") and (p / STATE_FILE).is_file()), key=lambda p: p.name)
-
-
 def save_state(run: Run, progress: Progress) -> Path:
     """Write an Accelerate resume state atomically and keep the newest `run.keep_states`."""
     acc = run.accelerator
-    root = run.dir / STATE_DIR
-    final = root / f"step_{progress.step:08d}"
-    tmp = root / f".tmp_step_{progress.step:08d}"
+    final = state_path(run.dir, progress.step)
+    tmp = partial_state_path(run.dir, progress.step)
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -375,37 +375,10 @@ def save_state(run: Run, progress: Progress) -> Path:
     acc.save_state(str(tmp))
     acc.wait_for_everyone()
     if acc.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(progress.__dict__))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in state_dirs(run.dir)[: -run.cfg.run.keep_states]:
-            shutil.rmtree(old, ignore_errors=True)
+        complete_state(tmp, final, progress.__dict__)
+        trim_states(run.dir, run.cfg.run.keep_states)
     acc.wait_for_everyone()
     return final
-
-
-def trim_metrics(path: Path, step: int) -> int:
-    """Drop the records of metrics.jsonl logged after `step` (and a line cut off by a kill); returns how many.
-
-    A run resumed from the state of step S repeats the steps after S and logs them again, so
-    without this the file would hold those steps twice.
-    """
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            dropped += 1
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
-            dropped += 1
-            continue
-        kept.append(line + "\n")
-    if dropped:
-        atomic_write_text(path, "".join(kept))
-    return dropped
 
 
 def load_state(run: Run) -> Progress | None:
@@ -420,12 +393,12 @@ def load_state(run: Run) -> Progress | None:
             return None
     else:
         path = Path(resume).expanduser()
-        if not (path / STATE_FILE).is_file():
+        if not is_complete_state(path):
             raise ConfigError(f"run.resume={resume}: not a complete resume state (no {STATE_FILE} inside)")
         candidates = [path]
     for path in candidates:
         try:
-            progress = Progress(**json.loads((path / STATE_FILE).read_text()))
+            progress = Progress(**read_state_progress(path))
             run.accelerator.load_state(str(path))
         except Exception as e:
             if resume != "auto":
@@ -434,7 +407,7 @@ def load_state(run: Run) -> Progress | None:
             continue
         run.print(f"resume: from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batch})")
         if run.is_main:
-            dropped = trim_metrics(run.dir / "metrics.jsonl", progress.step)
+            dropped = trim_metrics(run.dir / METRICS_FILE, progress.step)
             if dropped:
                 run.print(f"resume: dropped {dropped} metrics record(s) logged after step {progress.step}; they are logged again")
         return progress
@@ -639,7 +612,7 @@ def fit(
     progress.train_time += time.perf_counter() - segment_start
     if window_steps:
         run.log(record())
-    if not (run.dir / STATE_DIR / f"step_{progress.step:08d}" / STATE_FILE).is_file():
+    if not is_complete_state(state_path(run.dir, progress.step)):
         save_state(run, progress)  # the end of training is always resumable (e.g. to extend it)
     return progress
 

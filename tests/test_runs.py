@@ -1,0 +1,137 @@
+"""vit/runs.py: reading a run folder, finished or not, resume states on disk, and metrics.jsonl."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vit.errors import ConfigError, UserError
+from vit.runs import (
+    CLASSIFICATION,
+    clear_outputs,
+    complete_state,
+    holds_run,
+    is_run_folder,
+    last_logged,
+    newest_state,
+    partial_state_path,
+    read_config,
+    read_run,
+    read_state_progress,
+    read_summary,
+    state_dirs,
+    state_path,
+    trim_metrics,
+    trim_states,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_run(root: Path, name: str, meta: dict, summary: dict | None, metrics: list[dict]) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"name": "vit_cifar_tiny"}, "meta": meta}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_a_finished_run_reads_whole(tmp_path):
+    metrics = [{"step": 1, "loss": 0.9}, {"step": 2, "loss": 0.7}, {"step": 2, "epoch": 1, "val_loss": 0.8}]
+    path = write_run(tmp_path, "mae", {"stage": "pretrain", "job_type": "pretrain", "seed": 3}, {"stage": "pretrain", "steps": 2}, metrics)
+    run = read_run(path)
+    assert (run.name, run.path, run.finished, run.stage, run.group) == ("mae", path, True, "pretrain", "pretrain")
+    assert run.summary == {"stage": "pretrain", "steps": 2} and run.meta["seed"] == 3 and run.config["model"]["name"] == "vit_cifar_tiny"
+    assert run.metrics == metrics and run.problems == []
+    assert read_summary(path) == {"stage": "pretrain", "steps": 2}
+
+
+def test_an_unfinished_run_reads_what_it_holds_and_notes_what_it_cannot(tmp_path):
+    path = write_run(tmp_path, "probe", {"stage": "finetune", "job_type": "linprobe"}, None, [{"step": 5, "loss": 2.2}])
+    with open(path / "metrics.jsonl", "a") as f:
+        f.write('["no step"]\n{"step": 6, "lo')  # a record without a step, then one cut off mid-write
+    run = read_run(path, "runs/probe")
+    assert (run.name, run.finished, run.summary, run.stage, run.group) == ("runs/probe", False, None, "linprobe", CLASSIFICATION)
+    assert run.metrics == [{"step": 5, "loss": 2.2}] and run.problems == ["2 unreadable line(s) in metrics.jsonl"]
+    assert read_summary(path) is None
+    # Damaged config and summary are noted, not fatal, here; read alone they are one-line errors.
+    (path / "config.yaml").write_text("model: [unclosed")
+    (path / "summary.json").write_text("{")
+    run = read_run(path)
+    assert run.config == {} and run.summary is None and run.problems[:2] == ["config.yaml unreadable", "summary.json unreadable"]
+    with pytest.raises(UserError, match=r"summary.json is not valid JSON"):
+        read_summary(path)
+    with pytest.raises(ConfigError, match=r"config.yaml is not valid YAML"):
+        read_config(path)
+
+
+def test_what_makes_a_folder_a_run_and_what_overwrite_clears(tmp_path):
+    assert not is_run_folder(tmp_path) and not holds_run(tmp_path)
+    (tmp_path / "config.yaml").write_text("{}")
+    assert is_run_folder(tmp_path) and not holds_run(tmp_path)  # a run that failed to start holds nothing yet
+    for name in ("metrics.jsonl", "summary.json", "encoder.pt", "mae.pt", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    complete_state(_partial(tmp_path, 3), state_path(tmp_path, 3), {"step": 3})
+    assert holds_run(tmp_path)
+    clear_outputs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "notes.txt"]
+
+
+def _partial(run_dir: Path, step: int) -> Path:
+    path = partial_state_path(run_dir, step)
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def test_the_newest_complete_state_skips_half_written_ones(tmp_path):
+    assert state_dirs(tmp_path) == [] and newest_state(tmp_path) is None
+    for step in (2, 10, 4):
+        complete_state(_partial(tmp_path, step), state_path(tmp_path, step), {"step": step, "epoch": 0})
+    _partial(tmp_path, 12)  # killed while Accelerate was writing it
+    unmarked = state_path(tmp_path, 14)
+    unmarked.mkdir()  # the final name without the marker (e.g. copied by hand, half)
+    assert [p.name for p in state_dirs(tmp_path)] == ["step_00000002", "step_00000004", "step_00000010"]
+    assert newest_state(tmp_path) == state_path(tmp_path, 10) and read_state_progress(newest_state(tmp_path)) == {"step": 10, "epoch": 0}
+    assert (newest_state(tmp_path) / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_trimming_keeps_the_newest_k_complete_states(tmp_path):
+    for step in (1, 2, 3):
+        complete_state(_partial(tmp_path, step), state_path(tmp_path, step), {"step": step})
+    _partial(tmp_path, 4)
+    assert trim_states(tmp_path, 2) == [state_path(tmp_path, 1)]
+    assert [p.name for p in state_dirs(tmp_path)] == ["step_00000002", "step_00000003"] and not state_path(tmp_path, 1).exists()
+    assert trim_states(tmp_path, 2) == []
+    assert partial_state_path(tmp_path, 4).is_dir()  # being written: not the trimmer's to delete
+
+
+def test_trim_metrics_drops_what_follows_the_state_and_a_cut_off_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (5, 10, 15)] + [json.dumps({"note": "no step"}), '{"step": 2']
+    path.write_text("\n".join(lines) + "\n")
+    assert trim_metrics(path, 10) == 2
+    assert path.read_text().splitlines() == [lines[0], lines[1], lines[3]]
+    assert trim_metrics(path, 10) == 0
+    assert trim_metrics(tmp_path / "absent.jsonl", 10) == 0
+
+
+def test_last_logged_is_the_last_record_with_the_key(tmp_path):
+    assert last_logged(tmp_path, "loss") is None  # no metrics.jsonl yet
+    records = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "epoch": 1, "val_loss": 2.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 3, "loss": 1')
+    assert last_logged(tmp_path, "loss") == 2.0 and last_logged(tmp_path, "val_loss") == 2.5 and last_logged(tmp_path, "val_top1") is None
+
+
+def test_the_run_folder_and_io_modules_do_not_import_the_model():
+    code = (
+        "import sys, vit.data, vit.engine, vit.io, vit.runs; print(sorted(m for m in sys.modules if m in ('vit.model', 'vit.checkpoint')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

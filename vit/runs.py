@@ -1,0 +1,284 @@
+"""The run folder: the name of everything in it, and the one module that reads and writes it by name.
+
+    <run.dir>/<run.name>/
+      config.yaml              the resolved config, with `meta` (stage, job type, git commit, seed, parent, command)
+      metrics.jsonl            one JSON record per logged step and per epoch end
+      summary.json             written when the run finishes: without it a run is unfinished
+      encoder.pt, mae.pt       pretraining: the encoder, and the whole MAE (formats: vit/checkpoint.py)
+      classifier.pt            classification: the classifier (format: finetune/models.py)
+      reconstruction.png, figures/, confusion_<split>.png
+      states/step_<8 digits>/  Accelerate resume states; `trainer.json`, written last, marks one complete
+      tensorboard/
+
+What the checkpoint files hold belongs to their modules; where they lie, and what makes a
+folder a run, finished or not, belongs here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vit.errors import ConfigError, UserError
+from vit.io import atomic_write_text
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+ENCODER_FILE = "encoder.pt"
+MAE_FILE = "mae.pt"
+CLASSIFIER_FILE = "classifier.pt"
+RECONSTRUCTION_FILE = "reconstruction.png"
+FIGURES_DIR = "figures"
+TENSORBOARD_DIR = "tensorboard"
+STATE_DIR = "states"
+STATE_PREFIX = "step_"
+PARTIAL_PREFIX = ".tmp_"  # a state being written; renamed to step_* once complete
+STATE_FILE = "trainer.json"  # written last: its presence marks a complete state
+
+RUN_OUTPUTS = (METRICS_FILE, SUMMARY_FILE, ENCODER_FILE, MAE_FILE, CLASSIFIER_FILE, STATE_DIR)  # what makes a folder hold a run
+RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)  # what makes a folder a run folder to read
+CLASSIFICATION = "classification"  # RunFolder.group of every run that is not pretraining
+
+
+def epoch_figure_path(run_dir: Path, stem: str, epoch: int) -> Path:
+    return Path(run_dir) / FIGURES_DIR / f"{stem}_epoch{epoch:04d}.png"
+
+
+def confusion_path(run_dir: Path, split: str) -> Path:
+    return Path(run_dir) / f"confusion_{split}.png"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_config(run_dir: Path, text: str) -> None:
+    atomic_write_text(Path(run_dir) / CONFIG_FILE, text)
+
+
+def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
+    with open(Path(run_dir) / METRICS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    atomic_write_text(Path(run_dir) / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether a run has written outputs here (a folder with only config.yaml holds a run that failed to start)."""
+    return any((Path(run_dir) / name).exists() for name in RUN_OUTPUTS)
+
+
+def clear_outputs(run_dir: Path) -> None:
+    """Delete a previous run's outputs, so they cannot be mistaken for the next run's."""
+    for name in RUN_OUTPUTS:
+        path = Path(run_dir) / name
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def is_run_folder(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in RUN_MARKERS)
+
+
+def is_finished(run_dir: Path) -> bool:
+    return (Path(run_dir) / SUMMARY_FILE).is_file()
+
+
+def read_config(run_dir: Path) -> dict[str, Any] | None:
+    """The run's config.yaml as a dict (with `meta`), None when there is none; a damaged one is a ConfigError."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        raise ConfigError(f"{path} is not valid YAML") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} does not hold a mapping")
+    return config
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary.json, None while the run is unfinished; a damaged one is a UserError."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{path} is not valid JSON") from None
+    if not isinstance(summary, dict):
+        raise UserError(f"{path} does not hold a JSON object")
+    return summary
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of metrics.jsonl that carry a step, and how many lines could not be read.
+
+    A bad line is counted, not fatal: the last line of a run that is writing right now may be cut off.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return [], 0
+    records, bad = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
+
+
+def last_logged(run_dir: Path, key: str) -> Any:
+    """The last value of `key` in metrics.jsonl, or None."""
+    values = [r[key] for r in read_metrics(run_dir)[0] if key in r]
+    return values[-1] if values else None
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop the records of metrics.jsonl logged after `step` (and a line cut off by a kill); returns how many.
+
+    A run resumed from the state of step S repeats the steps after S and logs them again, so
+    without this the file would hold those steps twice.
+    """
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line + "\n")
+    if dropped:
+        atomic_write_text(path, "".join(kept))
+    return dropped
+
+
+# --------------------------------------------------------------------------- resume states
+
+
+def state_path(run_dir: Path, step: int) -> Path:
+    """Where the complete resume state of `step` lies."""
+    return Path(run_dir) / STATE_DIR / f"{STATE_PREFIX}{step:08d}"
+
+
+def partial_state_path(run_dir: Path, step: int) -> Path:
+    """Where the state of `step` is written before it is complete (a name `state_dirs` never lists)."""
+    return Path(run_dir) / STATE_DIR / f"{PARTIAL_PREFIX}{STATE_PREFIX}{step:08d}"
+
+
+def is_complete_state(path: Path) -> bool:
+    return (Path(path) / STATE_FILE).is_file()
+
+
+def state_dirs(run_dir: Path) -> list[Path]:
+    """Complete resume states, oldest first."""
+    root = Path(run_dir) / STATE_DIR
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.name.startswith(STATE_PREFIX) and is_complete_state(p)), key=lambda p: p.name)
+
+
+def newest_state(run_dir: Path) -> Path | None:
+    """The newest complete resume state, or None."""
+    states = state_dirs(run_dir)
+    return states[-1] if states else None
+
+
+def complete_state(partial: Path, final: Path, progress: dict[str, Any]) -> Path:
+    """Mark a fully written state complete (its marker last) and move it to its final name."""
+    (partial / STATE_FILE).write_text(json.dumps(progress))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    return final
+
+
+def read_state_progress(path: Path) -> dict[str, Any]:
+    """What the training loop saved beside a state (its marker's contents)."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def trim_states(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete states; returns the deleted ones."""
+    states = state_dirs(run_dir)
+    old = states[: max(0, len(states) - keep)]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
+
+
+# --------------------------------------------------------------------------- a run, finished or not
+
+
+@dataclass
+class RunFolder:
+    """What one run folder holds: its config (with `meta`), summary (None while unfinished) and metric records."""
+
+    name: str
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any] | None
+    metrics: list[dict[str, Any]]
+    problems: list[str] = field(default_factory=list)  # unreadable files, skipped lines
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.config.get("meta") or {}
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    @property
+    def stage(self) -> str:
+        """pretrain, finetune, linprobe, baseline or eval (the job type), else the stage."""
+        s = self.summary or {}
+        return s.get("job_type") or self.meta.get("job_type") or s.get("stage") or self.meta.get("stage") or "?"
+
+    @property
+    def group(self) -> str:
+        """'pretrain' or 'classification': runs whose losses share a scale."""
+        stage = (self.summary or {}).get("stage") or self.meta.get("stage")
+        return "pretrain" if stage == "pretrain" else CLASSIFICATION
+
+
+def read_run(path: Path, name: str | None = None) -> RunFolder:
+    """Read a run folder; an unreadable file is noted in `problems`, never fatal (a run may be mid-write)."""
+    path = Path(path)
+    problems = []
+    try:
+        config = read_config(path) or {}
+    except ConfigError:
+        config = {}
+        problems.append(f"{CONFIG_FILE} unreadable")
+    try:
+        summary = read_summary(path)
+    except UserError:
+        summary = None
+        problems.append(f"{SUMMARY_FILE} unreadable")
+    metrics, bad = read_metrics(path)
+    if bad:
+        problems.append(f"{bad} unreadable line(s) in {METRICS_FILE}")
+    return RunFolder(name or path.name, path, config, summary, metrics, problems)

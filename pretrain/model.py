@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vit.model import Block, VisionTransformer, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
+from pretrain.config import PretrainConfig
+from vit.errors import ConfigError
+from vit.model import Block, VisionTransformer, create_model, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
 from vit.pos_embed import sincos_2d
 
 
@@ -163,3 +165,19 @@ PRESET_DECODERS: dict[str, dict] = {
     # The paper's ViT-B/16 decoder: 8 blocks of 512 wide.
     "vit_base": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
 }
+
+
+def build_mae(cfg: PretrainConfig, device=None) -> MaskedAutoencoder:
+    """The encoder preset with `model.*` overrides, headless, inside an MAE with the preset's or the config's decoder."""
+    try:
+        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    decoder = dict(PRESET_DECODERS.get(cfg.model.name, PRESET_DECODERS["vit_cifar_tiny"]))
+    for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
+        if getattr(cfg.mae, key) is not None:
+            decoder[key] = getattr(cfg.mae, key)
+    try:
+        return MaskedAutoencoder(encoder, **decoder, mask_ratio=cfg.mae.mask_ratio, norm_pix_loss=cfg.mae.norm_pix_loss)
+    except ValueError as e:
+        raise ConfigError(f"mae: {e}") from None

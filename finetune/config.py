@@ -1,11 +1,11 @@
-"""The classification config: the shared sections plus `finetune` (what to train) and `aug` (how to augment)."""
+"""The classification config: the shared sections plus `finetune` (what to train) and `aug` (how to augment, a shared section)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from vit.config import DataConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, _check, section
+from vit.config import AugmentConfig, StageConfig, _check, section
 
 
 @dataclass
@@ -49,32 +49,6 @@ class FinetuneSection:
 
 
 @dataclass
-class AugmentConfig:
-    """Batched training augmentation on top of the crop and flip of `data`."""
-
-    policy: Literal["none", "trivial", "randaug"] = "trivial"
-    randaug_ops: int = 2
-    randaug_magnitude: int = 9  # M of 30: M/30 of torchvision's ranges (timm's rand-m9 is about M=27 here)
-    random_erase: float = 0.25  # probability per image
-    mixup: float = 0.8  # Beta(alpha, alpha); 0 turns it off
-    cutmix: float = 1.0  # Beta(alpha, alpha); 0 turns it off
-    mix_prob: float = 1.0  # probability a batch is mixed at all
-    switch_prob: float = 0.5  # with both on: probability of cutmix rather than mixup
-
-    def validate(self) -> None:
-        _check(self.randaug_ops >= 0, "aug.randaug_ops", "must be >= 0")
-        _check(0 <= self.randaug_magnitude <= 30, "aug.randaug_magnitude", "must be in [0, 30]")
-        for key in ("random_erase", "mix_prob", "switch_prob"):
-            _check(0.0 <= getattr(self, key) <= 1.0, f"aug.{key}", "must be in [0, 1]")
-        _check(self.mixup >= 0 and self.cutmix >= 0, "aug.mixup", "and aug.cutmix must be >= 0")
-
-
-@dataclass
-class FinetuneConfig:
-    model: ModelConfig = section(ModelConfig)
-    data: DataConfig = section(DataConfig)
-    optim: OptimConfig = section(OptimConfig)
-    schedule: ScheduleConfig = section(ScheduleConfig)
-    run: RunConfig = section(RunConfig)
+class FinetuneConfig(StageConfig):
     finetune: FinetuneSection = section(FinetuneSection)
     aug: AugmentConfig = section(AugmentConfig)

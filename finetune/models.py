@@ -65,17 +65,17 @@ def cifar_resnet18(num_classes: int) -> nn.Module:
     return model
 
 
-def timm_vit(config: dict[str, Any], patch_keep: float = 1.0) -> nn.Module:
+def timm_vit(config: dict[str, Any]) -> nn.Module:
     """timm's own VisionTransformer with our encoder's configuration (fc_norm=False matches our avg pooling).
 
-    patch_keep < 1 is timm's own patch dropout (`patch_drop_rate`), which keeps the same number of
-    patches, int(N * keep), as `finetune.patch_keep` does for our encoder.
+    Its patch dropout (`patch_drop_rate`) keeps the same number of patches, int(N * (1 - rate)), as ours.
     """
     import timm.models.vision_transformer as tv
 
     kwargs = {k: config[k] for k in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
                                      "qkv_bias", "drop_rate", "attn_drop_rate", "drop_path_rate", "global_pool")}  # fmt: skip
-    return tv.VisionTransformer(fc_norm=False, patch_drop_rate=1.0 - patch_keep, **kwargs)
+    # Classifiers saved before the encoder had patch dropout have no `patch_drop_rate` in their config.
+    return tv.VisionTransformer(fc_norm=False, patch_drop_rate=config.get("patch_drop_rate", 0.0), **kwargs)
 
 
 @dataclass
@@ -143,8 +143,10 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
         # An MAE encoder: the architecture comes from the model config, and must match the checkpoint's.
         payload = read_encoder(resolve_encoder_path(init))
         parent = payload.get("meta", {}).get("run")
+    # Patch dropout (training only) is a feature of the encoder, run the same way by our ViT and timm's.
+    kwargs = dict(cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode == "linear" else num_classes, patch_drop_rate=1.0 - ft.patch_keep)
     try:
-        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode == "linear" else num_classes)
+        encoder = create_model(cfg.model.name, **kwargs)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
 
@@ -155,7 +157,7 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
         load_encoder(encoder, resolve_encoder_path(init))
 
     if ft.arch == "timm_vit":
-        model = timm_vit(encoder.config, ft.patch_keep)
+        model = timm_vit(encoder.config)
         model.load_state_dict(encoder.state_dict(), strict=True)  # the same initial weights, run by timm's code
         return Built(model, "timm_vit", {"config": encoder.config}, parent, encoder.config)
     if ft.mode == "linear":

@@ -7,6 +7,7 @@ finished classifier, and the baselines (scratch ViT, timm ViT, ResNet-18).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -20,9 +21,8 @@ from vit.augment import BatchLoader
 from vit.checkpoint import read_encoder, unwrap
 from vit.cli import parse
 from vit.data import Splits, load_splits
-from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
+from vit.engine import Preempted, Progress, Run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import exit_on_user_error
-from vit.model import random_masking
 from vit.randaug import make_ops
 from vit.runs import CLASSIFIER_FILE, confusion_path
 
@@ -70,36 +70,22 @@ def eval_loaders(cfg: FinetuneConfig, splits: Splits, common: dict) -> dict[str,
     return evals
 
 
-def make_loss(cfg: FinetuneConfig, num_classes: int, num_patches: int | None = None):
-    """Cross-entropy with label smoothing, mixup / cutmix with soft targets where enabled, and patch dropout.
-
-    Patch dropout (`finetune.patch_keep` < 1; applied here when `num_patches`, our encoder's patch
-    count, is given): each training image runs on a random subset of its patches, as an MAE encoder
-    does in pretraining (Liu et al. 2022, PatchDropout); a step costs about that fraction of the
-    FLOPs, less for attention. Evaluation always sees every patch.
-    """
-    aug = cfg.aug
+def make_loss(cfg: FinetuneConfig, num_classes: int):
+    """Cross-entropy with label smoothing; full fine-tuning mixes images (mixup / cutmix) with soft targets where enabled."""
+    aug, smoothing = cfg.aug, cfg.finetune.label_smoothing
     mixup = None
     if cfg.finetune.mode == "full" and (aug.mixup > 0 or aug.cutmix > 0) and aug.mix_prob > 0:
         from timm.data import Mixup
 
         mixup = Mixup(mixup_alpha=aug.mixup, cutmix_alpha=aug.cutmix, prob=aug.mix_prob, switch_prob=aug.switch_prob,
-                      label_smoothing=cfg.finetune.label_smoothing, num_classes=num_classes)  # fmt: skip
-    smoothing = cfg.finetune.label_smoothing
-    keep = cfg.finetune.patch_keep if num_patches is not None else 1.0
-
-    def forward(model, images):
-        if keep >= 1.0:
-            return model(images)
-        ids_keep, _, _ = random_masking(images.shape[0], num_patches, 1.0 - keep, images.device)  # (B, N * keep)
-        return model(images, ids_keep)
+                      label_smoothing=smoothing, num_classes=num_classes)  # fmt: skip
 
     def loss_fn(model, images, labels):
         if mixup is not None and images.shape[0] % 2 == 0:
             images, targets = mixup(images, labels)  # soft targets (B, C), smoothing included
-            logits = forward(model, images)
+            logits = model(images)
             return torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean(), {}
-        logits = forward(model, images)
+        logits = model(images)
         return F.cross_entropy(logits.float(), labels, label_smoothing=smoothing), {}
 
     return loss_fn
@@ -119,48 +105,40 @@ def report_eval(run: Run, results: dict[str, dict], classes: list[str], tag: str
     return out
 
 
-def train_classifier(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> tuple[nn.Module, dict, object, float]:
-    """Full fine-tuning, the baselines, or an uncached linear probe: the classifier trained end to end.
+@dataclass
+class Task:
+    """What the optimiser trains and on what: the whole classifier on images, or a cached probe's head on features."""
 
-    Returns the model, the final evaluation per split, the progress, and seconds spent before training (none).
-    """
-    acc = run.accelerator
+    module: nn.Module  # the classifier, or the cached probe's head
+    groups: list[dict]  # its optimiser groups
+    train: BatchLoader | FeatureLoader
+    evals: dict[str, BatchLoader | FeatureLoader]
+    layer_decay: float | None = None  # what `param_groups` was given (None: one learning rate for every layer)
+    feature_time: float = 0.0  # seconds spent computing the cached features
+
+
+@dataclass
+class Trained:
+    """What `train` returns."""
+
+    model: nn.Module  # the whole classifier, trained
+    results: dict[str, dict]  # the final evaluation per split
+    progress: Progress
+    feature_time: float  # seconds spent computing the cached probe's features (0 otherwise)
+
+
+def classifier_task(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> Task:
+    """Full fine-tuning, the baselines, or an uncached linear probe: the classifier trained end to end on images."""
     ft = cfg.finetune
-    model = built.model
     num_layers = built.encoder_config["depth"] if built.encoder_config and built.arch in ("vit", "timm_vit") else None
     layer_decay = ft.layer_decay if num_layers is not None and ft.mode == "full" else None
-    groups = param_groups(model, cfg.optim.weight_decay, layer_decay, num_layers)
-    optimizer = make_optimizer(groups, cfg.optim, acc.device)
-    model, optimizer = acc.prepare(model, optimizer)
-    forward = torch.compile(model) if cfg.run.compile else model
-    augment = ft.mode == "full"
-    train_loader, evals = loaders(cfg, run, splits, image_size(cfg, built, splits), augment=augment)
-    spec = loop_spec(cfg, len(train_loader), acc.num_processes)
-    run.print(f"schedule: {spec.epochs} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {layer_decay}")
-    num_classes = len(splits.train.classes)
-    progress = load_state(run)
-
-    def on_epoch_end(epoch: int, progress) -> dict:
-        if "val" not in evals or (epoch % ft.eval_every and epoch != spec.epochs):
-            return {}
-        r = evaluate(unwrap(model), evals["val"], acc, num_classes)
-        best = max(progress.best.get("val_top1", 0.0), r["top1"])
-        progress.best["val_top1"] = best
-        run.print(f"epoch {epoch}: val top-1 {r['top1']:.2%} (best {best:.2%}), top-5 {r['top5']:.2%}, loss {r['loss']:.4f}")
-        return {"val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]}
-
-    # Our encoder takes the kept patches from the loss; timm's ViT drops patches inside its own forward.
-    num_patches = unwrap(model).num_patches if built.arch == "vit" else None
-    progress = fit(run, forward, optimizer, train_loader, make_loss(cfg, num_classes, num_patches), spec, progress, on_epoch_end)
-    results = {split: evaluate(unwrap(model), loader, acc, num_classes) for split, loader in evals.items()}
-    return unwrap(model), results, progress, 0.0
+    groups = param_groups(built.model, cfg.optim.weight_decay, layer_decay, num_layers)
+    train, evals = loaders(cfg, run, splits, image_size(cfg, built, splits), augment=ft.mode == "full")
+    return Task(built.model, groups, train, evals, layer_decay)
 
 
-def train_cached_probe(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> tuple[nn.Module, dict, object, float]:
-    """Linear probe on features computed once: the head trains on the cache for many epochs in seconds.
-
-    Returns what `train_classifier` does, with the seconds spent computing the features.
-    """
+def cached_probe_task(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> Task:
+    """A linear probe on features computed once: the head trains on the cache for many epochs in seconds."""
     acc = run.accelerator
     probe = built.model.to(acc.device)
     size = image_size(cfg, built, splits)
@@ -174,31 +152,40 @@ def train_cached_probe(cfg: FinetuneConfig, run: Run, splits: Splits, built: Bui
         feats[split] = extract_features(probe, loader, acc, len(data.labels))
     feature_time = time.perf_counter() - started
     run.print(f"features: {', '.join(f'{s} {tuple(f.shape)}' for s, (f, _) in feats.items())} in {feature_time:.1f}s")
-    head = probe.head
-    optimizer = make_optimizer(param_groups(head, cfg.optim.weight_decay), cfg.optim, acc.device)
-    head, optimizer = acc.prepare(head, optimizer)
-    train_loader = FeatureLoader(*feats["train"], cfg.optim.batch_size, seed=cfg.run.seed, rank=acc.process_index, world_size=acc.num_processes)
-    evals = {s: FeatureLoader(*feats[s], cfg.optim.batch_size, train=False, rank=acc.process_index, world_size=acc.num_processes)
-             for s in ("val", "test") if s in feats}  # fmt: skip
-    spec = loop_spec(cfg, len(train_loader), acc.num_processes)
+    shard = dict(rank=acc.process_index, world_size=acc.num_processes)
+    train = FeatureLoader(*feats["train"], cfg.optim.batch_size, seed=cfg.run.seed, **shard)
+    evals = {s: FeatureLoader(*feats[s], cfg.optim.batch_size, train=False, **shard) for s in ("val", "test") if s in feats}
+    return Task(probe.head, param_groups(probe.head, cfg.optim.weight_decay), train, evals, feature_time=feature_time)
+
+
+def train(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> Trained:
+    """Train what `cfg.finetune` asks for (resuming where `run.resume` says) and evaluate it on every split."""
+    acc = run.accelerator
+    cached = cfg.finetune.mode == "linear" and cfg.finetune.probe_cache
+    task = (cached_probe_task if cached else classifier_task)(cfg, run, splits, built)
+    optimizer = make_optimizer(task.groups, cfg.optim, acc.device)
+    module, optimizer = acc.prepare(task.module, optimizer)
+    # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
+    forward = torch.compile(module) if cfg.run.compile and not cached else module
+    spec = loop_spec(cfg, len(task.train), acc.num_processes)
+    run.print(f"schedule: {spec.epochs} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
     num_classes = len(splits.train.classes)
-    progress = load_state(run)
-    smoothing = cfg.finetune.label_smoothing
 
-    def loss_fn(m, x, y):
-        return F.cross_entropy(m(x).float(), y, label_smoothing=smoothing), {}
-
-    def on_epoch_end(epoch: int, progress) -> dict:
-        if "val" not in evals or (epoch % cfg.finetune.eval_every and epoch != spec.epochs):
+    def on_epoch_end(epoch: int, progress: Progress) -> dict:
+        if "val" not in task.evals or (epoch % cfg.finetune.eval_every and epoch != spec.epochs):
             return {}
-        r = evaluate(unwrap(head), evals["val"], acc, num_classes)
-        progress.best["val_top1"] = max(progress.best.get("val_top1", 0.0), r["top1"])
+        r = evaluate(unwrap(module), task.evals["val"], acc, num_classes)
+        best = max(progress.best.get("val_top1", 0.0), r["top1"])
+        progress.best["val_top1"] = best
+        if not cached:  # the cached probe runs many short epochs
+            run.print(f"epoch {epoch}: val top-1 {r['top1']:.2%} (best {best:.2%}), top-5 {r['top5']:.2%}, loss {r['loss']:.4f}")
         return {"val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]}
 
-    progress = fit(run, head, optimizer, train_loader, loss_fn, spec, progress, on_epoch_end)
-    results = {split: evaluate(unwrap(head), loader, acc, num_classes) for split, loader in evals.items()}
-    probe.head = unwrap(head)
-    return probe, results, progress, feature_time
+    progress = fit(run, forward, optimizer, task.train, make_loss(cfg, num_classes), spec, load_state(run), on_epoch_end)
+    results = {split: evaluate(unwrap(module), loader, acc, num_classes) for split, loader in task.evals.items()}
+    if cached:
+        built.model.head = unwrap(module)
+    return Trained(built.model if cached else unwrap(module), results, progress, task.feature_time)
 
 
 def run_eval(cfg: FinetuneConfig) -> int:
@@ -240,19 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
     run.print(f"data: {splits.describe()} | {built.arch} ({cfg.finetune.mode}, init {cfg.finetune.init}): {n_params / 1e6:.2f}M trainable parameters")
     try:
-        if cfg.finetune.mode == "linear" and cfg.finetune.probe_cache:
-            model, results, progress, feature_time = train_cached_probe(cfg, run, splits, built)
-        else:
-            model, results, progress, feature_time = train_classifier(cfg, run, splits, built)
+        trained = train(cfg, run, splits, built)
     except Preempted as e:
         run.print(str(e))
         return 143
+    progress, results = trained.progress, trained.results
     # The cached probe's stage time includes computing the features, not only training the head.
-    wall_time = progress.train_time + feature_time
+    wall_time = progress.train_time + trained.feature_time
     size = image_size(cfg, built, splits)
     data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std)}
     if run.is_main:
-        save_classifier(run.dir / CLASSIFIER_FILE, built, model, splits.train.classes, data_info, progress.step)
+        save_classifier(run.dir / CLASSIFIER_FILE, built, trained.model, splits.train.classes, data_info, progress.step)
     tag = f"{built.arch} {cfg.finetune.mode} ({cfg.finetune.init})"
     flat = report_eval(run, results, splits.train.classes, tag, cfg.finetune.confusion_matrix)
     summary = run.finish({
@@ -266,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": progress.epoch,
         "steps": progress.step,
         "wall_time_sec": round(wall_time, 2),
-        "feature_time_sec": round(feature_time, 2),
+        "feature_time_sec": round(trained.feature_time, 2),
         "images_per_sec": round(progress.images / max(progress.train_time, 1e-9), 1),
         "best_val_top1": progress.best.get("val_top1"),
         "final_val_top1": flat.get("val_top1"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vit.config import DataConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, _check, section
+from vit.config import StageConfig, _check, section
 
 
 @dataclass
@@ -30,10 +30,5 @@ class MAEConfig:
 
 
 @dataclass
-class PretrainConfig:
-    model: ModelConfig = section(ModelConfig)
-    data: DataConfig = section(DataConfig)
-    optim: OptimConfig = section(OptimConfig)
-    schedule: ScheduleConfig = section(ScheduleConfig)
-    run: RunConfig = section(RunConfig)
+class PretrainConfig(StageConfig):
     mae: MAEConfig = section(MAEConfig)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from pretrain.config import PretrainConfig
 from vit.checkpoint import read_mae
-from vit.errors import CheckpointError
-from vit.model import Block, VisionTransformer, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
+from vit.errors import CheckpointError, ConfigError
+from vit.model import Block, VisionTransformer, create_model, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
 from vit.pos_embed import sincos_2d
 
 
@@ -176,3 +177,19 @@ def mae_from_checkpoint(path) -> MaskedAutoencoder:
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path} does not rebuild an MAE ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
     return mae
+
+
+def build_mae(cfg: PretrainConfig, device=None) -> MaskedAutoencoder:
+    """The encoder preset with `model.*` overrides, headless, inside an MAE with the preset's or the config's decoder."""
+    try:
+        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    decoder = dict(PRESET_DECODERS.get(cfg.model.name, PRESET_DECODERS["vit_cifar_tiny"]))
+    for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
+        if getattr(cfg.mae, key) is not None:
+            decoder[key] = getattr(cfg.mae, key)
+    try:
+        return MaskedAutoencoder(encoder, **decoder, mask_ratio=cfg.mae.mask_ratio, norm_pix_loss=cfg.mae.norm_pix_loss)
+    except ValueError as e:
+        raise ConfigError(f"mae: {e}") from None

@@ -6,31 +6,14 @@ import torch
 
 from pretrain.config import PretrainConfig
 from pretrain.figures import save_reconstruction_figure
-from pretrain.model import PRESET_DECODERS, MaskedAutoencoder
+from pretrain.model import MaskedAutoencoder, build_mae
 from vit.augment import BatchLoader
 from vit.checkpoint import save_encoder, save_mae, unwrap
 from vit.cli import parse
 from vit.data import load_splits
 from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
-from vit.errors import ConfigError, exit_on_user_error
-from vit.model import create_model
+from vit.errors import exit_on_user_error
 from vit.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, last_logged
-
-
-def build_mae(cfg: PretrainConfig, device=None) -> MaskedAutoencoder:
-    """The encoder preset with `model.*` overrides, headless, inside an MAE with the preset's or the config's decoder."""
-    try:
-        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0)
-    except ValueError as e:
-        raise ConfigError(f"model: {e}") from None
-    decoder = dict(PRESET_DECODERS.get(cfg.model.name, PRESET_DECODERS["vit_cifar_tiny"]))
-    for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
-        if getattr(cfg.mae, key) is not None:
-            decoder[key] = getattr(cfg.mae, key)
-    try:
-        return MaskedAutoencoder(encoder, **decoder, mask_ratio=cfg.mae.mask_ratio, norm_pix_loss=cfg.mae.norm_pix_loss)
-    except ValueError as e:
-        raise ConfigError(f"mae: {e}") from None
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ import torch
 import vit
 from vit.checkpoint import load_timm_weights, read_encoder, save_encoder, encoder_from_checkpoint, load_encoder
 from vit.errors import CheckpointError
-from vit.model import PRESETS, VisionTransformer
+from vit.model import PRESETS, VisionTransformer, random_masking
 from vit.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
 
 SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)
@@ -121,12 +121,40 @@ def test_ids_keep_selecting_all_tokens_equals_plain_forward():
     torch.testing.assert_close(model.forward_features(x, ids), model.forward_features(x))
 
 
-def test_forward_with_ids_keep_is_the_head_on_the_kept_tokens():
-    model = VisionTransformer(**{**SMALL, "global_pool": "avg"}).eval()
-    x = torch.randn(2, 3, 32, 32)
-    ids = torch.tensor([[3, 0, 7, 12], [15, 2, 9, 4]])
-    torch.testing.assert_close(model(x, ids), model.forward_head(model.forward_features(x, ids)))
-    assert not torch.allclose(model(x, ids), model(x))  # fewer patches: other logits
+@pytest.mark.parametrize("rate", [0.25, 0.5, 0.75])
+def test_patch_dropout_keeps_the_configured_fraction_in_training_and_is_identity_in_eval(rate):
+    model = VisionTransformer(**SMALL, patch_drop_rate=rate)
+    n = model.num_patches
+    kept = int(n * (1 - rate))
+    assert kept == timm.layers.PatchDropout(rate).train()(torch.randn(1, 1 + n, 8)).shape[1] - 1  # timm keeps as many
+    x = torch.randn(8, 3, 32, 32)
+    assert model.train().forward_features(x).shape == (8, 1 + kept, 32)
+    # Eval: every patch, and the same numbers as an encoder without patch dropout (which has the same state_dict keys).
+    plain = VisionTransformer(**SMALL).eval()
+    plain.load_state_dict(model.state_dict(), strict=True)
+    torch.testing.assert_close(model.eval()(x), plain(x), rtol=0, atol=0)
+    assert isinstance(plain.patch_drop, torch.nn.Identity)
+
+    # The module itself: [CLS] stays first, each sample keeps its own set of distinct patch tokens.
+    tokens = torch.arange(8 * (1 + n), dtype=torch.float32).reshape(8, 1 + n, 1).expand(-1, -1, 4)  # every token unique
+    out = model.patch_drop.train()(tokens)
+    assert out.shape == (8, 1 + kept, 4)
+    assert torch.equal(out[:, 0], tokens[:, 0])
+    chosen = [set(out[b, 1:, 0].tolist()) for b in range(8)]
+    assert all(len(c) == kept and c <= set(tokens[b, 1:, 0].tolist()) for b, c in enumerate(chosen))
+    assert len({frozenset(c) for c in chosen}) > 1
+    assert model.patch_drop.eval()(tokens) is tokens
+
+
+def test_patch_dropout_runs_the_encoder_on_the_kept_patches_in_their_places():
+    model = VisionTransformer(**{**SMALL, "global_pool": "avg"}, patch_drop_rate=0.5)
+    x = torch.randn(4, 3, 32, 32)
+    torch.manual_seed(3)
+    dropped = model.train()(x)
+    torch.manual_seed(3)
+    ids_keep, _, _ = random_masking(4, model.num_patches, 0.5)  # the draw patch dropout makes
+    torch.testing.assert_close(dropped, model.eval().forward_head(model.forward_features(x, ids_keep)))
+    assert not torch.allclose(dropped, model(x))  # eval sees every patch: other logits
 
 
 def test_ids_keep_subset_keeps_positions():

@@ -8,7 +8,9 @@ import yaml
 
 import vit.engine as engine
 from helpers import tiny_overrides
+from pretrain.config import PretrainConfig
 from pretrain.train import main
+from vit.config import load_config
 from vit.engine import resolve_precision
 from vit.errors import ConfigError
 
@@ -39,6 +41,15 @@ def test_a_run_records_the_precision_auto_chose(tmp_path, monkeypatch, native):
     run = tmp_path / "runs" / "run"
     assert json.loads((run / "summary.json").read_text())["precision"] == chosen
     assert yaml.safe_load((run / "config.yaml").read_text())["run"]["precision"] == chosen
+
+
+def test_the_run_holds_the_resolved_precision_and_the_callers_config_is_left_as_asked(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine, "native_bf16", lambda device: True)
+    cfg = load_config(PretrainConfig, None, tiny_overrides(tmp_path, **{"run.precision": "auto"}))
+    run = engine.Run.start(cfg, stage="pretrain")
+    assert run.cfg.run.precision == "bf16" == run.accelerator.mixed_precision
+    assert cfg.run.precision == "auto"
+    assert run.cfg.optim is cfg.optim  # the other sections are shared, not copied
 
 
 def test_explicit_bf16_without_native_support_warns_once(tmp_path, monkeypatch, capsys):

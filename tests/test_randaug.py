@@ -4,8 +4,8 @@ import pytest
 import torch
 import torchvision.transforms.functional as TF
 
-from finetune.config import AugmentConfig
 from vit.augment import BatchLoader
+from vit.config import AugmentConfig
 from vit.data import ImageSet
 from vit.randaug import (
     GEOMETRIC,

@@ -1,7 +1,7 @@
 """Typed configs: YAML files and dotted command-line overrides -> dataclasses.
 
-Every stage's config is a dataclass of sections (`model`, `data`, `optim`,
-`schedule`, `run`, plus a stage section such as `mae` or `finetune`). The shared
+Every stage's config is a `StageConfig` (sections `model`, `data`, `optim`,
+`schedule`, `run`) plus its own sections, such as `mae` or `finetune`. The shared
 sections live here so that `optim.lr=...` means the same thing in every stage.
 
     cfg = load_config(PretrainConfig, "configs/pretrain/quick.yaml", ["optim.lr=1e-3"])
@@ -106,6 +106,27 @@ class DataConfig:
         lo, hi = self.crop_ratio
         _check(0.0 < lo <= hi, "data.crop_ratio", "must satisfy 0 < min <= max")
         _check(self.dataset != "imagefolder" or self.root is not None, "data.root", "is required for data.dataset=imagefolder")
+
+
+@dataclass
+class AugmentConfig:
+    """Batched training augmentation on top of the crop and flip of `data`."""
+
+    policy: Literal["none", "trivial", "randaug"] = "trivial"
+    randaug_ops: int = 2
+    randaug_magnitude: int = 9  # M of 30: M/30 of torchvision's ranges (timm's rand-m9 is about M=27 here)
+    random_erase: float = 0.25  # probability per image
+    mixup: float = 0.8  # Beta(alpha, alpha); 0 turns it off
+    cutmix: float = 1.0  # Beta(alpha, alpha); 0 turns it off
+    mix_prob: float = 1.0  # probability a batch is mixed at all
+    switch_prob: float = 0.5  # with both on: probability of cutmix rather than mixup
+
+    def validate(self) -> None:
+        _check(self.randaug_ops >= 0, "aug.randaug_ops", "must be >= 0")
+        _check(0 <= self.randaug_magnitude <= 30, "aug.randaug_magnitude", "must be in [0, 30]")
+        for key in ("random_erase", "mix_prob", "switch_prob"):
+            _check(0.0 <= getattr(self, key) <= 1.0, f"aug.{key}", "must be in [0, 1]")
+        _check(self.mixup >= 0 and self.cutmix >= 0, "aug.mixup", "and aug.cutmix must be >= 0")
 
 
 @dataclass
@@ -360,3 +381,14 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
 def section(cls: type) -> Any:
     """`field(default_factory=cls)` for nesting a section in a stage config."""
     return field(default_factory=cls)
+
+
+@dataclass
+class StageConfig:
+    """The sections every stage shares; a stage's config adds its own after them (`mae`; `finetune`, `aug`)."""
+
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    optim: OptimConfig = section(OptimConfig)
+    schedule: ScheduleConfig = section(ScheduleConfig)
+    run: RunConfig = section(RunConfig)

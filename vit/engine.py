@@ -2,7 +2,8 @@
 
     run = Run.start(cfg, stage="pretrain")           # accelerator, threads, seed, run folder, trackers
     model, optimizer = run.accelerator.prepare(model, optimizer)
-    result = fit(run, model, optimizer, loader, loss_fn, on_epoch_end=...)
+    spec = loop_spec(cfg, len(loader), run.accelerator.num_processes)
+    progress = fit(run, model, optimizer, loader, loss_fn, spec, load_state(run), on_epoch_end=...)
     run.finish(summary)
 
 `fit` owns the schedule (learning rate set per optimiser step, never a scheduler
@@ -23,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -149,9 +150,9 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     """An Accelerator on the requested device; refuses a device that is not there and a broken launch.
 
-    `run.precision=auto` is resolved for the device here, and `run_cfg.precision` is set to the
-    result, so the run folder records what ran. A tracker that cannot be set up (say tensorboard
-    is not installed) costs one warning, not the run.
+    `run.precision=auto` is resolved for the device here (`accelerator.mixed_precision` says what
+    runs; `run_cfg` is left as asked). A tracker that cannot be set up (say tensorboard is not
+    installed) costs one warning, not the run.
     """
     from accelerate import Accelerator, PartialState
     from accelerate.utils import ProjectConfiguration, parse_flag_from_env
@@ -166,12 +167,12 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     cpu = device == "cpu" or parse_flag_from_env("ACCELERATE_USE_CPU")
     state = PartialState(cpu=cpu)
     requested = run_cfg.precision
-    run_cfg.precision = resolve_precision(requested, state.device)
+    precision = resolve_precision(requested, state.device)
     if requested == "bf16" and not native_bf16(state.device) and state.is_main_process:
         print(f"warning: run.precision=bf16 on a {state.device.type} without native bf16 is emulated and can be many times slower "
               "than fp32; run.precision=auto chooses for the device", file=sys.stderr)  # fmt: skip
     project = ProjectConfiguration(project_dir=str(run_cfg.path), logging_dir=str(run_cfg.path / TENSORBOARD_DIR))
-    kwargs = dict(cpu=cpu, mixed_precision=run_cfg.precision, project_config=project)
+    kwargs = dict(cpu=cpu, mixed_precision=precision, project_config=project)
     try:
         accelerator = Accelerator(log_with=log_with, **kwargs)
     except (ValueError, ImportError) as e:
@@ -219,6 +220,10 @@ class Run:
 
         run_cfg: RunConfig = cfg.run
         accelerator = make_accelerator(run_cfg, log_with=None if run_cfg.tracker == "none" else run_cfg.tracker)
+        # The run holds a copy of the config with the precision that runs, so the run folder, the trackers
+        # and the summary record what ran, not `auto`; the caller's config is left as it was.
+        run_cfg = replace(run_cfg, precision=accelerator.mixed_precision)
+        cfg = replace(cfg, run=run_cfg)
         threads = set_threads(run_cfg, accelerator)
         run_dir = run_cfg.path
         check_run_dir(run_dir, run_cfg)
@@ -465,6 +470,14 @@ class LoopSpec:
     def total_steps(self) -> int:
         return self.epochs * self.steps_per_epoch
 
+    @property
+    def stop_step(self) -> int:
+        """Where training stops: the schedule's end, or `max_steps` (the schedule still spans every epoch)."""
+        return self.total_steps if self.max_steps is None else min(self.total_steps, self.max_steps)
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.total_steps, self.warmup_steps, self.peak_lr, self.min_lr)
+
 
 def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int) -> LoopSpec:
     """Steps and learning rate from `optim` and `schedule`: lr = base_lr * effective batch / 256 unless `optim.lr` is set."""
@@ -488,6 +501,7 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int) -> LoopSpec:
 
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+EpochEnd = Callable[[int, Progress], dict[str, float] | None]
 
 
 def fit(
@@ -498,123 +512,174 @@ def fit(
     loss_fn: LossFn,
     spec: LoopSpec,
     progress: Progress | None = None,
-    on_epoch_end: Callable[[int, Progress], dict[str, float] | None] | None = None,
-    train_mode: Callable[[nn.Module], None] | None = None,
+    on_epoch_end: EpochEnd | None = None,
 ) -> Progress:
-    """Train `model` for `spec.epochs` epochs of `loader` (resuming from `progress`); returns the final progress.
+    """Train `model` on `loader` up to `spec.stop_step` (resuming from `progress`); returns the final progress.
 
-    `loss_fn(model, images, labels) -> (loss, extras)` runs under autocast; extras are
-    scalar tensors averaged into the logged metrics. `on_epoch_end(epoch, progress)`
-    may evaluate and return metrics to log. `train_mode(model)` puts the model in
-    training mode (a linear probe keeps its encoder in eval mode).
+    `loss_fn(model, images, labels) -> (loss, extras)` runs under autocast; extras are scalar
+    tensors averaged into the logged metrics. Every epoch starts with `model.train()` (a linear
+    probe's `train` keeps its frozen encoder in eval mode). `on_epoch_end(epoch, progress)` may
+    evaluate and return metrics, logged with the epoch's last record. SIGTERM / SIGINT save a
+    resume state and raise `Preempted`.
     """
-    acc = run.accelerator
-    run_cfg: RunConfig = run.cfg.run
-    accum = run.cfg.optim.grad_accum_steps
-    clip = run.cfg.optim.clip_grad
-    progress = progress or Progress()
-    train_mode = train_mode or (lambda m: m.train())
-    stop_at = spec.total_steps if spec.max_steps is None else min(spec.total_steps, spec.max_steps)
-    bar = make_bar(run, stop_at, progress.step)
-    window: dict[str, torch.Tensor] = {}
-    window_steps, window_images, window_start = 0, 0, time.perf_counter()
-    segment_start = time.perf_counter()
-    images_per_step = loader.batch_size * accum * acc.num_processes
-
-    def record(extra: dict[str, float] | None = None) -> dict[str, Any]:
-        nonlocal window, window_steps, window_images, window_start
-        elapsed = time.perf_counter() - window_start
-        metrics = {k: (v / max(1, window_steps)).item() for k, v in window.items()}
-        rec = {"step": progress.step, "epoch": round(progress.epoch + progress.batch / max(1, len(loader)), 4),
-               "lr": lr, **metrics, "images_per_sec": window_images / elapsed if elapsed > 0 else 0.0,
-               "time": round(progress.train_time + time.perf_counter() - segment_start, 2)}  # fmt: skip
-        rec.update(extra or {})
-        window, window_steps, window_images, window_start = {}, 0, 0, time.perf_counter()
-        return rec
-
-    lr = lr_at(progress.step, spec.total_steps, spec.warmup_steps, spec.peak_lr, spec.min_lr)
+    loop = TrainLoop(run, model, optimizer, loader, loss_fn, spec, progress or Progress())
     with SignalGuard() as signals:
-        while progress.epoch < spec.epochs and progress.step < stop_at:
-            train_mode(model)
-            batches = loader.epoch(progress.epoch, start_batch=progress.batch)
-            steps_left_in_epoch = (len(loader) - progress.batch) // accum
-            for i in range(steps_left_in_epoch):
-                if progress.step >= stop_at:
-                    break
-                lr = lr_at(progress.step, spec.total_steps, spec.warmup_steps, spec.peak_lr, spec.min_lr)
-                set_lr(optimizer, lr)
-                loss_sum = None
-                for micro in range(accum):
-                    images, labels = next(batches)
-                    # No gradient all-reduce until the last micro-batch of the step.
-                    sync = micro == accum - 1
-                    context = acc.no_sync(model) if not sync and acc.num_processes > 1 else contextlib.nullcontext()
-                    with context:
-                        with acc.autocast():
-                            loss, extras = loss_fn(model, images, labels)
-                        acc.backward(loss / accum)
-                    loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-                    for k, v in extras.items():
-                        window[k] = window.get(k, 0) + v.detach().float() / accum
-                progress.batch += accum
-                step_loss = loss_sum / accum
-                if not torch.isfinite(step_loss):
-                    optimizer.zero_grad(set_to_none=True)
-                    progress.nan_skips += 1
-                    where = f"step {progress.step}, lr {lr:.3g}, precision {run_cfg.precision}, loss {run.stage}"
-                    if progress.nan_skips > run_cfg.nan_skip_budget:
-                        raise NonFiniteLoss(f"non-finite loss ({step_loss.item()}) at {where}; the last good resume state is kept in {run.dir / STATE_DIR}")
-                    run.warn(f"non-finite loss at {where}; step skipped ({progress.nan_skips}/{run_cfg.nan_skip_budget})")
-                    continue
-                if clip is not None:
-                    acc.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                progress.step += 1
-                progress.images += images_per_step
-                window["loss"] = window.get("loss", 0) + step_loss.float()
-                window_steps += 1
-                window_images += images_per_step
-                if bar is not None:
-                    bar.update(1)
-                if progress.step % run_cfg.log_every == 0 or progress.step == stop_at:
-                    rec = record()
-                    run.log(rec)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", img_s=f"{rec['images_per_sec']:.0f}")
-                preempted = _any_rank(acc, signals.received is not None)
-                # The last step of an epoch is saved after its evaluation (below), so that a state at step S
-                # always follows every metrics record of steps <= S (see trim_metrics).
-                if (progress.step % run_cfg.save_every == 0 and i < steps_left_in_epoch - 1) or preempted:
-                    progress.train_time += time.perf_counter() - segment_start
-                    segment_start = time.perf_counter()
-                    save_state(run, progress)
-                if preempted:
-                    if bar is not None:
-                        bar.close()
-                    raise Preempted(f"stopped by signal at step {progress.step}; resume with run.resume=auto")
-            else:
-                # The epoch ran to its end (not cut by max_steps).
-                progress.epoch += 1
-                progress.batch = 0
-                extra = on_epoch_end(progress.epoch, progress) if on_epoch_end else None
-                if window_steps:
-                    run.log(record(extra))
-                elif extra:
-                    run.log({"step": progress.step, "epoch": progress.epoch, **extra})
-                progress.train_time += time.perf_counter() - segment_start
-                segment_start = time.perf_counter()
-                save_state(run, progress)
-                continue
-            break  # max_steps reached mid-epoch
-    if bar is not None:
-        bar.close()
-    progress.train_time += time.perf_counter() - segment_start
-    if window_steps:
-        run.log(record())
-    if not is_complete_state(state_path(run.dir, progress.step)):
-        save_state(run, progress)  # the end of training is always resumable (e.g. to extend it)
-    return progress
+        while loop.progress.epoch < spec.epochs and loop.progress.step < spec.stop_step:
+            if not loop.train_epoch(signals):
+                break  # stop_step reached mid-epoch
+            loop.end_epoch(on_epoch_end)
+    return loop.finish()
+
+
+@dataclass
+class MetricWindow:
+    """Metrics summed over the optimiser steps since the last record."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: int = 0
+    images: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        self.sums[key] = self.sums.get(key, 0) + value
+
+
+class TrainLoop:
+    """The parts of `fit`, in the order it calls them, around the state they share: `progress`
+    (saved with every resume state), the metrics window, the learning rate and the clock."""
+
+    def __init__(self, run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, loader, loss_fn: LossFn, spec: LoopSpec, progress: Progress):
+        self.run, self.model, self.optimizer, self.loader, self.loss_fn, self.spec = run, model, optimizer, loader, loss_fn, spec
+        self.progress = progress
+        self.accum = run.cfg.optim.grad_accum_steps
+        self.images_per_step = loader.batch_size * self.accum * run.accelerator.num_processes
+        self.lr = spec.lr(progress.step)  # the last step's learning rate, logged with each record
+        self.window = MetricWindow()
+        self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here
+        self.bar = make_bar(run, spec.stop_step, progress.step)
+
+    def train_epoch(self, signals: SignalGuard) -> bool:
+        """The optimiser steps left in the current epoch; False when `spec.stop_step` cut it short."""
+        p = self.progress
+        self.model.train()
+        batches = self.loader.epoch(p.epoch, start_batch=p.batch)
+        steps_left = (len(self.loader) - p.batch) // self.accum
+        for i in range(steps_left):
+            if p.step >= self.spec.stop_step:
+                return False
+            if not self.step(batches):
+                continue  # a non-finite loss: the step was skipped
+            self.log_step()
+            preempted = _any_rank(self.run.accelerator, signals.received is not None)
+            # The last step of an epoch is saved after its evaluation (end_epoch), so that a state at step S
+            # always follows every metrics record of steps <= S (see trim_metrics).
+            if preempted or (p.step % self.run.cfg.run.save_every == 0 and i < steps_left - 1):
+                self.save()
+            if preempted:
+                self.close_bar()
+                raise Preempted(f"stopped by signal at step {p.step}; resume with run.resume=auto")
+        return True
+
+    def step(self, batches: Iterator) -> bool:
+        """One optimiser step over `grad_accum_steps` micro-batches; False when its loss is not finite (skipped)."""
+        acc, p, accum = self.run.accelerator, self.progress, self.accum
+        self.lr = self.spec.lr(p.step)
+        set_lr(self.optimizer, self.lr)
+        loss_sum = None
+        for micro in range(accum):
+            images, labels = next(batches)
+            # No gradient all-reduce until the last micro-batch of the step.
+            sync = micro == accum - 1
+            with acc.no_sync(self.model) if not sync and acc.num_processes > 1 else contextlib.nullcontext():
+                with acc.autocast():
+                    loss, extras = self.loss_fn(self.model, images, labels)
+                acc.backward(loss / accum)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            for k, v in extras.items():
+                self.window.add(k, v.detach().float() / accum)
+        p.batch += accum
+        step_loss = loss_sum / accum
+        if not torch.isfinite(step_loss):
+            self.skip_non_finite(step_loss)
+            return False
+        clip = self.run.cfg.optim.clip_grad
+        if clip is not None:
+            acc.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        p.step += 1
+        p.images += self.images_per_step
+        self.window.add("loss", step_loss.float())
+        self.window.steps += 1
+        self.window.images += self.images_per_step
+        if self.bar is not None:
+            self.bar.update(1)
+        return True
+
+    def skip_non_finite(self, loss: torch.Tensor) -> None:
+        """Drop the step's gradients; stop the run once more than `run.nan_skip_budget` steps were skipped."""
+        run, p, budget = self.run, self.progress, self.run.cfg.run.nan_skip_budget
+        self.optimizer.zero_grad(set_to_none=True)
+        p.nan_skips += 1
+        where = f"step {p.step}, lr {self.lr:.3g}, precision {run.cfg.run.precision}, loss {run.stage}"
+        if p.nan_skips > budget:
+            raise NonFiniteLoss(f"non-finite loss ({loss.item()}) at {where}; the last good resume state is kept in {run.dir / STATE_DIR}")
+        run.warn(f"non-finite loss at {where}; step skipped ({p.nan_skips}/{budget})")
+
+    def log_step(self) -> None:
+        """A metrics record every `run.log_every` steps and at the last one."""
+        step = self.progress.step
+        if step % self.run.cfg.run.log_every and step != self.spec.stop_step:
+            return
+        rec = self.record()
+        self.run.log(rec)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{self.lr:.2e}", img_s=f"{rec['images_per_sec']:.0f}")
+
+    def record(self, extra: dict[str, float] | None = None) -> dict[str, Any]:
+        """The record of the steps since the last one (metrics are their means); starts a new window."""
+        p, w = self.progress, self.window
+        elapsed = time.perf_counter() - w.start
+        metrics = {k: (v / max(1, w.steps)).item() for k, v in w.sums.items()}
+        self.window = MetricWindow()
+        return {"step": p.step, "epoch": round(p.epoch + p.batch / max(1, len(self.loader)), 4), "lr": self.lr, **metrics,
+                "images_per_sec": w.images / elapsed if elapsed > 0 else 0.0,
+                "time": round(p.train_time + time.perf_counter() - self.segment_start, 2), **(extra or {})}  # fmt: skip
+
+    def end_epoch(self, on_epoch_end: EpochEnd | None) -> None:
+        """Close the epoch: its evaluation, its last record (with the evaluation's metrics), its resume state."""
+        p = self.progress
+        p.epoch += 1
+        p.batch = 0
+        extra = on_epoch_end(p.epoch, p) if on_epoch_end else None
+        if self.window.steps:
+            self.run.log(self.record(extra))
+        elif extra:
+            self.run.log({"step": p.step, "epoch": p.epoch, **extra})
+        self.save()
+
+    def save(self) -> None:
+        self.count_time()
+        save_state(self.run, self.progress)
+
+    def count_time(self) -> None:
+        """Add the time since the last call to `progress.train_time` (which resume states carry)."""
+        now = time.perf_counter()
+        self.progress.train_time += now - self.segment_start
+        self.segment_start = now
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def finish(self) -> Progress:
+        """The end of training is always resumable (e.g. to extend it): saved unless the last epoch's state is that step."""
+        self.close_bar()
+        self.count_time()
+        p = self.progress
+        if not is_complete_state(state_path(self.run.dir, p.step)):
+            save_state(self.run, p)
+        return p
 
 
 def _any_rank(acc, flag: bool) -> bool:

@@ -167,6 +167,33 @@ class DropPath(nn.Module):
         return f"p={self.p}"
 
 
+class PatchDropout(nn.Module):
+    """Patch dropout (Liu et al. 2022): in training each sample keeps a random `int(N * (1 - p))` of its N patch tokens.
+
+    x: (B, P + N, D) -> (B, P + K, D); the P prefix tokens ([CLS]) always stay. The tokens already
+    carry their positional embedding, so each kept patch keeps its place. Identity in eval mode:
+    evaluation sees every patch. A training step costs about the kept fraction of the FLOPs (less
+    for attention), and the encoder trains as MAE's does, on a subset of the patches.
+    """
+
+    def __init__(self, p: float, num_prefix_tokens: int = 1):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"patch_drop_rate must be in [0, 1), got {p}")
+        self.p = p
+        self.num_prefix_tokens = num_prefix_tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        P = self.num_prefix_tokens
+        ids_keep, _, _ = random_masking(x.shape[0], x.shape[1] - P, self.p, x.device)  # (B, K)
+        return torch.cat([x[:, :P], gather_tokens(x[:, P:], ids_keep)], dim=1)  # (B, P + K, D)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
@@ -210,6 +237,7 @@ class VisionTransformer(nn.Module):
         drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
+        patch_drop_rate: float = 0.0,
         pos_embed: Literal["learned", "sincos"] = "learned",
         global_pool: Literal["token", "avg"] = "token",
         attn_impl: AttnImpl = "sdpa",
@@ -224,7 +252,7 @@ class VisionTransformer(nn.Module):
         self.config = dict(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
             embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-            drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate,
+            drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate, patch_drop_rate=patch_drop_rate,
             pos_embed=pos_embed, global_pool=global_pool, attn_impl=attn_impl,
         )  # fmt: skip
         self.num_classes = num_classes
@@ -238,6 +266,7 @@ class VisionTransformer(nn.Module):
         # A fixed sin-cos table is still a (frozen) Parameter so the state_dict key matches timm.
         self.pos_embed = nn.Parameter(torch.zeros(1, 1 + num_patches, embed_dim), requires_grad=pos_embed == "learned")
         self.pos_drop = nn.Dropout(drop_rate)
+        self.patch_drop = PatchDropout(patch_drop_rate, self.num_prefix_tokens) if patch_drop_rate > 0 else nn.Identity()
         rates = torch.linspace(0, drop_path_rate, depth).tolist()  # deeper blocks are dropped more often
         self.blocks = nn.ModuleList(
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, rates[i], attn_impl) for i in range(depth)
@@ -268,19 +297,6 @@ class VisionTransformer(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def set_attn_impl(self, impl: AttnImpl) -> None:
-        for block in self.blocks:
-            block.attn.impl = impl
-        self.config["attn_impl"] = impl
-
-    def reset_classifier(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.config["num_classes"] = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
-            nn.init.trunc_normal_(self.head.weight, std=0.02)
-            nn.init.zeros_(self.head.bias)
-
     def no_weight_decay(self) -> set[str]:
         """Parameter names that take no weight decay (besides every 1-D tensor)."""
         return {"pos_embed", "cls_token"}
@@ -308,8 +324,9 @@ class VisionTransformer(nn.Module):
 
         Passing `ids_keep` runs the blocks on those patches only (MAE's visible set);
         the positional embedding is added before they are picked, so each keeps its place.
+        In training, patch dropout (`patch_drop_rate` > 0) then keeps a random part of them.
         """
-        x = self.embed(x, ids_keep)
+        x = self.patch_drop(self.embed(x, ids_keep))  # (B, 1 + N'', D)
         for block in self.blocks:
             x = block(x)
         return self.norm(x)
@@ -325,12 +342,9 @@ class VisionTransformer(nn.Module):
         x = self.head_drop(self.pool(features))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor, ids_keep: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, C, H, W) -> logits (B, num_classes), or pooled features (B, D) when headless.
-
-        ids_keep: (B, N') patch indices to run on (patch dropout in training); None: every patch.
-        """
-        return self.forward_head(self.forward_features(x, ids_keep))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, C, H, W) -> logits (B, num_classes), or pooled features (B, D) when headless."""
+        return self.forward_head(self.forward_features(x))
 
     @torch.no_grad()
     def attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -385,4 +399,4 @@ def flops_per_image(cfg: dict, tokens: int | None = None, train: bool = True) ->
     return total * (3 if train else 1)
 
 
-__all__ = ["VisionTransformer", "create_model", "PRESETS", "Attention", "Block", "count_parameters", "flops_per_image", "random_masking"]
+__all__ = ["VisionTransformer", "create_model", "PRESETS", "Attention", "Block", "PatchDropout", "count_parameters", "flops_per_image", "random_masking"]

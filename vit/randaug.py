@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from vit.augment import BatchOp
-
-if TYPE_CHECKING:  # vit is the shared library and does not import finetune at run time; make_ops only reads fields
-    from finetune.config import AugmentConfig
+from vit.config import AugmentConfig
 
 OPS = (
     "identity", "shear_x", "shear_y", "translate_x", "translate_y", "rotate",

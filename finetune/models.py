@@ -17,6 +17,7 @@ import torch.nn as nn
 from vit.checkpoint import CheckpointError, atomic_save, load_encoder, load_timm_weights, read_checkpoint, read_encoder, read_weights_file
 from vit.errors import ConfigError
 from vit.model import VisionTransformer, create_model
+from vit.reference import timm_vit
 
 CLASSIFIER_FORMAT = "vit-classifier/1"
 HUB_HOST = ("huggingface.co", 443)
@@ -61,19 +62,6 @@ def cifar_resnet18(num_classes: int) -> nn.Module:
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
-
-
-def timm_vit(config: dict[str, Any], patch_keep: float = 1.0) -> nn.Module:
-    """timm's own VisionTransformer with our encoder's configuration (fc_norm=False matches our avg pooling).
-
-    patch_keep < 1 is timm's own patch dropout (`patch_drop_rate`), which keeps the same number of
-    patches, int(N * keep), as `finetune.patch_keep` does for our encoder.
-    """
-    import timm.models.vision_transformer as tv
-
-    kwargs = {k: config[k] for k in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
-                                     "qkv_bias", "drop_rate", "attn_drop_rate", "drop_path_rate", "global_pool")}  # fmt: skip
-    return tv.VisionTransformer(fc_norm=False, patch_drop_rate=1.0 - patch_keep, **kwargs)
 
 
 @dataclass

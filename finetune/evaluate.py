@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from vit.plots import pyplot, save
+
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
@@ -46,11 +48,7 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
 
 def save_confusion_matrix(confusion: torch.Tensor, classes: list[str], path: Path, title: str) -> Path:
     """A PNG heatmap of row-normalised counts (rows: true class, columns: predicted)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rates = confusion.double() / confusion.sum(1, keepdim=True).clamp(min=1)
     n = len(classes)
     fig, ax = plt.subplots(figsize=(1.0 + 0.55 * n, 0.8 + 0.5 * n), dpi=100)
@@ -65,7 +63,4 @@ def save_confusion_matrix(confusion: torch.Tensor, classes: list[str], path: Pat
     ax.set_ylabel("true")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -19,6 +19,7 @@ from vit.errors import ConfigError
 from vit.io import atomic_save
 from vit.model import VisionTransformer, create_model
 from vit.runs import CLASSIFIER_FILE, ENCODER_FILE
+from vit.reference import timm_vit
 
 CLASSIFIER_FORMAT = "vit-classifier/1"
 HUB_HOST = ("huggingface.co", 443)
@@ -63,19 +64,6 @@ def cifar_resnet18(num_classes: int) -> nn.Module:
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
-
-
-def timm_vit(config: dict[str, Any]) -> nn.Module:
-    """timm's own VisionTransformer with our encoder's configuration (fc_norm=False matches our avg pooling).
-
-    Its patch dropout (`patch_drop_rate`) keeps the same number of patches, int(N * (1 - rate)), as ours.
-    """
-    import timm.models.vision_transformer as tv
-
-    kwargs = {k: config[k] for k in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
-                                     "qkv_bias", "drop_rate", "attn_drop_rate", "drop_path_rate", "global_pool")}  # fmt: skip
-    # Classifiers saved before the encoder had patch dropout have no `patch_drop_rate` in their config.
-    return tv.VisionTransformer(fc_norm=False, patch_drop_rate=config.get("patch_drop_rate", 0.0), **kwargs)
 
 
 @dataclass

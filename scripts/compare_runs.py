@@ -9,7 +9,7 @@ of run folders. `--runs` keeps the runs whose folder names match (shell patterns
 Runs without summary.json are unfinished: listed as such, with what metrics.jsonl holds
 so far. Everything is read from the run folders: no tracker, no network.
 
-Figures (in `--out`, each FIGSIZE at DPI): loss, accuracy and learning rate against the
+Figures (in `--out`, each `vit.plots.FIGSIZE` at `vit.plots.DPI`, drawn by `vit.plots`): loss, accuracy and learning rate against the
 optimiser step and against training time, a bar chart of the final accuracies, and the
 accuracy of probes and fine-tunes against the pretraining time of their encoders.
 """
@@ -22,20 +22,15 @@ import csv
 import fnmatch
 import math
 import shlex
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-if __package__ in (None, ""):  # run as `python scripts/compare_runs.py`: make the repo's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vit.errors import UserError, exit_on_user_error  # noqa: E402
-from vit.runs import CLASSIFICATION, RUN_MARKERS, RunFolder, is_run_folder, read_run  # noqa: E402
-
-FIGSIZE = (10.0, 4.0)  # inches; every figure is FIGSIZE * DPI pixels
-DPI = 100
+from vit import plots
+from vit.errors import UserError, exit_on_user_error
+from vit.runs import CLASSIFICATION, RUN_MARKERS, RunFolder, is_run_folder, read_run
 
 
 # --------------------------------------------------------------------------- reading run folders
@@ -266,123 +261,15 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------- figures
+# --------------------------------------------------------------------------- figures (drawn by vit.plots)
+
+LOSS_TITLES = {"pretrain": "MAE pretraining: masked-patch loss", CLASSIFICATION: "classification: cross-entropy"}
 
 
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def colours(runs: list[RunFolder]) -> dict[str, Any]:
-    """One colour per run, the same in every figure."""
-    cmap = pyplot().get_cmap("tab10" if len(runs) <= 10 else "tab20")
-    return {r.name: cmap(i % cmap.N) for i, r in enumerate(runs)}
-
-
-def xy(s: Series, axis: str) -> tuple[list[float], list[float]]:
-    """The points of a series against 'step' or 'time' (points without a time are dropped)."""
-    if axis == "step":
-        return s.steps, s.values
-    pts = [(t, v) for t, v in zip(s.times, s.values) if t is not None]
-    return [t for t, _ in pts], [v for _, v in pts]
-
-
-XLABEL = {"step": "optimiser step", "time": "training time (s)"}
-
-
-def save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": every figure keeps FIGSIZE * DPI pixels
-    pyplot().close(fig)
-    return path
-
-
-def plot_loss(runs: list[RunFolder], axis: str, path: Path, colour: dict) -> Path | None:
-    """Training loss (solid) and validation loss (dashed, markers): one panel for MAE runs, one for classifiers."""
+def loss_panels(runs: list[RunFolder]) -> dict[str, dict[str, tuple[Series, Series]]]:
+    """{panel title: {run: (loss, val_loss)}}: a panel for MAE runs and one for classifiers, where a run of it logged a loss."""
     groups = [g for g in ("pretrain", CLASSIFICATION) if any(r.group == g and series(r, "loss").values for r in runs)]
-    if not groups:
-        return None
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(groups), figsize=FIGSIZE, squeeze=False)
-    titles = {"pretrain": "MAE pretraining: masked-patch loss", CLASSIFICATION: "classification: cross-entropy"}
-    for ax, group in zip(axes[0], groups):
-        for r in (r for r in runs if r.group == group):
-            x, y = xy(series(r, "loss"), axis)
-            if x:
-                ax.plot(x, y, color=colour[r.name], label=r.name, linewidth=1.2)
-            x, y = xy(series(r, "val_loss"), axis)
-            if x:
-                ax.plot(x, y, color=colour[r.name], linestyle="--", marker="o", markersize=3, linewidth=1.0, label=f"{r.name} (val)")
-        ax.set_title(titles[group], fontsize=10)
-        ax.set_xlabel(XLABEL[axis])
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return save(fig, path)
-
-
-def plot_metric(runs: list[RunFolder], key: str, axis: str, path: Path, colour: dict, ylabel: str, title: str,
-                percent: bool = False, log: bool = False) -> Path | None:  # fmt: skip
-    """One metric of every run that logged it, overlaid; None when no run did."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=FIGSIZE)
-    drawn = 0
-    for r in runs:
-        x, y = xy(series(r, key), axis)
-        if log:
-            x, y = [a for a, b in zip(x, y) if b > 0], [b for b in y if b > 0]
-        if not x:
-            continue
-        y = [100 * v for v in y] if percent else y
-        style = dict(marker="o", markersize=3) if len(x) < 30 else {}
-        ax.plot(x, y, color=colour[r.name], label=r.name, linewidth=1.2, **style)
-        drawn += 1
-    if not drawn:
-        plt.close(fig)
-        return None
-    if log:
-        ax.set_yscale("log")
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel(XLABEL[axis])
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return save(fig, path)
-
-
-def plot_final_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """Grouped bars of final val top-1, best val top-1 and test top-1 per classification run."""
-    bars = [("val_top1", "val top-1 (final)"), ("best_val_top1", "val top-1 (best)"), ("test_top1", "test top-1")]
-    rows = [r for r in rows if any(r.get(k) is not None for k, _ in bars)]
-    if not rows:
-        return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=FIGSIZE)
-    width = 0.8 / len(bars)
-    for i, (key, label) in enumerate(bars):
-        xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(rows))]
-        heights = [100 * r[key] if r.get(key) is not None else 0.0 for r in rows]
-        drawn = ax.bar(xs, heights, width, label=label)
-        for rect, r in zip(drawn, rows):
-            if r.get(key) is not None:
-                ax.annotate(
-                    f"{100 * r[key]:.1f}", (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center", va="bottom", fontsize=7
-                )
-    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=15 if len(rows) > 4 else 0, fontsize=8)
-    ax.set_ylabel("top-1 accuracy (%)")
-    ax.set_ylim(0, 105)
-    ax.set_title("final accuracy", fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return save(fig, path)
+    return {LOSS_TITLES[g]: {r.name: (series(r, "loss"), series(r, "val_loss")) for r in runs if r.group == g} for g in groups}
 
 
 def pretraining_points(runs: list[RunFolder], rows: list[dict[str, Any]]) -> dict[str, dict[float, list[float]]]:
@@ -409,32 +296,6 @@ def pretraining_points(runs: list[RunFolder], rows: list[dict[str, Any]]) -> dic
     return points
 
 
-def plot_accuracy_vs_pretraining(runs: list[RunFolder], rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """Val top-1 of probes and fine-tunes against their encoder's pretraining time: the mean, and the range over seeds."""
-    points = pretraining_points(runs, rows)
-    if not points:
-        return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=FIGSIZE)
-    labels = {"linprobe": "linear probe (0 min: a random encoder)", "finetune": "full fine-tuning"}
-    for stage, by_x in sorted(points.items()):
-        xs = sorted(by_x)
-        means = [100 * statistics.mean(by_x[x]) for x in xs]
-        low = [m - 100 * min(by_x[x]) for m, x in zip(means, xs)]
-        high = [100 * max(by_x[x]) - m for m, x in zip(means, xs)]
-        ax.errorbar(xs, means, yerr=[low, high], marker="o", markersize=4, capsize=3, linewidth=1.2, label=labels[stage])
-        for x, m in zip(xs, means):
-            n = len(by_x[x])
-            ax.annotate(f"{m:.1f}" + (f" (n={n})" if n > 1 else ""), (x, m), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("pretraining time of the encoder (min)")
-    ax.set_ylabel("val top-1 (%)")
-    ax.set_title("accuracy against MAE pretraining length", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return save(fig, path)
-
-
 FIGURES = [  # file stem, title in report.md
     ("loss_by_step", "Loss against step"),
     ("loss_by_time", "Loss against training time"),
@@ -449,17 +310,20 @@ FIGURES = [  # file stem, title in report.md
 
 def make_figures(runs: list[RunFolder], rows: list[dict[str, Any]], out: Path) -> dict[str, Path | None]:
     """Every figure of FIGURES written into `out`; None for one no run has data for."""
-    colour = colours(runs)
+    colour = plots.colours([r.name for r in runs])
     figures: dict[str, Path | None] = {}
+    losses = loss_panels(runs)
+    accuracy = {r.name: series(r, "val_top1") for r in runs}
+    lr = {r.name: series(r, "lr") for r in runs}
     for axis in ("step", "time"):
-        figures[f"loss_by_{axis}"] = plot_loss(runs, axis, out / f"loss_by_{axis}.png", colour)
-        figures[f"accuracy_by_{axis}"] = plot_metric(runs, "val_top1", axis, out / f"accuracy_by_{axis}.png", colour,
-                                                     "val top-1 (%)", "validation top-1 accuracy", percent=True)  # fmt: skip
-        figures[f"lr_by_{axis}"] = plot_metric(
-            runs, "lr", axis, out / f"lr_by_{axis}.png", colour, "learning rate", "learning rate (log scale)", log=True
-        )
-    figures["final_accuracy"] = plot_final_accuracy(rows, out / "final_accuracy.png")
-    figures["accuracy_vs_pretraining"] = plot_accuracy_vs_pretraining(runs, rows, out / "accuracy_vs_pretraining.png")
+        figures[f"loss_by_{axis}"] = plots.plot_loss(losses, axis, out / f"loss_by_{axis}.png", colour)
+        figures[f"accuracy_by_{axis}"] = plots.plot_curves(accuracy, axis, out / f"accuracy_by_{axis}.png", colour,
+                                                           "val top-1 (%)", "validation top-1 accuracy", percent=True)  # fmt: skip
+        figures[f"lr_by_{axis}"] = plots.plot_curves(lr, axis, out / f"lr_by_{axis}.png", colour,
+                                                     "learning rate", "learning rate (log scale)", log=True)  # fmt: skip
+    figures["final_accuracy"] = plots.plot_final_accuracy(rows, out / "final_accuracy.png")
+    points = pretraining_points(runs, rows)
+    figures["accuracy_vs_pretraining"] = plots.plot_accuracy_vs_pretraining(points, out / "accuracy_vs_pretraining.png")
     return figures
 
 

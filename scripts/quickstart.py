@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from vit.cli import split_overrides
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA_ENV = "VIT_DATA"
 RESERVED = ("run.dir", "run.name", "finetune.init")  # quickstart sets these itself: each stage must find the last
@@ -119,10 +121,7 @@ def run_command(argv: list[str]) -> int:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Options before `--`; dotted overrides for every stage after it."""
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = split_overrides(argv)
     parser = argparse.ArgumentParser(prog="quickstart.py", description="MAE pretraining -> linear probe -> fine-tuning -> comparison report",
                                      epilog="Overrides after -- go to every stage, e.g. -- optim.batch_size=128 run.seed=1")  # fmt: skip
     parser.add_argument("--data", help=f"CIFAR-10 location (default: ${DATA_ENV}, else a torchvision download)")

@@ -35,11 +35,9 @@ from pathlib import Path
 
 import yaml
 
-if __package__ in (None, ""):  # run as `python scripts/sweep.py`: make the repo's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vit.errors import ConfigError, exit_on_user_error  # noqa: E402
-from vit.runs import is_finished  # noqa: E402
+from vit.cli import split_overrides
+from vit.errors import ConfigError, exit_on_user_error
+from vit.runs import is_finished
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("pretrain", "finetune")
@@ -148,11 +146,7 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="sweep.py", description="Run the jobs of a sweep file, several at a time, and compare them",
                                      epilog="Overrides after -- go to every job, e.g. -- data.root=PATH run.device=cuda")  # fmt: skip
     parser.add_argument("sweep", type=Path, help="the sweep file (YAML: common, jobs)")

@@ -33,25 +33,12 @@ from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # run as `python scripts/visualize.py`: make the repo's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vit.checkpoint import ENCODER_FORMAT, encoder_from_checkpoint, read_payload  # noqa: E402
-from vit.errors import CheckpointError, DataError, UserError, exit_on_user_error  # noqa: E402
-from vit.inspect import (  # noqa: E402
-    attention_rollout,
-    cls_attention,
-    grid_side,
-    patch_grid_overlay,
-    pos_embed_similarity,
-    rollout_cls_map,
-    upsample_maps,
-)
-from vit.model import VisionTransformer  # noqa: E402
-from vit.pos_embed import sincos_2d  # noqa: E402
-from vit.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, MAE_FILE, read_config  # noqa: E402
-
-DPI = 100
+from vit.checkpoint import ENCODER_FORMAT, encoder_from_checkpoint, read_payload
+from vit.data import IMAGENET_MEAN, IMAGENET_STD, NORMALIZATION
+from vit.errors import CheckpointError, DataError, UserError, exit_on_user_error
+from vit.model import VisionTransformer
+from vit.plots import figure_attention_heads, figure_patch_grid, figure_pos_similarity, figure_rollout, figure_sincos_table
+from vit.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, MAE_FILE, read_config
 
 
 # --------------------------------------------------------------------------- the checkpoint
@@ -132,21 +119,6 @@ def load_mae(loaded: Loaded):
 # --------------------------------------------------------------------------- the images
 
 
-def dataset_norm(name: str | None) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """The normalisation a dataset is trained with in this project (vit.data), or None for an unknown name."""
-    from vit import data
-
-    table = {
-        "cifar10": (data.CIFAR10_MEAN, data.CIFAR10_STD),
-        "cifar100": (data.CIFAR100_MEAN, data.CIFAR100_STD),
-        "mnist": (data.MNIST_MEAN, data.MNIST_STD),
-        "fashionmnist": (data.FASHIONMNIST_MEAN, data.FASHIONMNIST_STD),
-        "imagefolder": (data.IMAGENET_MEAN, data.IMAGENET_STD),
-        "synthetic": (data.SYNTHETIC_MEAN, data.SYNTHETIC_STD),
-    }
-    return table.get(name)
-
-
 def spread(n_total: int, n: int) -> torch.Tensor:
     """`n` indices spread evenly over `n_total` items (so over a split's classes): -> (min(n, n_total),) int64."""
     return torch.linspace(0, n_total - 1, min(n, n_total)).round().long().unique()
@@ -198,11 +170,9 @@ def get_images(loaded: Loaded, spec: list[str], n: int):
         if not folder.exists():
             raise DataError(f"--images {folder} does not exist (give a folder of images or data.key=value overrides)")
         images = images_from_folder(folder, size, n)
-        norm = loaded.norm or dataset_norm(((loaded.run_config or {}).get("data") or {}).get("dataset"))
+        norm = loaded.norm or NORMALIZATION.get(((loaded.run_config or {}).get("data") or {}).get("dataset"))
         note = ""
         if norm is None:
-            from vit.data import IMAGENET_MEAN, IMAGENET_STD
-
             norm, note = (IMAGENET_MEAN, IMAGENET_STD), " (no run config found: ImageNet normalisation assumed)"
         return images, norm[0], norm[1], f"{images.shape[0]} images from {folder}{note}"
     bad = [s for s in spec if "=" not in s]
@@ -213,129 +183,6 @@ def get_images(loaded: Loaded, spec: list[str], n: int):
             f"no run folder with {CONFIG_FILE} found for {loaded.path}: say which images with --images FOLDER or data.dataset=... data.root=..."
         )
     return images_from_data(loaded, spec, size, n)
-
-
-# --------------------------------------------------------------------------- figures
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def hwc(image: torch.Tensor):
-    """(3, H, W) in [0, 1] -> (H, W, 3) numpy for imshow."""
-    return image.clamp(0, 1).permute(1, 2, 0).cpu().numpy()
-
-
-def overlay(ax, image: torch.Tensor, heat: torch.Tensor | None = None, title: str | None = None) -> None:
-    ax.imshow(hwc(image), interpolation="nearest")
-    if heat is not None:
-        ax.imshow(heat.cpu().numpy(), cmap="inferno", alpha=0.6, vmin=0, vmax=1, interpolation="nearest")
-    if title:
-        ax.set_title(title, fontsize=7)
-    ax.axis("off")
-
-
-def save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    pyplot().close(fig)
-    return path
-
-
-def figure_attention_heads(images: torch.Tensor, attn_last: torch.Tensor, path: Path) -> Path:
-    """Rows: images; columns: the input, then [CLS]'s attention over the patches for each head of the last block."""
-    heads = cls_attention(attn_last)  # (B, H, G, G)
-    b, h = heads.shape[:2]
-    size = images.shape[-1]
-    plt = pyplot()
-    fig, axes = plt.subplots(b, h + 1, figsize=(1.4 * (h + 1), 1.4 * b + 0.3), squeeze=False)
-    for i in range(b):
-        overlay(axes[i, 0], images[i], title="input" if i == 0 else None)
-        maps = upsample_maps(heads[i], size)  # (H, S, S), each in [0, 1]
-        for j in range(h):
-            overlay(axes[i, j + 1], images[i], maps[j], title=f"head {j}" if i == 0 else None)
-    fig.suptitle("[CLS] attention, last block (each map scaled to its own max)", fontsize=8)
-    fig.tight_layout()
-    return save(fig, path)
-
-
-def figure_rollout(images: torch.Tensor, maps: list[torch.Tensor], path: Path) -> Path:
-    """Row 1: the inputs; row 2: [CLS]'s attention rollout through every block, over the input."""
-    rollout = rollout_cls_map(attention_rollout(maps))  # (B, G, G)
-    heat = upsample_maps(rollout, images.shape[-1])  # (B, S, S)
-    b = images.shape[0]
-    plt = pyplot()
-    fig, axes = plt.subplots(2, b, figsize=(1.4 * b, 3.2), squeeze=False)
-    for i in range(b):
-        overlay(axes[0, i], images[i])
-        overlay(axes[1, i], images[i], heat[i])
-    fig.suptitle(f"attention rollout of [CLS] through {len(maps)} block(s)", fontsize=8)
-    fig.tight_layout()
-    return save(fig, path)
-
-
-def figure_pos_similarity(pos_embed: torch.Tensor, path: Path) -> Path:
-    """A G x G mosaic: tile (r, c) is the cosine similarity of position (r, c)'s embedding with every position."""
-    sim = pos_embed_similarity(pos_embed)  # (N, N)
-    g = grid_side(sim.shape[0])
-    tiles = sim.reshape(g, g, g, g)  # (row, col, other row, other col)
-    mosaic = torch.full((g * (g + 1) - 1, g * (g + 1) - 1), float("nan"))  # one blank pixel between tiles
-    for r in range(g):
-        for c in range(g):
-            mosaic[r * (g + 1) : r * (g + 1) + g, c * (g + 1) : c * (g + 1) + g] = tiles[r, c]
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 5.6))
-    shown = ax.imshow(mosaic.numpy(), cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
-    ax.set_xticks([c * (g + 1) + g / 2 - 0.5 for c in range(g)], range(g), fontsize=6)
-    ax.set_yticks([r * (g + 1) + g / 2 - 0.5 for r in range(g)], range(g), fontsize=6)
-    ax.set_xlabel("patch column")
-    ax.set_ylabel("patch row")
-    ax.set_title("positional embedding: cosine similarity of each position with all others", fontsize=8)
-    fig.colorbar(shown, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    return save(fig, path)
-
-
-def figure_patch_grid(images: torch.Tensor, patch_size: int, path: Path) -> Path:
-    scale = max(1, 128 // images.shape[-1])  # small inputs are enlarged so one-pixel lines do not hide them
-    big = torch.nn.functional.interpolate(images, scale_factor=scale, mode="nearest")
-    gridded = patch_grid_overlay(big, patch_size * scale)
-    b = images.shape[0]
-    plt = pyplot()
-    fig, axes = plt.subplots(1, b, figsize=(1.6 * b, 1.9), squeeze=False)
-    for i in range(b):
-        overlay(axes[0, i], gridded[i])
-    g = images.shape[-1] // patch_size
-    fig.suptitle(f"{g} x {g} patches of {patch_size} x {patch_size} pixels", fontsize=8)
-    fig.tight_layout()
-    return save(fig, path)
-
-
-def figure_sincos_table(encoder: VisionTransformer, path: Path) -> Path | None:
-    """The fixed sin-cos table (positions x channels) for this encoder's width and grid; the learned one beside it."""
-    d, g = encoder.embed_dim, encoder.patch_embed.grid_size
-    if d % 4:
-        return None
-    tables = [("fixed 2-D sin-cos table", sincos_2d(d, g)[1:])]  # (N, D), [CLS]'s zero row left out
-    if encoder.config["pos_embed"] == "learned":
-        tables.append(("this encoder's learned table", encoder.pos_embed.detach()[0, 1:].float()))
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(tables), figsize=(5.0 * len(tables), 4.0), squeeze=False)
-    for ax, (title, table) in zip(axes[0], tables):
-        limit = table.abs().max().item() or 1.0
-        shown = ax.imshow(table.numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
-        ax.set_title(title, fontsize=8)
-        ax.set_xlabel("channel (first half: column, second half: row)" if "sin-cos" in title else "channel")
-        ax.set_ylabel("patch position (row-major)")
-        fig.colorbar(shown, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    return save(fig, path)
 
 
 # --------------------------------------------------------------------------- main

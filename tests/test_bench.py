@@ -1,4 +1,5 @@
-"""scripts/bench.py: the quick run completes and reports every case; the reference MAE matches ours in shapes and loss."""
+"""The benchmark (vit.bench, pretrain.bench, finetune.bench, scripts/bench.py): the quick run completes and reports every case;
+the reference MAE matches ours in shapes and loss; settings and device picking."""
 
 import json
 import os
@@ -9,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import load_script
+from pretrain import bench as pretrain_bench
 from pretrain.model import patchify, unpatchify
+from vit import bench
+from vit.device import pick_device
+from vit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 LINUX = Path("/proc/self/status").exists()
-
-bench = load_script("bench")
 
 
 def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
@@ -25,7 +27,10 @@ def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    expected = [c.name for c in bench.make_cases(bench.parse_args(["--quick"]), torch.device("cpu"))]
+    s, cpu = bench.settings(quick=True), torch.device("cpu")
+    precisions = bench.case_precisions(cpu)
+    expected = [c.name for c in bench.encoder_cases(s, cpu, precisions) + pretrain_bench.mae_cases(s, cpu, precisions)]
+    expected += [f"e2e/pretrain/{precisions[-1]}", f"e2e/finetune/{precisions[-1]}"]
     assert {"encoder/vit_cifar_tiny/fp32", "encoder/vit_tiny_p4/fp32", "mae/vit_cifar_tiny/fp32"} <= set(expected)
     assert [c["name"] for c in report["cases"]] == expected
     for case in report["cases"]:
@@ -53,8 +58,8 @@ def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
 def test_reference_mae_matches_ours_in_shapes_and_ignores_visible_patches():
     torch.manual_seed(0)
     imgs = torch.randn(2, 3, 32, 32)
-    ref = bench.reference_mae("vit_cifar_tiny", {})
-    ours = bench.our_mae("vit_cifar_tiny", {})
+    ref = pretrain_bench.reference_mae("vit_cifar_tiny", {})
+    ours = pretrain_bench.our_mae("vit_cifar_tiny", {})
     loss_r, pred_r, mask_r = ref(imgs)
     loss_o, pred_o, mask_o = ours(imgs)
     assert loss_r.shape == loss_o.shape == ()
@@ -86,3 +91,21 @@ def test_host_step_memory_sees_what_a_step_holds():
     case = bench.Case("toy", "encoder", "fp32", 1, ours=builder, ref=builder, ref_name="toy")
     grew = bench.host_step_memory(case, "ours", warmup=1)["peak_memory_mib"]
     assert 56 <= grew <= 96
+
+
+def test_settings_are_the_full_or_the_quick_run_with_given_values_on_top():
+    full, quick = bench.settings(), bench.settings(quick=True)
+    assert (full.batch, full.steps, full.probe_epochs, full.quick) == (128, None, 30, False)
+    assert (quick.batch, quick.steps, quick.probe_epochs, quick.quick) == (16, 1, 2, True)
+    given = bench.settings(quick=True, batch=8, steps=None, seed=3)  # None: the run's own default
+    assert (given.batch, given.steps, given.seed, given.gemm) == (8, 1, 3, 1024)
+
+
+def test_pick_device_refuses_a_device_that_is_not_there_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto").type in ("cpu", "mps")
+    with pytest.raises(ConfigError, match="^--device cuda: no CUDA device is available$"):
+        pick_device("cuda")
+    with pytest.raises(ConfigError, match="^--device tpu: expected auto, cpu, cuda or mps$"):
+        pick_device("tpu")

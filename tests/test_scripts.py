@@ -5,6 +5,7 @@ import csv
 import io
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from PIL import Image
 from finetune.train import main as finetune_main
 from helpers import load_script, reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain_main
+from vit import plots
 from vit.inspect import attention_rollout, cls_attention, patch_grid_overlay, pos_embed_similarity, rollout_cls_map
 from vit.model import VisionTransformer
 from vit.pos_embed import sincos_2d
@@ -106,7 +108,7 @@ def test_figures_are_images_of_the_set_size_and_the_report_links_them(fake_runs,
     code = compare_runs.main([str(fake_runs / "mae"), str(fake_runs / "ft"), str(fake_runs / "probe"), "--out", str(out)])
     assert code == 0
     report = (out / "report.md").read_text()
-    size = (int(compare_runs.FIGSIZE[0] * compare_runs.DPI), int(compare_runs.FIGSIZE[1] * compare_runs.DPI))
+    size = (int(plots.FIGSIZE[0] * plots.DPI), int(plots.FIGSIZE[1] * plots.DPI))
     for stem, _ in compare_runs.FIGURES:
         path = out / f"{stem}.png"
         with Image.open(path) as im:
@@ -419,3 +421,14 @@ def test_a_bad_sweep_file_is_one_line_naming_the_job(tmp_path, capsys, jobs, mes
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "jobs[" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- every script as a person runs it
+
+
+@pytest.mark.parametrize("script", ["bench", "compare_runs", "visualize", "quickstart", "sweep"])
+def test_each_script_runs_from_its_file_and_prints_its_help(script):
+    """The scripts import the installed packages (no sys.path edits): run as files, each answers --help."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: ") and "--help" in proc.stdout

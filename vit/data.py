@@ -60,6 +60,14 @@ MNIST_MEAN, MNIST_STD = (0.1307,) * 3, (0.3081,) * 3
 FASHIONMNIST_MEAN, FASHIONMNIST_STD = (0.2860,) * 3, (0.3530,) * 3
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SYNTHETIC_MEAN, SYNTHETIC_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+NORMALIZATION = {  # data.dataset -> the (mean, std) per channel its images are normalised with
+    "cifar10": (CIFAR10_MEAN, CIFAR10_STD),
+    "cifar100": (CIFAR100_MEAN, CIFAR100_STD),
+    "mnist": (MNIST_MEAN, MNIST_STD),
+    "fashionmnist": (FASHIONMNIST_MEAN, FASHIONMNIST_STD),
+    "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
+    "synthetic": (SYNTHETIC_MEAN, SYNTHETIC_STD),
+}
 
 SYNTHETIC_CLASSES = ["red", "green", "blue", "yellow", "magenta", "cyan", "orange", "purple", "white", "black"]
 _SYNTHETIC_COLOURS = (
@@ -122,16 +130,16 @@ def load_splits(cfg: DataConfig) -> Splits:
     """Read (or decode once and cache) `cfg.dataset`, then carve the seeded validation split and the train fraction."""
     name = cfg.dataset
     if name in ("cifar10", "cifar100"):
-        raw, mean, std = _load_cifar(cfg), *_CIFAR[name].norm
+        raw = _load_cifar(cfg)
     elif name == "imagefolder":
-        raw, mean, std = _load_imagefolder_cached(cfg, _existing(cfg.root)), IMAGENET_MEAN, IMAGENET_STD
+        raw = _load_imagefolder_cached(cfg, _existing(cfg.root))
     elif name in ("mnist", "fashionmnist"):
         raw = _load_mnist(cfg)
-        mean, std = (MNIST_MEAN, MNIST_STD) if name == "mnist" else (FASHIONMNIST_MEAN, FASHIONMNIST_STD)
     elif name == "synthetic":
-        raw, mean, std = make_synthetic(cfg.synthetic_size, cfg.split_seed), SYNTHETIC_MEAN, SYNTHETIC_STD
+        raw = make_synthetic(cfg.synthetic_size, cfg.split_seed)
     else:
         raise DataError(f"unknown data.dataset {name!r}")
+    mean, std = NORMALIZATION[name]
 
     train, val = raw["train"], raw.get("val")
     if val is None:
@@ -239,15 +247,13 @@ class _CifarSpec:
     names_key: str
     labels_key: str
     num_classes: int
-    norm: tuple[tuple[float, ...], tuple[float, ...]]
     torchvision_class: str
 
 
 _CIFAR = {
     "cifar10": _CifarSpec("CIFAR-10", "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch",
-                          "batches.meta", "label_names", "labels", 10, (CIFAR10_MEAN, CIFAR10_STD), "CIFAR10"),
-    "cifar100": _CifarSpec("CIFAR-100", "cifar-100-python", ("train",), "test", "meta", "fine_label_names", "fine_labels", 100,
-                           (CIFAR100_MEAN, CIFAR100_STD), "CIFAR100"),
+                          "batches.meta", "label_names", "labels", 10, "CIFAR10"),
+    "cifar100": _CifarSpec("CIFAR-100", "cifar-100-python", ("train",), "test", "meta", "fine_label_names", "fine_labels", 100, "CIFAR100"),
 }  # fmt: skip
 
 

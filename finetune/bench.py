@@ -1,0 +1,128 @@
+"""The classification sections of the benchmark (`scripts/bench.py`).
+
+- `e2e_case`: fine-tuning throughput with data loading and augmentation: ours at its defaults
+  (uint8 dataset on the device, batched TrivialAugment and erasing, our ViT) against torchvision
+  transforms with PIL per image in DataLoader workers and timm's ViT;
+- `probe_benchmark`: wall time and val accuracy of the cached-features linear probe against the
+  uncached probe on the same images, same head initialisation and same batch order.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from finetune.config import AugmentConfig
+from finetune.features import FeatureLoader
+from finetune.models import LinearProbe
+from vit.augment import BatchLoader
+from vit.bench import NUM_CLASSES, Case, Settings, Step, bench_images, classify, our_defaults, stream_step
+from vit.data import CIFAR10_MEAN, CIFAR10_STD, ImageSet
+from vit.device import synchronize
+from vit.engine import batches_forever
+from vit.model import create_model, flops_per_image
+from vit.randaug import make_ops
+from vit.reference import timm_vit, usual_loader
+
+
+def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable[[], ImageSet]) -> Case:
+    """vit_cifar_tiny fine-tuning on `images()` (CIFAR-10 statistics), data loading and augmentation included."""
+    cfg = create_model("vit_cifar_tiny", num_classes=NUM_CLASSES).config
+
+    def ours() -> Step:
+        data, ops = images(), make_ops(AugmentConfig(mixup=0, cutmix=0))
+        loader = BatchLoader(data, s.e2e_batch, device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32, train=True, seed=s.seed,
+                             ops=ops)  # fmt: skip
+        model = create_model("vit_cifar_tiny", num_classes=NUM_CLASSES, **our_defaults(device))
+        return stream_step(model, classify, batches_forever(loader), device, precision)
+
+    def ref() -> Step:
+        model = timm_vit(cfg)
+        batches = usual_loader(images(), s.e2e_batch, True, s.workers, CIFAR10_MEAN, CIFAR10_STD)
+        return stream_step(model, classify, batches, device, precision)
+
+    return Case(f"e2e/finetune/{precision}", "e2e", precision, s.e2e_batch, ours=ours, ref=ref,
+                ref_name=f"torchvision PIL transforms (TrivialAugment, erasing) + DataLoader({s.workers} workers) + timm ViT",
+                flops_per_image=flops_per_image(cfg))  # fmt: skip
+
+
+def probe_benchmark(s: Settings, device: torch.device, precision: str) -> dict:
+    """Train the same linear head on the same frozen encoder twice: on cached features, and through the encoder every step.
+
+    Same head initialisation, same per-epoch batch order, no augmentation: the two must agree
+    in accuracy; the wall times (features included for the cached probe) give the speed-up.
+    """
+    data = bench_images(s)
+    n_train, n_val = s.probe_images, s.probe_images // 4
+    # A seeded random subset: image files are stored class by class, so the first N would be one class.
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(s.seed))
+    train, val = data.subset(order[:n_train]), data.subset(order[n_train : n_train + n_val])
+    torch.manual_seed(s.seed)
+    probe = LinearProbe(create_model("vit_cifar_tiny", num_classes=0, **our_defaults(device)), NUM_CLASSES).to(device)
+    head_init = {k: v.clone() for k, v in probe.head.state_dict().items()}
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    common = dict(device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32)
+    batch, epochs = s.e2e_batch, s.probe_epochs
+
+    def train_head(batches_of_epoch, features_of) -> None:
+        probe.head.load_state_dict(head_init)
+        probe.train()
+        optimizer = torch.optim.SGD(probe.head.parameters(), lr=0.1, momentum=0.9)
+        for epoch in range(epochs):
+            for x, y in batches_of_epoch(epoch):
+                with autocast():
+                    logits = probe.head(features_of(x).float())
+                loss = F.cross_entropy(logits.float(), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+
+    @torch.no_grad()
+    def accuracy(batches, features_of) -> float:
+        probe.eval()
+        hits = total = 0
+        for x, y in batches:
+            with autocast():
+                hits += (probe.head(features_of(x).float()).argmax(1) == y).sum().item()
+            total += y.shape[0]
+        return hits / total
+
+    identity = dict(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip=False)  # no augmentation: both probes see the same inputs
+    synchronize(device)
+    start = time.perf_counter()
+    loader = BatchLoader(train, batch, train=True, seed=s.seed, **identity, **common)
+    train_head(loader.epoch, probe.features)
+    uncached_acc = accuracy(BatchLoader(val, batch, train=False, **common).epoch(0), probe.features)
+    synchronize(device)
+    uncached_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    cache = {}
+    for name, split in (("train", train), ("val", val)):
+        with torch.no_grad(), autocast():
+            feats = [(probe.features(x).float(), y) for x, y in BatchLoader(split, batch, train=False, **common).epoch(0)]
+        cache[name] = (torch.cat([f for f, _ in feats]), torch.cat([y for _, y in feats]))
+    features_s = time.perf_counter() - start
+    feature_loader = FeatureLoader(*cache["train"], batch, seed=s.seed)
+    train_head(feature_loader.epoch, lambda f: f)
+    cached_acc = accuracy(FeatureLoader(*cache["val"], batch, train=False).epoch(0), lambda f: f)
+    synchronize(device)
+    cached_s = time.perf_counter() - start
+    return {"train_images": n_train, "val_images": n_val, "epochs": epochs, "batch": batch, "precision": precision,
+            "uncached_s": uncached_s, "cached_s": cached_s, "cached_features_s": features_s, "speedup": uncached_s / cached_s,
+            "uncached_val_top1": uncached_acc, "cached_val_top1": cached_acc}  # fmt: skip
+
+
+def probe_line(probe: dict) -> str:
+    return (f"probe: cached {probe['cached_s']:.1f}s (features {probe['cached_features_s']:.1f}s) vs uncached {probe['uncached_s']:.1f}s "
+            f"= {probe['speedup']:.1f}x; val top-1 cached {probe['cached_val_top1']:.4f}, uncached {probe['uncached_val_top1']:.4f}")  # fmt: skip
+
+
+def probe_markdown(probe: dict) -> str:
+    return (f"| linear probe ({probe['train_images']} train / {probe['val_images']} val images, {probe['epochs']} epochs, {probe['precision']}) "
+            f"| wall time | val top-1 |\n|---|---:|---:|\n| uncached (encoder every step) | {probe['uncached_s']:.1f} s | {probe['uncached_val_top1']:.4f} |\n"
+            f"| cached features | {probe['cached_s']:.1f} s | {probe['cached_val_top1']:.4f} |\n| speed-up | {probe['speedup']:.1f}x | |")  # fmt: skip

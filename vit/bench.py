@@ -1,0 +1,389 @@
+"""Side-by-side benchmark machinery: this project against a reference, in one process. `scripts/bench.py` is its command line.
+
+A `Case` is a pair of step builders, ours and the reference's. `run_case` builds both sides
+before timing, then runs them interleaved (K steps of one, K of the other, the first side
+alternating per round) so that load from other processes falls on both alike; each round
+gives images/s per side. `run_cases` adds the machine's GEMM peak per precision (for
+utilisation) and each side's peak memory: the allocator's peak on CUDA; on a Linux CPU the
+rise of the resident set during that side's steps alone in a child process.
+
+The encoder section lives here (`encoder_cases`: our ViT against timm's); the sections that
+need a stage live with it (`pretrain.bench`, `finetune.bench`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vit.config import DataConfig, ModelConfig, OptimConfig
+from vit.data import ImageSet, load_splits
+from vit.device import synchronize
+from vit.engine import make_optimizer, native_bf16, param_groups
+from vit.model import create_model, flops_per_image
+from vit.reference import timm_vit
+
+NUM_CLASSES = 10
+# name in the table -> (preset, overrides): every model runs on 32x32 images with 4x4 patches.
+MODELS: dict[str, tuple[str, dict]] = {
+    "vit_cifar_tiny": ("vit_cifar_tiny", {}),
+    "vit_tiny_p4": ("vit_tiny", dict(img_size=32, patch_size=4)),
+}
+SIDES = ("ours", "ref")
+
+Step = Callable[[], None]  # one training step on a fixed batch
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, images, labels) -> scalar loss
+
+
+@dataclass
+class Settings:
+    """What a benchmark run measures and for how long. `settings(quick, ...)` fills in the full or the quick run's values."""
+
+    quick: bool = False
+    batch: int = 128  # images per step of the encoder and MAE sections
+    warmup: int = 3  # warm-up steps per side
+    rounds: int = 5  # interleaved rounds
+    steps: int | None = None  # steps per side per round; None: enough for `min_time`
+    min_time: float = 1.0  # seconds a side's block of steps should last when `steps` is None
+    gemm: int = 4096  # matrix size of the peak GEMM
+    seed: int = 0
+    data: str | None = None  # CIFAR-10 folder or .tar.gz for the e2e and probe sections; None: synthetic images
+    workers: int = 2  # DataLoader workers of the usual pipeline (e2e)
+    e2e_batch: int = 256  # batch of the e2e and probe sections
+    probe_images: int = 2000  # training images of the probe section
+    probe_epochs: int = 30  # head epochs of the probe section
+
+
+QUICK = dict(batch=16, warmup=1, rounds=2, steps=1, gemm=1024, e2e_batch=32, probe_images=128, probe_epochs=2)
+
+
+def settings(quick: bool = False, **given) -> Settings:
+    """The full run's settings, or the quick one's (a CI smoke run), with every value of `given` that is not None on top."""
+    return Settings(**{**(dict(QUICK, quick=True) if quick else {}), **{k: v for k, v in given.items() if v is not None}})
+
+
+@dataclass
+class Case:
+    """One side-by-side measurement. `ours` and `ref` each build a fresh model and optimiser and return its step.
+
+    Building is deferred so that `--only` skips unused models and each side's peak memory
+    is measured from its own construction.
+    """
+
+    name: str  # "section/model/precision"
+    section: str
+    precision: str  # "fp32" or "bf16"
+    batch: int
+    ours: Callable[[], Step]
+    ref: Callable[[], Step]
+    ref_name: str
+    flops_per_image: float | None = None  # matmul FLOPs of one training image, for utilisation
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def case_precisions(device: torch.device) -> list[str]:
+    """fp32, and bf16 where `device` computes it natively (emulated bf16 would measure the emulation)."""
+    return ["fp32"] + (["bf16"] if native_bf16(device) else [])
+
+
+def our_defaults(device: torch.device) -> dict:
+    """The encoder settings a user of this project gets on `device` (attn_impl: auto resolved)."""
+    return {"attn_impl": ModelConfig().encoder_kwargs(device)["attn_impl"]}
+
+
+# --------------------------------------------------------------------------- training steps
+
+
+def classify(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(images), labels)
+
+
+def reconstruct(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(images)[0]
+
+
+def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torch.device, precision: str) -> Step:
+    """A training step that first takes its batch from `batches` (loading and augmentation are timed too).
+
+    zero_grad, forward under autocast, backward, AdamW step. The optimiser is the project's own
+    (`make_optimizer`: fused AdamW on CPU and CUDA) for both sides, so the comparison is between models.
+    """
+    model.to(device).train()
+    optimizer = make_optimizer(param_groups(model, weight_decay=0.05), OptimConfig(), device)
+    for group in optimizer.param_groups:
+        group["lr"] = 1.0e-4  # make_optimizer leaves the LR to the schedule
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step() -> None:
+        images, labels = next(batches)
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = loss_fn(model, images, labels)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def training_step(model: nn.Module, loss_fn: Loss, batch: int, img_size: int, device: torch.device, precision: str, seed: int) -> Step:
+    """`stream_step` on one fixed batch drawn from `seed` (both sides see the same one): the model alone is timed."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, 3, img_size, img_size, generator=g).to(device)
+    labels = torch.randint(0, NUM_CLASSES, (batch,), generator=g).to(device)
+    return stream_step(model, loss_fn, itertools.repeat((images, labels)), device, precision)
+
+
+def bench_images(s: Settings) -> ImageSet:
+    """The training images of `s.data` (CIFAR-10 folder or archive), else synthetic ones; decoded once, cached."""
+    if s.data:
+        cfg = DataConfig(dataset="cifar10", root=s.data, val_size=0, download=False)
+    else:
+        cfg = DataConfig(dataset="synthetic", synthetic_size=512 if s.quick else 4096, val_size=0)
+    return load_splits(cfg).train
+
+
+def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[Case]:
+    """Forward + backward + AdamW step of our `VisionTransformer` against timm's with the same configuration, per model and precision."""
+    cases = []
+    ours_kw = our_defaults(device)
+    for label, (preset, overrides) in MODELS.items():
+        cfg = create_model(preset, num_classes=NUM_CLASSES, **overrides).config
+        for precision in precisions:
+            step = partial(training_step, loss_fn=classify, batch=s.batch, img_size=cfg["img_size"], device=device, precision=precision,
+                           seed=s.seed)  # fmt: skip
+            cases.append(Case(
+                f"encoder/{label}/{precision}", "encoder", precision, s.batch,
+                ours=lambda step=step, p=preset, o=overrides: step(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw)),
+                ref=lambda step=step, cfg=cfg: step(timm_vit(cfg)),
+                ref_name="timm VisionTransformer", flops_per_image=flops_per_image(cfg),
+            ))  # fmt: skip
+    return cases
+
+
+# --------------------------------------------------------------------------- timing and memory
+
+
+def timed(step: Step, k: int, device: torch.device) -> float:
+    """Seconds for `k` consecutive calls of `step`, the device drained before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(k):
+        step()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+class PeakMemory:
+    """Peak device memory (MiB) allocated since `start()`, over what was allocated then; None where not reported (CPU, MPS)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+
+    def peak_mib(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        synchronize(self.device)
+        return (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+
+
+def rss_kib(field: str) -> int | None:
+    """A memory figure of this process from /proc/self/status (Linux): VmRSS now, VmHWM its high-water mark, in KiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def host_step_memory(case: Case, side: str, warmup: int) -> dict:
+    """One side of a case alone in this process: how far its training steps raise the resident set (CPU memory).
+
+    The high-water mark is reset after the model and optimiser are built (Linux `clear_refs`), so the
+    figure is the steps' working set: activations, gradients and the optimiser state's first touch.
+    """
+    step = getattr(case, side)()
+    before = rss_kib("VmRSS")
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    except OSError:
+        pass
+    for _ in range(max(1, warmup)):
+        step()
+    peak = rss_kib("VmHWM")
+    return {"peak_memory_mib": None if before is None or peak is None else max(0, peak - before) / 1024}
+
+
+def host_memory_of(case: Case, side: str, command: list[str]) -> float | None:
+    """`host_step_memory` of one side in a fresh process (so neither side inherits the other's freed pages); None off Linux.
+
+    `command` runs this benchmark again; with `--memory-of CASE SIDE` added it must print `host_step_memory` as its last line.
+    """
+    if not Path("/proc/self/status").exists():
+        return None
+    out = subprocess.run([*command, "--memory-of", case.name, side], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory measurement of {case.name} ({side}) failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_memory_mib"]
+
+
+def run_case(case: Case, device: torch.device, s: Settings) -> dict:
+    """Build both sides, warm each up, then `s.rounds` interleaved rounds of K steps per side."""
+    steps: dict[str, Step] = {}
+    warm_s: dict[str, float] = {}
+    memory: dict[str, float | None] = {}
+    meter = PeakMemory(device)
+    for side in SIDES:
+        seed_everything(s.seed)
+        meter.start()  # the other side's weights and optimiser state stay out of this side's figure
+        steps[side] = getattr(case, side)()
+        warm_s[side] = min(timed(steps[side], 1, device) for _ in range(max(1, s.warmup)))
+        memory[side] = meter.peak_mib()
+    k = s.steps or max(1, math.ceil(s.min_time / max(warm_s.values())))
+    samples: dict[str, list[float]] = {"ours": [], "ref": []}
+    for r in range(s.rounds):
+        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+            samples[side].append(k * case.batch / timed(steps[side], k, device))
+    del steps
+    result = {"name": case.name, "section": case.section, "precision": case.precision, "batch": case.batch, "reference": case.ref_name,
+              "warmup_steps": max(1, s.warmup), "rounds": s.rounds, "steps_per_round": k, "flops_per_image": case.flops_per_image}  # fmt: skip
+    for side in SIDES:
+        result[side] = {"median_images_per_s": statistics.median(samples[side]), "images_per_s": samples[side], "peak_memory_mib": memory[side]}
+    result["ratio"] = result["ours"]["median_images_per_s"] / result["ref"]["median_images_per_s"]
+    return result
+
+
+def gemm_peak(device: torch.device, precision: str, n: int, rounds: int) -> dict:
+    """FLOP/s of an n x n x n matmul in `precision`: every sample, and the best one as the attainable peak."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device, dtype)
+    b = torch.randn(n, n, generator=g).to(device, dtype)
+    reps = 1 if device.type == "cpu" else 10  # a GPU matmul of this size is too short to time alone
+    timed(lambda: torch.mm(a, b), 1, device)
+    samples = [2 * n**3 * reps / timed(lambda: torch.mm(a, b), reps, device) for _ in range(rounds)]
+    return {"precision": precision, "n": n, "flops_per_s": samples, "median_flops_per_s": statistics.median(samples), "peak_flops_per_s": max(samples)}
+
+
+def utilisation(result: dict, side: str, peaks: dict[str, dict]) -> float | None:
+    """Model FLOP/s (matmul FLOPs per image x median images/s) over the GEMM peak of the same precision."""
+    peak = peaks.get(result["precision"])
+    if result["flops_per_image"] is None or peak is None:
+        return None
+    return result["flops_per_image"] * result[side]["median_images_per_s"] / peak["peak_flops_per_s"]
+
+
+def gemm_precisions(cases: list[Case], device: torch.device) -> list[str]:
+    """The precisions the cases run in (fp32 first), or, with no case (the probe alone), those of `case_precisions`."""
+    return sorted({c.precision for c in cases} or set(case_precisions(device)), key=["fp32", "bf16"].index)
+
+
+def run_cases(cases: list[Case], s: Settings, device: torch.device, precisions: list[str], memory_command: list[str]) -> dict:
+    """The GEMM peak of each precision, then every case; prints a line for each. Returns {"gemm": {precision: peak}, "cases": [result]}.
+
+    On the CPU each encoder and MAE side's memory is measured by `memory_command` in a child process (`host_memory_of`).
+    """
+    peaks = {}
+    for precision in precisions:
+        peaks[precision] = gemm_peak(device, precision, s.gemm, rounds=max(3, s.rounds))
+        print(f"GEMM {precision} {s.gemm}^3: {peaks[precision]['peak_flops_per_s'] / 1e12:.3f} TFLOP/s peak", flush=True)
+    results = []
+    for i, case in enumerate(cases, 1):
+        r = run_case(case, device, s)
+        results.append(r)
+        print(f"[{i}/{len(cases)}] {case.name}: ours {r['ours']['median_images_per_s']:.1f} img/s, "
+              f"ref {r['ref']['median_images_per_s']:.1f} img/s, ratio {r['ratio']:.2f}x", flush=True)  # fmt: skip
+    if device.type == "cpu":
+        # CPU memory is not counted by the allocator: each side's steps run alone in a child process.
+        for case, r in zip(cases, results):
+            if case.section in ("encoder", "mae"):  # e2e's reference spreads over DataLoader workers
+                for side in SIDES:
+                    r[side]["peak_memory_mib"] = host_memory_of(case, side, memory_command)
+    for r in results:
+        for side in SIDES:
+            r[side]["utilisation"] = utilisation(r, side, peaks)
+    return {"gemm": peaks, "cases": results}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine(device: torch.device, threads: int) -> dict:
+    import timm
+
+    cpu, flags = None, []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu is None:
+                cpu = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = sorted(f for f in value.split() if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2")))
+    except OSError:
+        pass  # not Linux: platform's description below
+    cpu = cpu or platform.processor() or platform.machine()
+    info = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "usable_cores": usable_cores(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "timm": timm.__version__, "threads": threads,
+            "device": device.type, "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def machine_line(info: dict) -> str:
+    return (f"device {info['device']}{' (' + info['device_name'] + ')' if 'device_name' in info else ''} | cpu {info['cpu']} | "
+            f"{info['usable_cores']} usable cores | torch threads {info['threads']} | torch {info['torch']} | timm {info['timm']}")  # fmt: skip
+
+
+def fmt_mem(mib: float | None) -> str:
+    return "n/a" if mib is None else f"{mib:.0f} MiB"
+
+
+def markdown(results: list[dict], peaks: dict[str, dict]) -> str:
+    """The cases and the GEMM peaks as two markdown tables."""
+    lines = ["| case | batch | K x rounds | ours img/s | ref img/s | ours / ref | ours util | ref util | ours mem | ref mem |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        util = {side: utilisation(r, side, peaks) for side in SIDES}
+        lines.append(
+            f"| {r['name']} | {r['batch']} | {r['steps_per_round']} x {r['rounds']} | {r['ours']['median_images_per_s']:.1f} | "
+            f"{r['ref']['median_images_per_s']:.1f} | {r['ratio']:.2f}x | "
+            + " | ".join("n/a" if util[s] is None else f"{100 * util[s]:.1f}%" for s in SIDES)
+            + f" | {fmt_mem(r['ours']['peak_memory_mib'])} | {fmt_mem(r['ref']['peak_memory_mib'])} |"
+        )
+    lines += ["", "| GEMM | n | peak TFLOP/s | median TFLOP/s |", "|---|---:|---:|---:|"]
+    for p in peaks.values():
+        lines.append(f"| {p['precision']} | {p['n']} | {p['peak_flops_per_s'] / 1e12:.3f} | {p['median_flops_per_s'] / 1e12:.3f} |")
+    return "\n".join(lines)

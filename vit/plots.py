@@ -1,0 +1,290 @@
+"""Every matplotlib figure of the project: the shared set-up, training curves and accuracies, and views inside an encoder.
+
+    plt = pyplot()                                   # matplotlib on the Agg backend (no display needed)
+    save(fig, path)                                  # PNG at DPI, figure closed
+    plot_curves({"run": curve}, "step", path, ...)   # one metric of several runs, overlaid
+    figure_attention_heads(images, maps[-1], path)   # [CLS] attention per head over the input images
+
+A curve is anything with `steps`, `times` (None where not timed) and `values`, one entry per logged point.
+`scripts/compare_runs.py` and `scripts/visualize.py` choose what to draw; this module draws it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from vit.inspect import (
+    attention_rollout,
+    cls_attention,
+    grid_side,
+    patch_grid_overlay,
+    pos_embed_similarity,
+    rollout_cls_map,
+    upsample_maps,
+)
+from vit.pos_embed import sincos_2d
+
+FIGSIZE = (10.0, 4.0)  # inches, of the curve and bar figures: FIGSIZE * DPI pixels
+DPI = 100
+XLABEL = {"step": "optimiser step", "time": "training time (s)"}
+
+
+class Curve(Protocol):
+    steps: list[float]
+    times: list[float | None]
+    values: list[float]
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, path: Path) -> Path:
+    """Write `fig` as a PNG at DPI and close it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": a figure keeps its set size in pixels
+    pyplot().close(fig)
+    return path
+
+
+def colours(names: Sequence[str]) -> dict[str, Any]:
+    """One colour per name, so a run has the same colour in every figure."""
+    cmap = pyplot().get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+
+
+def xy(curve: Curve, axis: str) -> tuple[list[float], list[float]]:
+    """The points of a curve against 'step' or 'time' (points without a time are dropped)."""
+    if axis == "step":
+        return curve.steps, curve.values
+    pts = [(t, v) for t, v in zip(curve.times, curve.values) if t is not None]
+    return [t for t, _ in pts], [v for _, v in pts]
+
+
+def finish(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+# --------------------------------------------------------------------------- training curves and accuracies
+
+
+def plot_loss(panels: dict[str, dict[str, tuple[Curve, Curve]]], axis: str, path: Path, colour: dict) -> Path | None:
+    """One panel per title, each {run: (training loss, validation loss)}: training solid, validation dashed with markers.
+
+    None when there is no panel.
+    """
+    if not panels:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=FIGSIZE, squeeze=False)
+    for ax, (title, runs) in zip(axes[0], panels.items()):
+        for name, (train, val) in runs.items():
+            x, y = xy(train, axis)
+            if x:
+                ax.plot(x, y, color=colour[name], label=name, linewidth=1.2)
+            x, y = xy(val, axis)
+            if x:
+                ax.plot(x, y, color=colour[name], linestyle="--", marker="o", markersize=3, linewidth=1.0, label=f"{name} (val)")
+        finish(ax, title, XLABEL[axis], "loss")
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def plot_curves(curves: dict[str, Curve], axis: str, path: Path, colour: dict, ylabel: str, title: str,
+                percent: bool = False, log: bool = False) -> Path | None:  # fmt: skip
+    """One metric of several runs ({run: curve}), overlaid; None when no curve has a point to draw."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    drawn = 0
+    for name, curve in curves.items():
+        x, y = xy(curve, axis)
+        if log:
+            x, y = [a for a, b in zip(x, y) if b > 0], [b for b in y if b > 0]
+        if not x:
+            continue
+        y = [100 * v for v in y] if percent else y
+        style = dict(marker="o", markersize=3) if len(x) < 30 else {}
+        ax.plot(x, y, color=colour[name], label=name, linewidth=1.2, **style)
+        drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return None
+    if log:
+        ax.set_yscale("log")
+    finish(ax, title, XLABEL[axis], ylabel)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def plot_final_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Grouped bars of final val top-1, best val top-1 and test top-1 (keys of each row, fractions) per row `name`."""
+    bars = [("val_top1", "val top-1 (final)"), ("best_val_top1", "val top-1 (best)"), ("test_top1", "test top-1")]
+    rows = [r for r in rows if any(r.get(k) is not None for k, _ in bars)]
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(rows))]
+        heights = [100 * r[key] if r.get(key) is not None else 0.0 for r in rows]
+        drawn = ax.bar(xs, heights, width, label=label)
+        for rect, r in zip(drawn, rows):
+            if r.get(key) is not None:
+                ax.annotate(
+                    f"{100 * r[key]:.1f}", (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center", va="bottom", fontsize=7
+                )
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=15 if len(rows) > 4 else 0, fontsize=8)
+    ax.set_ylabel("top-1 accuracy (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title("final accuracy", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def plot_accuracy_vs_pretraining(points: dict[str, dict[float, list[float]]], path: Path) -> Path | None:
+    """Val top-1 against the encoder's pretraining minutes, {job type: {minutes: [top-1 per run]}}: mean, range over runs."""
+    if not points:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    labels = {"linprobe": "linear probe (0 min: a random encoder)", "finetune": "full fine-tuning"}
+    for stage, by_x in sorted(points.items()):
+        xs = sorted(by_x)
+        means = [100 * statistics.mean(by_x[x]) for x in xs]
+        low = [m - 100 * min(by_x[x]) for m, x in zip(means, xs)]
+        high = [100 * max(by_x[x]) - m for m, x in zip(means, xs)]
+        ax.errorbar(xs, means, yerr=[low, high], marker="o", markersize=4, capsize=3, linewidth=1.2, label=labels[stage])
+        for x, m in zip(xs, means):
+            n = len(by_x[x])
+            ax.annotate(f"{m:.1f}" + (f" (n={n})" if n > 1 else ""), (x, m), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    finish(ax, "accuracy against MAE pretraining length", "pretraining time of the encoder (min)", "val top-1 (%)")
+    fig.tight_layout()
+    return save(fig, path)
+
+
+# --------------------------------------------------------------------------- inside an encoder
+
+
+def hwc(image: torch.Tensor):
+    """(3, H, W) in [0, 1] -> (H, W, 3) numpy for imshow."""
+    return image.clamp(0, 1).permute(1, 2, 0).cpu().numpy()
+
+
+def overlay(ax, image: torch.Tensor, heat: torch.Tensor | None = None, title: str | None = None) -> None:
+    """`image` (3, H, W) in [0, 1], with `heat` (H, W) in [0, 1] over it when given."""
+    ax.imshow(hwc(image), interpolation="nearest")
+    if heat is not None:
+        ax.imshow(heat.cpu().numpy(), cmap="inferno", alpha=0.6, vmin=0, vmax=1, interpolation="nearest")
+    if title:
+        ax.set_title(title, fontsize=7)
+    ax.axis("off")
+
+
+def figure_attention_heads(images: torch.Tensor, attn_last: torch.Tensor, path: Path) -> Path:
+    """images (B, 3, S, S) in [0, 1], attn_last (B, H, T, T). Rows: images; columns: the input, then each head's [CLS] map."""
+    heads = cls_attention(attn_last)  # (B, H, G, G)
+    b, h = heads.shape[:2]
+    size = images.shape[-1]
+    plt = pyplot()
+    fig, axes = plt.subplots(b, h + 1, figsize=(1.4 * (h + 1), 1.4 * b + 0.3), squeeze=False)
+    for i in range(b):
+        overlay(axes[i, 0], images[i], title="input" if i == 0 else None)
+        maps = upsample_maps(heads[i], size)  # (H, S, S), each in [0, 1]
+        for j in range(h):
+            overlay(axes[i, j + 1], images[i], maps[j], title=f"head {j}" if i == 0 else None)
+    fig.suptitle("[CLS] attention, last block (each map scaled to its own max)", fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def figure_rollout(images: torch.Tensor, maps: list[torch.Tensor], path: Path) -> Path:
+    """images (B, 3, S, S), maps depth x (B, H, T, T). Row 1: the inputs; row 2: [CLS]'s attention rollout over them."""
+    rollout = rollout_cls_map(attention_rollout(maps))  # (B, G, G)
+    heat = upsample_maps(rollout, images.shape[-1])  # (B, S, S)
+    b = images.shape[0]
+    plt = pyplot()
+    fig, axes = plt.subplots(2, b, figsize=(1.4 * b, 3.2), squeeze=False)
+    for i in range(b):
+        overlay(axes[0, i], images[i])
+        overlay(axes[1, i], images[i], heat[i])
+    fig.suptitle(f"attention rollout of [CLS] through {len(maps)} block(s)", fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def figure_pos_similarity(pos_embed: torch.Tensor, path: Path) -> Path:
+    """pos_embed (1, 1 + G*G, D). A G x G mosaic: tile (r, c) is the cosine similarity of position (r, c) with every position."""
+    sim = pos_embed_similarity(pos_embed)  # (N, N)
+    g = grid_side(sim.shape[0])
+    tiles = sim.reshape(g, g, g, g)  # (row, col, other row, other col)
+    mosaic = torch.full((g * (g + 1) - 1, g * (g + 1) - 1), float("nan"))  # one blank pixel between tiles
+    for r in range(g):
+        for c in range(g):
+            mosaic[r * (g + 1) : r * (g + 1) + g, c * (g + 1) : c * (g + 1) + g] = tiles[r, c]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    shown = ax.imshow(mosaic.numpy(), cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
+    ax.set_xticks([c * (g + 1) + g / 2 - 0.5 for c in range(g)], range(g), fontsize=6)
+    ax.set_yticks([r * (g + 1) + g / 2 - 0.5 for r in range(g)], range(g), fontsize=6)
+    ax.set_xlabel("patch column")
+    ax.set_ylabel("patch row")
+    ax.set_title("positional embedding: cosine similarity of each position with all others", fontsize=8)
+    fig.colorbar(shown, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def figure_patch_grid(images: torch.Tensor, patch_size: int, path: Path) -> Path:
+    """images (B, 3, S, S) in [0, 1], cut by lines into the patches the encoder sees."""
+    scale = max(1, 128 // images.shape[-1])  # small inputs are enlarged so one-pixel lines do not hide them
+    big = torch.nn.functional.interpolate(images, scale_factor=scale, mode="nearest")
+    gridded = patch_grid_overlay(big, patch_size * scale)
+    b = images.shape[0]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, b, figsize=(1.6 * b, 1.9), squeeze=False)
+    for i in range(b):
+        overlay(axes[0, i], gridded[i])
+    g = images.shape[-1] // patch_size
+    fig.suptitle(f"{g} x {g} patches of {patch_size} x {patch_size} pixels", fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def figure_sincos_table(encoder, path: Path) -> Path | None:
+    """The fixed sin-cos table (positions x channels) for a `VisionTransformer`'s width and grid, its learned one beside it.
+
+    None when the width is not a multiple of 4 (the 2-D table needs it).
+    """
+    d, g = encoder.embed_dim, encoder.patch_embed.grid_size
+    if d % 4:
+        return None
+    tables = [("fixed 2-D sin-cos table", sincos_2d(d, g)[1:])]  # (N, D), [CLS]'s zero row left out
+    if encoder.config["pos_embed"] == "learned":
+        tables.append(("this encoder's learned table", encoder.pos_embed.detach()[0, 1:].float()))
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.0 * len(tables), 4.0), squeeze=False)
+    for ax, (title, table) in zip(axes[0], tables):
+        limit = table.abs().max().item() or 1.0
+        shown = ax.imshow(table.numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("channel (first half: column, second half: row)" if "sin-cos" in title else "channel")
+        ax.set_ylabel("patch position (row-major)")
+        fig.colorbar(shown, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    return save(fig, path)

@@ -168,11 +168,15 @@ def train(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> Traine
     # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
     forward = torch.compile(module) if cfg.run.compile and not cached else module
     spec = loop_spec(cfg, len(task.train), acc.num_processes)
-    run.print(f"schedule: {spec.epochs} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
+    if spec.budget is not None:
+        val_images = len(splits.val.labels) if "val" in task.evals else 0
+        spec.budget.eval_images, spec.budget.eval_every = val_images, cfg.finetune.eval_every
+        spec.budget.final_images = sum(len(s) for s in (splits.val, splits.test) if s is not None)
+    run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
     num_classes = len(splits.train.classes)
 
     def on_epoch_end(epoch: int, progress: Progress) -> dict:
-        if "val" not in task.evals or (epoch % cfg.finetune.eval_every and epoch != spec.epochs):
+        if "val" not in task.evals or (epoch % cfg.finetune.eval_every and epoch != spec.epoch_limit):
             return {}
         r = evaluate(unwrap(module), task.evals["val"], acc, num_classes)
         best = max(progress.best.get("val_top1", 0.0), r["top1"])

@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                                crop_scale=cfg.data.crop_scale, crop_ratio=cfg.data.crop_ratio, hflip=cfg.data.hflip, **common)
     val_loader = BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common) if len(splits.val.labels) else None
     spec = loop_spec(cfg, len(train_loader), acc.num_processes)
-    run.print(f"schedule: {spec.epochs} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
+    if spec.budget is not None:
+        spec.budget.eval_images = len(splits.val.labels)  # the val loss after every epoch
+    run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
               f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")
 
     figure_batch = None

@@ -53,3 +53,29 @@ def test_meter_skips_warmup_and_waits_for_steps_and_seconds():
         now[0] += 1.0
         meter.tick()
     assert meter.done and meter.seconds_per_step == pytest.approx(1.0)
+
+
+def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(tmp_path):
+    """Pretraining with `schedule.budget_minutes`: the plan is written, the schedule spans it, the stage fits the budget."""
+    import json
+
+    from helpers import reset_accelerate, tiny_overrides
+    from pretrain.train import main
+    from vit.runs import read_budget, read_state_progress, state_dirs
+
+    budget_minutes = 0.2  # 12 s: long enough to measure (StepMeter needs 5 s), short for a test
+    reset_accelerate()
+    code = main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": budget_minutes, "optim.min_lr": 0.0}))
+    assert code == 0
+    run_dir = tmp_path / "runs" / "run"
+    plan = read_budget(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert plan["total_steps"] == summary["steps"] > 0
+    # The stage ended within its budget (a little slack for the final save on a loaded machine).
+    assert summary["budget"]["stage_seconds"] <= budget_minutes * 60 + 3
+    # The cosine spanned the planned steps: the last step's learning rate is the last of the schedule, near min_lr=0.
+    records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    peak = max(r["lr"] for r in records)
+    assert records[-1]["lr"] < 0.05 * peak
+    # The resume state carries the plan, so a resumed run keeps the same schedule.
+    assert read_state_progress(state_dirs(run_dir)[-1])["planned_steps"] == plan["total_steps"]

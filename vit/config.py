@@ -163,9 +163,13 @@ class ScheduleConfig:
     epochs: int = 10
     warmup_epochs: float = 1.0
     max_steps: int | None = None  # stop after this many optimiser steps (smoke runs); the schedule still spans `epochs`
+    # Minutes for the whole stage: the run measures its step time after warm-up and fixes its step count
+    # (and so its schedule) once, to end within the budget on this machine; `epochs` is then unused.
+    budget_minutes: float | None = None
 
     def validate(self) -> None:
         _check(self.epochs > 0, "schedule.epochs", "must be positive")
+        _check(self.budget_minutes is None or self.budget_minutes > 0, "schedule.budget_minutes", "must be positive")
         _check(self.warmup_epochs >= 0, "schedule.warmup_epochs", "must be >= 0")
         _check(self.max_steps is None or self.max_steps > 0, "schedule.max_steps", "must be positive")
 

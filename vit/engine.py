@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from vit.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, plan_steps
 from vit.config import RunConfig, dump_config, to_dict
 from vit.errors import ConfigError, UserError
 from vit.runs import (
@@ -48,6 +49,8 @@ from vit.runs import (
     state_dirs,
     state_path,
     trim_metrics,
+    read_budget,
+    write_budget,
     trim_states,
     write_config,
     write_summary,
@@ -213,6 +216,7 @@ class Run:
     trackers_on: bool = False
     job_type: str = ""
     meta: dict[str, Any] = field(default_factory=dict)  # written under `meta` in config.yaml
+    started: float = field(default_factory=time.perf_counter)  # the stage's clock, for time budgets
 
     @classmethod
     def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
@@ -316,6 +320,10 @@ class Run:
         summary = {"stage": self.stage, **summary, "processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
                    "threads_per_process": self.threads, "precision": self.cfg.run.precision, "seed": self.cfg.run.seed,
                    "git_commit": self.meta["git_commit"], "run_dir": str(self.dir)}  # fmt: skip
+        schedule = getattr(self.cfg, "schedule", None)
+        if schedule is not None and schedule.budget_minutes is not None:
+            # The plan beside what the stage took, so an estimate that missed shows.
+            summary["budget"] = {**(read_budget(self.dir) or {}), "stage_seconds": round(time.perf_counter() - self.started, 1)}
         if self.is_main:
             write_summary(self.dir, summary)
         if self.trackers_on:
@@ -366,6 +374,7 @@ class Progress:
     train_time: float = 0.0  # seconds spent in training, summed over restarts
     nan_skips: int = 0
     best: dict[str, float] = field(default_factory=dict)
+    planned_steps: int | None = None  # the step count a time budget fixed (kept across resumes)
 
 
 def save_state(run: Run, progress: Progress) -> Path:
@@ -465,10 +474,25 @@ class LoopSpec:
     min_lr: float
     warmup_steps: int
     max_steps: int | None = None
+    budget: Budget | None = None  # `schedule.budget_minutes`: the step count is fixed by measuring the step time
+    planned_steps: int | None = None  # set once by a budget (and restored from the resume state)
 
     @property
     def total_steps(self) -> int:
+        """The schedule's length: the budget's plan, else `epochs`."""
+        if self.planned_steps is not None:
+            return self.planned_steps
+        if self.budget is not None:
+            return sys.maxsize  # measuring: warmup, then the peak rate until the plan fixes the length
         return self.epochs * self.steps_per_epoch
+
+    @property
+    def epoch_limit(self) -> int:
+        if self.budget is None:
+            return self.epochs
+        if self.planned_steps is None:
+            return sys.maxsize  # measuring: the plan decides
+        return math.ceil(self.planned_steps / self.steps_per_epoch)
 
     @property
     def stop_step(self) -> int:
@@ -477,6 +501,17 @@ class LoopSpec:
 
     def lr(self, step: int) -> float:
         return lr_at(step, self.total_steps, self.warmup_steps, self.peak_lr, self.min_lr)
+
+
+@dataclass
+class Budget:
+    """`schedule.budget_minutes` and what the stage will evaluate, for `vit.budget.plan_steps`."""
+
+    minutes: float
+    eval_images: int = 0  # images each evaluation during training looks at (0: none)
+    eval_every: int = 1  # epochs between those evaluations
+    final_images: int = 0  # images evaluated once after the last step
+    eval_cost: float = FORWARD_SHARE  # an evaluated image's cost, in training images
 
 
 def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int) -> LoopSpec:
@@ -497,6 +532,7 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int) -> LoopSpec:
         min_lr=cfg.optim.min_lr,
         warmup_steps=round(cfg.schedule.warmup_epochs * steps_per_epoch),
         max_steps=cfg.schedule.max_steps,
+        budget=Budget(cfg.schedule.budget_minutes) if cfg.schedule.budget_minutes is not None else None,
     )
 
 
@@ -524,7 +560,7 @@ def fit(
     """
     loop = TrainLoop(run, model, optimizer, loader, loss_fn, spec, progress or Progress())
     with SignalGuard() as signals:
-        while loop.progress.epoch < spec.epochs and loop.progress.step < spec.stop_step:
+        while loop.progress.epoch < spec.epoch_limit and loop.progress.step < spec.stop_step:
             if not loop.train_epoch(signals):
                 break  # stop_step reached mid-epoch
             loop.end_epoch(on_epoch_end)
@@ -556,7 +592,9 @@ class TrainLoop:
         self.lr = spec.lr(progress.step)  # the last step's learning rate, logged with each record
         self.window = MetricWindow()
         self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here
-        self.bar = make_bar(run, spec.stop_step, progress.step)
+        spec.planned_steps = progress.planned_steps  # a resumed budget run keeps its plan
+        self.meter = StepMeter() if spec.budget is not None and spec.planned_steps is None else None
+        self.bar = make_bar(run, spec.stop_step if spec.stop_step < sys.maxsize else None, progress.step)
 
     def train_epoch(self, signals: SignalGuard) -> bool:
         """The optimiser steps left in the current epoch; False when `spec.stop_step` cut it short."""
@@ -614,7 +652,34 @@ class TrainLoop:
         self.window.images += self.images_per_step
         if self.bar is not None:
             self.bar.update(1)
+        if self.meter is not None:
+            self.meter.tick()
+            if _any_rank(acc, self.meter.done):
+                self.plan_budget()
         return True
+
+    def plan_budget(self) -> None:
+        """Fix the step count from the measured step time, once, identically on every rank; it goes into every resume state."""
+        acc, spec, p, budget = self.run.accelerator, self.spec, self.progress, self.spec.budget
+        measured = torch.tensor([self.meter.seconds_per_step, time.perf_counter() - self.run.started], device=acc.device)
+        seconds_per_step, elapsed = (acc.reduce(measured, reduction="max") if acc.num_processes > 1 else measured).tolist()
+        rate = self.images_per_step / seconds_per_step
+        # Every rank evaluates its share of the images, so an evaluation takes its images / processes.
+        per_rank = max(1, acc.num_processes)
+        eval_s = eval_seconds_estimate(budget.eval_images // per_rank, rate / per_rank, budget.eval_cost)
+        final_s = eval_seconds_estimate(budget.final_images // per_rank, rate / per_rank, budget.eval_cost)
+        steps = plan_steps(budget.minutes * 60, elapsed, p.step, seconds_per_step, spec.steps_per_epoch, eval_s, budget.eval_every, final_s)
+        spec.planned_steps = p.planned_steps = steps
+        plan = BudgetPlan(budget.minutes, steps, round(seconds_per_step, 4), round(eval_s, 1), round(final_s, 1), round(elapsed, 1),
+                          self.meter.steps)  # fmt: skip
+        self.meter = None
+        if self.run.is_main:
+            write_budget(self.run.dir, plan.to_dict())
+        if self.bar is not None:
+            self.bar.reset(total=min(spec.stop_step, steps))
+            self.bar.update(p.step)
+        self.run.print(f"budget: {budget.minutes:g} min -> {steps} steps ({steps / spec.steps_per_epoch:.2f} epochs) at {seconds_per_step:.3f} s/step "
+                       f"measured over {plan.measured_steps} steps, {elapsed:.0f} s spent, evaluations ~{eval_s:.0f} s each + {final_s:.0f} s at the end")
 
     def skip_non_finite(self, loss: torch.Tensor) -> None:
         """Drop the step's gradients; stop the run once more than `run.nan_skip_budget` steps were skipped."""

@@ -31,6 +31,7 @@ from vit.io import atomic_write_text
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+BUDGET_FILE = "budget.json"  # the step count a time budget fixed, and what it was measured from
 ENCODER_FILE = "encoder.pt"
 MAE_FILE = "mae.pt"
 CLASSIFIER_FILE = "classifier.pt"
@@ -69,6 +70,15 @@ def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     atomic_write_text(Path(run_dir) / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+
+
+def write_budget(run_dir: Path, plan: dict[str, Any]) -> None:
+    atomic_write_text(Path(run_dir) / BUDGET_FILE, json.dumps(plan, indent=2) + "\n")
+
+
+def read_budget(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / BUDGET_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def holds_run(run_dir: Path) -> bool:

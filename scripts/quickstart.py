@@ -13,6 +13,11 @@ command can be copied and rerun alone:
     python -m pretrain --config configs/pretrain/cpu.yaml data.root=PATH run.dir=OUT run.name=mae run.resume=auto
     python -m finetune --config configs/finetune/linprobe_cpu.yaml ... run.name=linprobe finetune.init=OUT/mae
     python -m finetune --config configs/finetune/cpu.yaml ... run.name=finetune finetune.init=OUT/mae
+
+With --budget-minutes M, pretraining and fine-tuning share M minutes of wall time
+(`--pretrain-share f` of it for pretraining, the rest for fine-tuning), each stage fixing its
+step count with `schedule.budget_minutes` on the machine it runs on; the linear probe
+measures the encoder and runs its own recipe outside the budget.
     python scripts/compare_runs.py OUT/mae OUT/linprobe OUT/finetune --out OUT/report --csv OUT/report/runs.csv
 
 Without --data or VIT_DATA the stages download CIFAR-10 (data.download=true) where the
@@ -78,6 +83,14 @@ def shown_path(path: Path) -> str:
         return str(path)
 
 
+def budget_overrides(stage: Stage, minutes: float | None, pretrain_share: float) -> list[str]:
+    """`schedule.budget_minutes` for the stages the budget covers: pretraining and fine-tuning."""
+    if minutes is None or stage.run_name not in ("mae", "finetune"):
+        return []
+    share = pretrain_share if stage.run_name == "mae" else 1 - pretrain_share
+    return [f"schedule.budget_minutes={round(minutes * share, 3):g}"]
+
+
 def stage_command(stage: Stage, out: Path, data: str | None, fast: bool, extra: list[str]) -> list[str]:
     """The argv of one stage: `python -m <module> --config <yaml> data.root=... run.dir=... run.name=... ...`."""
     argv = [sys.executable, "-m", stage.module, "--config", shown_path(ROOT / stage.config)]
@@ -131,8 +144,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=Path("runs/quickstart"),
         help="folder for the three run folders and the report (default runs/quickstart)",
     )
+    parser.add_argument("--budget-minutes", type=float, help="wall minutes for pretraining + fine-tuning together (schedule.budget_minutes per stage)")
+    parser.add_argument("--pretrain-share", type=float, default=0.5, help="the share of --budget-minutes that pretraining gets (default 0.5)")
     parser.add_argument("--fast", action="store_true", help="a fifth of the training images, 1000 validation images, one epoch (probe: 10)")
     args = parser.parse_args(argv)
+    if args.budget_minutes is not None and args.budget_minutes <= 0:
+        parser.error("--budget-minutes must be positive")
+    if not 0 < args.pretrain_share < 1:
+        parser.error("--pretrain-share must be between 0 and 1")
     for item in extra:
         key = item.split("=", 1)[0]
         if "=" not in item or "." not in key:
@@ -148,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if data is None and not any(o.startswith(("data.root=", "data.dataset=")) for o in extra):
         print(f"quickstart: no --data and no ${DATA_ENV}: the stages download CIFAR-10 into data.cache_dir if it is not there yet")
     out = args.out
-    commands = [(s.title, stage_command(s, out, data, args.fast, extra)) for s in STAGES]
+    commands = [(s.title, stage_command(s, out, data, args.fast, budget_overrides(s, args.budget_minutes, args.pretrain_share) + extra))
+                for s in STAGES]  # fmt: skip
     commands.append(("comparison report", compare_command(out)))
     for i, (title, command) in enumerate(commands, 1):
         print(f"\n[{i}/{len(commands)}] {title}\n$ {shlex.join([shown_python(), *command[1:]])}", flush=True)

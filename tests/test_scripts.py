@@ -432,3 +432,14 @@ def test_each_script_runs_from_its_file_and_prints_its_help(script):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: ") and "--help" in proc.stdout
+
+
+def test_quickstart_budget_splits_minutes_between_pretraining_and_fine_tuning(tmp_path, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(quickstart, "run_command", lambda argv: seen.append(argv) or 0)
+    assert quickstart.main(["--data", "x", "--out", str(tmp_path), "--budget-minutes", "60", "--pretrain-share", "0.25"]) == 0
+    budgets = [[a for a in argv if a.startswith("schedule.budget_minutes=")] for argv in seen]
+    assert budgets == [["schedule.budget_minutes=15"], [], ["schedule.budget_minutes=45"], []]  # mae, probe, fine-tune, report
+    with pytest.raises(SystemExit):
+        quickstart.main(["--budget-minutes", "60", "--pretrain-share", "1.5"])
+    assert "--pretrain-share must be between 0 and 1" in capsys.readouterr().err

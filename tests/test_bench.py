@@ -18,6 +18,7 @@ LINUX = Path("/proc/self/status").exists()
 bench = load_script("bench")
 
 
+@pytest.mark.slow
 def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LINUX = Path("/proc/self/status").exists()
 
 
+@pytest.mark.slow
 def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

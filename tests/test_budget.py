@@ -55,6 +55,7 @@ def test_meter_skips_warmup_and_waits_for_steps_and_seconds():
     assert meter.done and meter.seconds_per_step == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(tmp_path):
     """Pretraining with `schedule.budget_minutes`: the plan is written, the schedule spans it, the stage fits the budget."""
     import json

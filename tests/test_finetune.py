@@ -73,6 +73,7 @@ def test_layer_decay_scales_first_and_last_block_and_head():
     assert lrs[named["head.weight"]] == pytest.approx(1e-3)
 
 
+@pytest.mark.slow
 def test_short_finetune_beats_chance_and_eval_mode_reproduces_it(mae_run, tmp_path):
     args = tiny_overrides(tmp_path, name="ft", **{"schedule.epochs": 3, "optim.lr": 2e-3}) + [f"finetune.init={mae_run}", "aug.mixup=0.2"]
     assert finetune(args) == 0
@@ -101,6 +102,7 @@ def probe(tmp_path, name, init, cached, epochs=3):
     return summary(tmp_path, name)
 
 
+@pytest.mark.slow
 def test_cached_and_uncached_probes_agree_and_encoder_stays_frozen(mae_run, tmp_path):
     cached = probe(tmp_path, "cached", mae_run, True)
     uncached = probe(tmp_path, "uncached", mae_run, False)
@@ -119,9 +121,12 @@ def test_cached_and_uncached_probes_agree_and_encoder_stays_frozen(mae_run, tmp_
         assert model.head[0].running_mean.abs().sum() > 0  # the head's own BatchNorm did learn its statistics
 
 
+@pytest.mark.slow
 def test_random_encoder_probe_is_a_supported_baseline(tmp_path):
     s = probe(tmp_path, "random", "scratch", True)
-    assert s["job_type"] == "linprobe" and s["init"] == "scratch" and s["final_val_top1"] is not None
+    assert s["job_type"] == "linprobe" and s["init"] == "scratch"
+    # Colour alone separates the synthetic classes, so even random features carry them: well above chance (0.1).
+    assert s["final_val_top1"] > 0.3 and s["final_test_top1"] > 0.3
 
 
 def test_local_timm_weights_file_loads_with_resampling_and_gives_timms_outputs(tmp_path):
@@ -160,6 +165,7 @@ def test_unreachable_hub_and_missing_file_are_one_line_errors(tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("config", ["vit_scratch_cpu", "timm_vit_scratch_cpu", "resnet18_cpu", "timm_vit_pretrained"])
+@pytest.mark.slow
 def test_every_baseline_config_runs(tmp_path, config):
     overrides = tiny_overrides(tmp_path, name=config, **{"schedule.epochs": 1})
     if config == "timm_vit_pretrained":
@@ -170,12 +176,19 @@ def test_every_baseline_config_runs(tmp_path, config):
     path = ROOT / "configs" / "baselines" / f"{config}.yaml"
     assert finetune(["--config", str(path)] + overrides) == 0
     s = summary(tmp_path, config)
-    assert s["job_type"] == "baseline" and s["final_val_top1"] is not None
+    assert s["job_type"] == "baseline" and s["epochs"] == 1 and s["steps"] == s["data"]["train"] // 32
+    # One epoch at the recipe's warmup is too short to learn; what must hold is that classifier.pt is the model
+    # the summary measured: evaluating it again gives the same accuracies.
+    reset_accelerate()
+    assert finetune(tiny_overrides(tmp_path, name="eval") + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / config}"]) == 0
+    e = summary(tmp_path, "eval")
+    assert (e["val_top1"], e["test_top1"]) == (s["final_val_top1"], s["final_test_top1"])
     model, payload = load_classifier(tmp_path / "runs" / config)
     assert payload["arch"] == {"vit_scratch_cpu": "vit", "timm_vit_scratch_cpu": "timm_vit", "resnet18_cpu": "resnet18", "timm_vit_pretrained": "vit"}[config]
 
 
 @pytest.mark.parametrize("arch", ["vit", "timm_vit"])
+@pytest.mark.slow
 def test_patch_dropout_trains_on_the_kept_fraction_and_evaluates_on_every_patch(tmp_path, monkeypatch, arch):
     import timm.layers
 
@@ -198,12 +211,12 @@ def test_patch_dropout_trains_on_the_kept_fraction_and_evaluates_on_every_patch(
             return out
 
         monkeypatch.setattr(timm.layers.PatchDropout, "forward", spy)
-    overrides = tiny_overrides(tmp_path, **{"schedule.epochs": 1, "finetune.patch_keep": 0.5, "finetune.arch": arch, "finetune.layer_decay": "null"})
+    overrides = tiny_overrides(tmp_path, **{"schedule.epochs": 3, "optim.lr": 2e-3, "finetune.patch_keep": 0.5, "finetune.arch": arch, "finetune.layer_decay": "null"})
     assert finetune(overrides) == 0
     patches = (32 // 8) ** 2  # tiny_overrides: 32 px, patch 8
     assert {n for n, training in seen if training} == {patches // 2}
     assert {n for n, training in seen if not training} == {patches}
-    assert summary(tmp_path, "run")["final_val_top1"] is not None
+    assert summary(tmp_path, "run")["final_val_top1"] > 0.3  # it learns on half the patches (chance is 0.1)
 
 
 @pytest.mark.parametrize("extra", [{"finetune.arch": "resnet18"}, {"finetune.mode": "linear"}, {"finetune.patch_keep": 0.0}])

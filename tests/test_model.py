@@ -13,6 +13,10 @@ from vit.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
 SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)
 
 
+# vit_base alone takes seconds to build: slow, the other presets stay in the quick tier.
+PRESET_PARAMS = [pytest.param(n, marks=pytest.mark.slow) if n == "vit_base" else n for n in PRESETS]
+
+
 def timm_vit(**kw) -> torch.nn.Module:
     """timm's VisionTransformer in the configuration our encoder mirrors (fc_norm=False for avg pooling)."""
     kw = dict(kw)
@@ -28,7 +32,7 @@ def small_preset(name):
     return kw
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", PRESET_PARAMS)
 def test_preset_shapes_through_every_stage(name):
     model = vit.create_model(name, **{k: v for k, v in small_preset(name).items() if k in ("img_size", "patch_size")}, num_classes=10)
     x = torch.randn(2, 3, 32, 32)
@@ -45,7 +49,7 @@ def test_preset_shapes_through_every_stage(name):
     assert maps[0].shape == (2, model.config["num_heads"], 1 + n, 1 + n)
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", PRESET_PARAMS)
 def test_preset_parameter_count_matches_timm(name):
     kw = small_preset(name)
     ours = vit.VisionTransformer(**kw, num_classes=10)
@@ -53,6 +57,7 @@ def test_preset_parameter_count_matches_timm(name):
     assert vit.count_parameters(ours) == sum(p.numel() for p in theirs.parameters())
 
 
+@pytest.mark.slow
 def test_vit_base_parameter_count_is_the_papers():
     # ViT-B/16 at 224 with a 1000-class head: 86.6M parameters (86,567,656 exactly, as in timm).
     model = vit.create_model("vit_base")

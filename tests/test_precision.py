@@ -32,7 +32,8 @@ def test_fp16_off_the_gpu_is_refused():
         resolve_precision("fp16", CPU)
 
 
-@pytest.mark.parametrize("native", [True, False])
+# True trains in bf16, which a CPU without it natively emulates at many times the cost: slow.
+@pytest.mark.parametrize("native", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_a_run_records_the_precision_auto_chose(tmp_path, monkeypatch, native):
     monkeypatch.setattr(engine, "native_bf16", lambda device: native)
     overrides = tiny_overrides(tmp_path, **{"run.precision": "auto", "schedule.epochs": 1})

@@ -83,7 +83,8 @@ def test_forward_shapes_and_encoder_sees_only_visible_tokens():
     assert loss.ndim == 0 and pred.shape == (4, 16, 192) and mask.shape == (4, 16)
     assert seen[0] == (4, 1 + 4, 32)  # [CLS] + 25% of 16 patches
     loss.backward()
-    assert mae.encoder.patch_embed.proj.weight.grad is not None and mae.mask_token.grad is not None
+    # The loss reaches the encoder through the visible patches and the mask token through the masked ones.
+    assert mae.encoder.patch_embed.proj.weight.grad.abs().sum() > 0 and mae.mask_token.grad.abs().sum() > 0
 
 
 def test_fixed_generator_gives_fixed_masks():
@@ -98,6 +99,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_short_run_lowers_loss_and_leaves_a_complete_run_folder(tmp_path):
     overrides = tiny_overrides(tmp_path, **{"schedule.epochs": 6, "optim.lr": 2e-3, "mae.norm_pix_loss": False})
     assert main(overrides) == 0
@@ -110,7 +112,9 @@ def test_short_run_lowers_loss_and_leaves_a_complete_run_folder(tmp_path):
     assert last < 0.8 * first, (first, last)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 * (216 // 32) and summary["epochs"] == 6
-    assert summary["final_val_loss"] is not None and summary["images_per_sec"] > 0
+    # The final validation loss is that of the last epoch's weights with the same fixed masks, and below the first epoch's.
+    val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m]
+    assert len(val) == 6 and summary["final_val_loss"] == val[-1] < val[0] and summary["images_per_sec"] > 0
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["meta"]["seed"] == 0 and config["meta"]["git_commit"]
     assert config["optim"]["lr"] == 2e-3
@@ -153,6 +157,7 @@ def test_mae_checkpoint_holds_plain_tensors_and_its_configs_and_refuses_other_fi
         mae_from_checkpoint(tmp_path / "old_run")
 
 
+@pytest.mark.slow
 def test_resumed_run_reaches_same_step_and_continues_the_lr_schedule(tmp_path):
     full = tiny_overrides(tmp_path, name="full", **{"run.save_every": 3})
     assert main(full) == 0
@@ -179,6 +184,7 @@ def test_resumed_run_reaches_same_step_and_continues_the_lr_schedule(tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.slow
 def test_two_process_cpu_run_uses_both_ranks_in_sync(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
@@ -197,6 +203,7 @@ def test_two_process_cpu_run_uses_both_ranks_in_sync(tmp_path):
     assert summary["steps"] == 216 // (16 * 2)
 
 
+@pytest.mark.slow
 def test_unsynchronised_launch_is_refused(tmp_path):
     # --multi_gpu on a machine without GPUs (and without ACCELERATE_USE_CPU) starts two processes
     # that would each train alone: WORLD_SIZE=2 but the accelerator sees one process.

@@ -46,6 +46,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "encoder.pt", weights_only=True)["state_dict"]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_ends_with_bitwise_equal_weights(tmp_path):
     # The reference: the same run, never interrupted.
     assert pretrain(long_run(tmp_path, "whole")) == 0
@@ -81,6 +82,7 @@ def logged(run_dir: Path) -> list[tuple]:
     return [(r["step"], r["epoch"], r.get("lr"), r.get("loss"), r.get("val_loss")) for r in records]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_resume_state_and_exits(tmp_path):
     run_dir = tmp_path / "runs" / "term"
     proc = cli(long_run(tmp_path, "term", **{"run.save_every": 1000}) + ["schedule.epochs=50"])
@@ -98,6 +100,7 @@ def test_sigterm_saves_a_resume_state_and_exits(tmp_path):
     assert json.loads((states[-1] / "trainer.json").read_text())["step"] == stopped_at
 
 
+@pytest.mark.slow
 def test_corrupt_newest_state_is_skipped_with_one_warning(tmp_path, capsys):
     args = tiny_overrides(tmp_path, **{"run.save_every": 2, "run.keep_states": 3})
     assert pretrain(args + ["schedule.max_steps=6"]) == 0
@@ -115,6 +118,7 @@ def test_corrupt_newest_state_is_skipped_with_one_warning(tmp_path, capsys):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12
 
 
+@pytest.mark.slow
 def test_states_are_kept_to_the_newest_k_and_no_temporary_folder_is_left(tmp_path):
     assert pretrain(tiny_overrides(tmp_path, **{"run.save_every": 1, "run.keep_states": 2})) == 0
     names = sorted(p.name for p in (tmp_path / "runs" / "run" / "states").iterdir())
@@ -207,6 +211,7 @@ def test_bad_checkpoints_for_finetuning_touch_nothing(finished, tmp_path, capsys
     assert snapshot(finished / "runs") == before
 
 
+@pytest.mark.slow
 def test_the_real_command_line_exits_2_with_one_line(finished):
     before = snapshot(finished / "runs")
     proc = cli(tiny_overrides(finished, name="done") + ["mae.mask_ratio=0"])

@@ -3,6 +3,7 @@
 import json
 
 import accelerate
+import pytest
 
 from helpers import tiny_overrides
 from pretrain.train import main
@@ -12,6 +13,7 @@ def small(tmp_path, **extra):
     return tiny_overrides(tmp_path, **{"schedule.epochs": 1, "model.depth": 1, **extra})
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_a_run_in_the_run_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the config's offline default must be enough
     assert main(small(tmp_path, **{"run.tracker": "wandb", "run.group": "exp1"})) == 0

@@ -1,0 +1,48 @@
+"""When a run evaluates (`finetune.eval_every`) and draws figures (`run.figure_every`), read from its run folder."""
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from finetune.train import main as finetune
+from helpers import tiny_overrides
+from pretrain.train import main as pretrain
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.slow
+def test_val_metrics_are_logged_every_eval_every_epochs_and_after_the_last(tmp_path, cached):
+    overrides = tiny_overrides(tmp_path, **{"schedule.epochs": 5, "finetune.eval_every": 2, "run.log_every": 100}) + [
+        "finetune.mode=linear", "finetune.init=scratch", f"finetune.probe_cache={cached}", "optim.name=sgd", "optim.lr=0.1",
+    ]  # fmt: skip
+    assert finetune(overrides) == 0
+    run_dir = tmp_path / "runs" / "run"
+    evals = [m for m in metrics(run_dir) if "val_top1" in m]
+    assert [m["epoch"] for m in evals] == [2, 4, 5]  # every 2nd epoch, and the last one whatever the cadence
+    assert [m["step"] for m in evals] == [12, 24, 30]  # 6 steps an epoch
+    assert all(set(m) >= {"val_top1", "val_top5", "val_loss"} for m in evals)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["best_val_top1"] == max(m["val_top1"] for m in evals)
+    # The final evaluation is of the weights the last epoch's evaluation saw: the same number.
+    assert summary["final_val_top1"] == evals[-1]["val_top1"]
+
+
+@pytest.mark.parametrize("figure_every, epochs, expected", [(2, 5, [2, 4]), (1, 2, [1, 2]), (0, 2, [])])
+@pytest.mark.slow
+def test_reconstruction_figures_are_drawn_every_figure_every_epochs(tmp_path, figure_every, epochs, expected):
+    small = {"data.synthetic_size": 96, "data.val_size": 16, "optim.batch_size": 16, "mae.figure_images": 4}
+    overrides = tiny_overrides(tmp_path, **{"schedule.epochs": epochs, "run.figure_every": figure_every, **small})
+    assert pretrain(overrides) == 0
+    run_dir = tmp_path / "runs" / "run"
+    figures = sorted(p.name for p in (run_dir / "figures").glob("*")) if (run_dir / "figures").exists() else []
+    assert figures == [f"reconstruction_epoch{e:04d}.png" for e in expected]
+    # The final figure is drawn whatever the cadence; each figure is a real image.
+    for path in [run_dir / "reconstruction.png"] + [run_dir / "figures" / f for f in figures]:
+        with Image.open(path) as image:
+            assert image.format == "PNG" and min(image.size) > 32, path

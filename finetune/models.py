@@ -6,7 +6,6 @@ Every classifier is saved as `classifier.pt` with what it takes to rebuild it:
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,10 +15,10 @@ import torch.nn as nn
 
 from vit.checkpoint import CheckpointError, atomic_save, load_encoder, load_timm_weights, read_checkpoint, read_encoder, read_weights_file
 from vit.errors import ConfigError
+from vit.hub import hub_reachable, is_hub_init, load_hub_weights, unreachable
 from vit.model import VisionTransformer, create_model
 
 CLASSIFIER_FORMAT = "vit-classifier/1"
-HUB_HOST = ("huggingface.co", 443)
 
 
 class LinearProbe(nn.Module):
@@ -90,12 +89,11 @@ def resolve_encoder_path(init: str) -> Path:
     return path / "encoder.pt" if path.is_dir() else path
 
 
-def hub_reachable(timeout: float = 5.0) -> bool:
-    try:
-        socket.create_connection(HUB_HOST, timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+def encoder_init(init: str) -> Path | None:
+    """The MAE `encoder.pt` that `finetune.init` names; None for scratch, `timm:` and Hub folders."""
+    if init == "scratch" or init.startswith("timm:") or is_hub_init(init):
+        return None
+    return resolve_encoder_path(init)
 
 
 def timm_state_dict(name: str, init_file: str | None) -> dict[str, torch.Tensor]:
@@ -124,8 +122,7 @@ def timm_state_dict(name: str, init_file: str | None) -> dict[str, torch.Tensor]
         if isinstance(cached, str):
             return read_weights_file(cached)
     raise CheckpointError(
-        f"finetune.init=timm:{name}: the model hub ({HUB_HOST[0]}) is unreachable and no cached copy exists; "
-        "download the weights elsewhere and pass finetune.init_file=<file>"
+        f"{unreachable(f'finetune.init=timm:{name}')} and no cached copy exists; download the weights elsewhere and pass finetune.init_file=<file>"
     )
 
 
@@ -137,10 +134,10 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
 
     parent = None
     init = ft.init
-    if init not in ("scratch",) and not init.startswith("timm:"):
+    encoder_path = encoder_init(init)
+    if encoder_path is not None:
         # An MAE encoder: the architecture comes from the model config, and must match the checkpoint's.
-        payload = read_encoder(resolve_encoder_path(init))
-        parent = payload.get("meta", {}).get("run")
+        parent = read_encoder(encoder_path).get("meta", {}).get("run")
     try:
         encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode == "linear" else num_classes)
     except ValueError as e:
@@ -149,8 +146,10 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
     if init.startswith("timm:"):
         state = timm_state_dict(init[5:], ft.init_file)
         load_timm_weights(encoder, state)
-    elif init != "scratch":
-        load_encoder(encoder, resolve_encoder_path(init))
+    elif is_hub_init(init):
+        load_hub_weights(encoder, init)
+    elif encoder_path is not None:
+        load_encoder(encoder, encoder_path)
 
     if ft.arch == "timm_vit":
         model = timm_vit(encoder.config, ft.patch_keep)

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.run.figure_every and epoch % cfg.run.figure_every == 0:
             figure(progress.step, f"figures/reconstruction_epoch{epoch:04d}.png")
         if run.is_main:
-            save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run))
+            save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run, splits))
         return metrics
 
     progress = load_state(run)
@@ -118,11 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         run.print(str(e))
         return 143
     if run.is_main:
-        save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run))
+        save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run, splits))
+    run.log_encoder(run.dir / "encoder.pt")
     figure(progress.step, "reconstruction.png")
     final_val = validation_loss(unwrap(model), val_loader, run, cfg.run.seed) if val_loader is not None else None
     summary = run.finish({
-        "final_loss": last_logged(run, "loss"),
+        "final_loss": run.last_logged("loss"),
         "final_val_loss": final_val,
         "steps": progress.step,
         "epochs": progress.epoch,
@@ -141,20 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def encoder_meta(run: Run) -> dict:
-    return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed}
-
-
-def last_logged(run: Run, key: str):
-    """The last value of `key` in metrics.jsonl (main process), or None."""
-    import json
-
-    path = run.dir / "metrics.jsonl"
-    if not run.is_main or not path.exists():
-        return None
-    value = None
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        if key in rec:
-            value = rec[key]
-    return value
+def encoder_meta(run: Run, splits) -> dict:
+    """Where the encoder came from, its wandb group (runs started from it join it), and the input normalisation it expects."""
+    return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed,
+            "group": run.cfg.run.group, "data": {"dataset": splits.name, "mean": list(splits.mean), "std": list(splits.std)}}  # fmt: skip

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from vit import tracking
 from vit.checkpoint import atomic_write_text
 from vit.config import RunConfig, dump_config, to_dict
 from vit.errors import ConfigError, UserError
@@ -256,13 +257,7 @@ class Run:
         init_kwargs: dict[str, Any] = {}
         if run_cfg.tracker == "wandb":
             os.environ.setdefault("WANDB_SILENT", "true")
-            init_kwargs["wandb"] = {
-                "name": run_cfg.name,
-                "group": run_cfg.group,
-                "job_type": self.job_type,
-                "dir": str(self.dir),
-                "mode": run_cfg.wandb_mode,
-            }
+            init_kwargs["wandb"] = tracking.wandb_init_kwargs(run_cfg, self.job_type)
         config = flatten({**to_dict(self.cfg), "meta": self.meta})
         try:
             self.accelerator.init_trackers(run_cfg.project, config=config, init_kwargs=init_kwargs)
@@ -284,24 +279,59 @@ class Run:
             except Exception as e:
                 self.warn(f"tracker log failed ({type(e).__name__}); metrics stay in metrics.jsonl")
 
-    def log_images(self, images: dict[str, Path], step: int) -> None:
-        if not (self.is_main and self.trackers_on):
+    def last_logged(self, key: str) -> Any:
+        """The last value of `key` in metrics.jsonl (main process), or None."""
+        path = self.dir / "metrics.jsonl"
+        if not self.is_main or not path.exists():
+            return None
+        value = None
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if key in record:
+                value = record[key]
+        return value
+
+    def _wandb(self):
+        """The live wandb run on the main process, or None."""
+        return tracking.wandb_run(self.accelerator) if self.is_main and self.trackers_on else None
+
+    def _to_wandb(self, what: str, send: Callable[..., None], *args) -> None:
+        """`send(wandb_run, *args)` when wandb is on; a failure costs one warning, never the run."""
+        wrun = self._wandb()
+        if wrun is None:
             return
         try:
-            for tracker in self.accelerator.trackers:
-                if tracker.name == "wandb":
-                    import wandb
-
-                    tracker.log({k: wandb.Image(str(p)) for k, p in images.items()}, step=step)
+            send(wrun, *args)
         except Exception as e:
-            self.warn(f"tracker image log failed ({type(e).__name__})")
+            first = (str(e).splitlines() or [""])[0][:160]
+            self.warn(f"wandb {what} failed ({type(e).__name__}: {first}); the run folder keeps it")
+
+    def log_images(self, images: dict[str, Path], step: int | None = None) -> None:
+        """PNG figures to wandb; `step=None`: at the last logged step (a final figure)."""
+        self._to_wandb("image log", tracking.log_images, images, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        self._to_wandb("table log", tracking.log_table, name, columns, rows)
+
+    def log_encoder(self, path: Path) -> None:
+        """This run's `encoder.pt` as a wandb model artifact (the start of the lineage)."""
+        self._to_wandb("model artifact", tracking.log_encoder, Path(path))
+
+    def use_encoder(self, path: Path) -> None:
+        """Mark the `encoder.pt` this run starts from as its input (the lineage edge from the run that made it)."""
+        self._to_wandb("artifact use", tracking.use_encoder, Path(path))
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
-        summary = {"stage": self.stage, **summary, "processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
-                   "threads_per_process": self.threads, "precision": self.cfg.run.precision, "seed": self.cfg.run.seed,
-                   "git_commit": self.meta["git_commit"], "run_dir": str(self.dir)}  # fmt: skip
+        """Write summary.json (with the run's facts) and close the trackers, which get the same final values."""
+        summary = {"stage": self.stage, "job_type": self.job_type, **summary, "processes": self.accelerator.num_processes,
+                   "device": str(self.accelerator.device), "threads_per_process": self.threads, "precision": self.cfg.run.precision,
+                   "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir)}  # fmt: skip
+        wrun = self._wandb()
+        if wrun is not None:
+            summary["wandb_run"] = tracking.wandb_run_dir(wrun)
         if self.is_main:
             atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        self._to_wandb("summary", tracking.log_summary, summary)
         if self.trackers_on:
             try:
                 self.accelerator.end_training()

@@ -186,3 +186,27 @@ def load_classifier(init: str) -> tuple[nn.Module, dict[str, Any]]:
     model = rebuild(payload["arch"], payload["build"])
     model.load_state_dict(payload["state_dict"], strict=True)
     return model, payload
+
+
+@torch.no_grad()
+def classifier_as_vit(model: nn.Module, payload: dict[str, Any]) -> VisionTransformer:
+    """A ViT classifier as one `VisionTransformer` with its head, timm's layout, giving the same logits in eval mode.
+
+    A linear probe's BatchNorm (no affine, running statistics) folds into its Linear:
+    W (x - mean) / sqrt(var + eps) + b = (W * s) x + (b - W (mean * s)), s = 1 / sqrt(var + eps).
+    """
+    arch, build = payload["arch"], payload["build"]
+    if arch in ("vit", "timm_vit"):
+        vit = VisionTransformer(**build["config"])
+        vit.load_state_dict(model.state_dict(), strict=True)  # timm's ViT has our key names
+        return vit.eval()
+    if arch != "linear_probe":
+        raise CheckpointError(f"a {arch} classifier is not a ViT: only ViT classifiers export to a timm ViT folder")
+    vit = VisionTransformer(**{**build["config"], "num_classes": build["num_classes"], "global_pool": build["pool"]})
+    bn, fc = model.head[0], model.head[1]
+    scale = (bn.running_var.double() + bn.eps).rsqrt()  # (D,)
+    weight = fc.weight.double() * scale  # (C, D)
+    bias = fc.bias.double() - weight @ bn.running_mean.double()  # (C,)
+    state = {**model.encoder.state_dict(), "head.weight": weight.float(), "head.bias": bias.float()}
+    vit.load_state_dict(state, strict=True)
+    return vit.eval()

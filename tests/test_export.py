@@ -7,11 +7,13 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import huggingface_hub
 import huggingface_hub.constants
 import pytest
 import timm
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from finetune.export import main as export_classifier
 from finetune.models import classifier_as_vit, load_classifier
@@ -19,6 +21,7 @@ from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.checkpoint import CheckpointError, encoder_from_checkpoint, save_encoder
+import vit.hub
 from vit.data import CIFAR10_MEAN, SYNTHETIC_MEAN, SYNTHETIC_STD
 from vit.export import encoder_export
 from vit.export import main as export_encoder
@@ -88,7 +91,7 @@ def test_finetuning_from_the_export_equals_finetuning_from_the_run(exported):
             reset_accelerate()
     finally:
         reset_accelerate()
-    (a, pa), (b, pb) = load_classifier(exported.runs / "from_run"), load_classifier(exported.runs / "from_folder")
+    (a, _), (b, _) = load_classifier(exported.runs / "from_run"), load_classifier(exported.runs / "from_folder")
     assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
     summaries = [json.loads((exported.runs / n / "summary.json").read_text()) for n in ("from_run", "from_folder")]
     assert summaries[0]["final_val_top1"] == summaries[1]["final_val_top1"] and summaries[1]["job_type"] == "finetune"
@@ -165,12 +168,33 @@ def test_hf_hub_init_loads_from_the_hub_cache_when_offline(exported, tmp_path, m
         load_hub_weights(encoder_like_the_run(), "hf-hub:someone/other")
 
 
+def test_hf_hub_init_downloads_config_then_the_weights_file_the_repo_has(exported, tmp_path, monkeypatch):
+    """The download path, with the Hub client replaced by a copy from a folder whose weights are a legacy .bin."""
+    repo = tmp_path / "repo"
+    shutil.copytree(exported.folder, repo)
+    torch.save(load_file(repo / "model.safetensors"), repo / "pytorch_model.bin")
+    (repo / "model.safetensors").unlink()
+    asked = []
+
+    def download(repo_id, filename, revision=None):
+        asked.append((repo_id, filename, revision))
+        if not (repo / filename).is_file():
+            raise huggingface_hub.errors.EntryNotFoundError(f"{filename} is not in {repo_id}")
+        return str(repo / filename)
+
+    monkeypatch.setattr(vit.hub, "hub_reachable", lambda timeout=5.0: True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    model = encoder_like_the_run()
+    assert load_hub_weights(model, "hf-hub:someone/tiny@v1") == repo
+    assert [a[1] for a in asked] == ["config.json", "model.safetensors", "pytorch_model.bin"] and asked[0][2] == "v1"
+
+
 def test_push_without_network_is_one_line_and_the_folder_is_still_written(exported, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     out = tmp_path / "pushed"
     assert export_encoder([str(exported.runs / "mae"), "--out", str(out), "--push", "me/tiny-mae"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "unreachable" in err and f"huggingface-cli upload me/tiny-mae {out}" in err
+    assert err.count("\n") == 1 and "unreachable" in err and f"hf upload me/tiny-mae {out}" in err
     assert 'timm.create_model("hf-hub:me/tiny-mae"' in (out / "README.md").read_text() and (out / "model.safetensors").is_file()
     with pytest.raises(SystemExit) as e:
         export_encoder([str(exported.runs / "mae"), "--out", str(out), "--push", "no-user"])

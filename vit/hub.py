@@ -134,7 +134,7 @@ def push_folder(folder: Path, repo_id: str) -> str:
     """Upload `folder` to the Hub model repository `repo_id` (created if needed); returns the repository URL."""
     if not hub_reachable():
         raise UserError(f"{unreachable(f'--push {repo_id}')}; the folder is written: upload it later with "
-                        f"`huggingface-cli upload {repo_id} {folder}`")  # fmt: skip
+                        f"`hf upload {repo_id} {folder}`")  # fmt: skip
     from huggingface_hub import HfApi
 
     api = HfApi(library_name="vit-mae")
@@ -143,7 +143,7 @@ def push_folder(folder: Path, repo_id: str) -> str:
         api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder), commit_message="Upload a vit-mae export")
     except Exception as e:  # auth, permissions, quota: all one line for the user
         raise UserError(f"--push {repo_id}: upload failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
-                        "log in with `huggingface-cli login` or set HF_TOKEN") from None  # fmt: skip
+                        "log in with `hf auth login` or set HF_TOKEN") from None  # fmt: skip
     return f"{hub_host()[0]}/{repo.repo_id}"
 
 
@@ -156,6 +156,7 @@ def hub_folder(init: str) -> Path:
         return Path(ident).expanduser()
     repo_id, _, revision = ident.partition("@")
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError
 
     files = []
     if hub_reachable():
@@ -163,7 +164,7 @@ def hub_folder(init: str) -> Path:
             try:
                 files.append(hf_hub_download(repo_id, name, revision=revision or None))
             except Exception as e:
-                if name != CONFIG_FILE and type(e).__name__ == "EntryNotFoundError":
+                if name != CONFIG_FILE and isinstance(e, EntryNotFoundError):
                     continue  # the other weights file may be there
                 raise CheckpointError(
                     f"finetune.init={init}: download of {name} failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
@@ -174,7 +175,7 @@ def hub_folder(init: str) -> Path:
         found = try_to_load_from_cache(repo_id, CONFIG_FILE, revision=revision or None)
         if not isinstance(found, str):
             raise CheckpointError(f"{unreachable(f'finetune.init={init}')} and no cached copy exists; download it elsewhere "
-                                  f"(`huggingface-cli download {repo_id} --local-dir DIR`) and pass finetune.init=local-dir:DIR")  # fmt: skip
+                                  f"(`hf download {repo_id} --local-dir DIR`) and pass finetune.init=local-dir:DIR")  # fmt: skip
         files.append(found)
     return Path(files[0]).parent  # the hub cache keeps one snapshot folder per revision
 

@@ -18,8 +18,9 @@ class FinetuneSection:
     arch: `vit` is our encoder; `timm_vit` runs timm's own VisionTransformer of the
     same size (a baseline that checks our encoder); `resnet18` is the CNN baseline.
     init: `scratch`, an MAE `encoder.pt` (or the pretraining run folder holding one),
-    or `timm:<model name>` for timm's pretrained weights (from `init_file` when given,
-    else the model hub).
+    `timm:<model name>` for timm's pretrained weights (from `init_file` when given,
+    else the model hub), or a timm / Hub model folder: `local-dir:<folder>` (what
+    `python -m vit.export` writes) or `hf-hub:<user>/<name>`.
     """
 
     mode: Literal["full", "linear", "eval"] = "full"
@@ -42,8 +43,9 @@ class FinetuneSection:
         _check(self.patch_keep == 1.0 or (self.arch in ("vit", "timm_vit") and self.mode == "full"), "finetune.patch_keep",
                "< 1 needs finetune.mode=full and a ViT (finetune.arch=vit or timm_vit)")
         _check(self.mode != "eval" or self.init != "scratch", "finetune.init", "must name a finished run folder or classifier.pt in eval mode")
-        if self.init.startswith("timm:"):
-            _check(len(self.init) > 5, "finetune.init", "must look like timm:<model name>")
+        for prefix, what in (("timm:", "model name"), ("local-dir:", "folder"), ("hf-hub:", "user/name")):
+            if self.init.startswith(prefix):
+                _check(len(self.init) > len(prefix), "finetune.init", f"must look like {prefix}<{what}>")
         _check(self.arch == "vit" or self.mode != "linear", "finetune.arch", "must be vit for a linear probe")
         _check(self.arch != "resnet18" or self.init == "scratch", "finetune.init", "must be scratch for the resnet18 baseline")
 

@@ -6,7 +6,6 @@ Every classifier is saved as `classifier.pt` with what it takes to rebuild it:
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,12 @@ import torch.nn as nn
 from vit.checkpoint import CheckpointError, load_encoder, load_timm_weights, read_checkpoint, read_encoder, read_weights_file
 from vit.errors import ConfigError
 from vit.io import atomic_save
+from vit.hub import hub_reachable, is_hub_init, load_hub_weights, unreachable
 from vit.model import VisionTransformer, create_model
 from vit.runs import CLASSIFIER_FILE, ENCODER_FILE
 from vit.reference import timm_vit
 
 CLASSIFIER_FORMAT = "vit-classifier/1"
-HUB_HOST = ("huggingface.co", 443)
 
 
 class LinearProbe(nn.Module):
@@ -80,12 +79,11 @@ def resolve_encoder_path(init: str) -> Path:
     return path / ENCODER_FILE if path.is_dir() else path
 
 
-def hub_reachable(timeout: float = 5.0) -> bool:
-    try:
-        socket.create_connection(HUB_HOST, timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+def encoder_init(init: str) -> Path | None:
+    """The MAE `encoder.pt` that `finetune.init` names; None for scratch, `timm:` and Hub folders."""
+    if init == "scratch" or init.startswith("timm:") or is_hub_init(init):
+        return None
+    return resolve_encoder_path(init)
 
 
 def timm_state_dict(name: str, init_file: str | None) -> dict[str, torch.Tensor]:
@@ -114,8 +112,7 @@ def timm_state_dict(name: str, init_file: str | None) -> dict[str, torch.Tensor]
         if isinstance(cached, str):
             return read_weights_file(cached)
     raise CheckpointError(
-        f"finetune.init=timm:{name}: the model hub ({HUB_HOST[0]}) is unreachable and no cached copy exists; "
-        "download the weights elsewhere and pass finetune.init_file=<file>"
+        f"{unreachable(f'finetune.init=timm:{name}')} and no cached copy exists; download the weights elsewhere and pass finetune.init_file=<file>"
     )
 
 
@@ -127,10 +124,10 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
 
     parent = None
     init = ft.init
-    if init not in ("scratch",) and not init.startswith("timm:"):
+    encoder_path = encoder_init(init)
+    if encoder_path is not None:
         # An MAE encoder: the architecture comes from the model config, and must match the checkpoint's.
-        payload = read_encoder(resolve_encoder_path(init))
-        parent = payload.get("meta", {}).get("run")
+        parent = read_encoder(encoder_path).get("meta", {}).get("run")
     # Patch dropout (training only) is a feature of the encoder, run the same way by our ViT and timm's.
     kwargs = dict(cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode == "linear" else num_classes, patch_drop_rate=1.0 - ft.patch_keep)
     try:
@@ -141,8 +138,10 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
     if init.startswith("timm:"):
         state = timm_state_dict(init[5:], ft.init_file)
         load_timm_weights(encoder, state)
-    elif init != "scratch":
-        load_encoder(encoder, resolve_encoder_path(init))
+    elif is_hub_init(init):
+        load_hub_weights(encoder, init)
+    elif encoder_path is not None:
+        load_encoder(encoder, encoder_path)
 
     if ft.arch == "timm_vit":
         model = timm_vit(encoder.config)
@@ -179,3 +178,27 @@ def load_classifier(init: str) -> tuple[nn.Module, dict[str, Any]]:
     model = rebuild(payload["arch"], payload["build"])
     model.load_state_dict(payload["state_dict"], strict=True)
     return model, payload
+
+
+@torch.no_grad()
+def classifier_as_vit(model: nn.Module, payload: dict[str, Any]) -> VisionTransformer:
+    """A ViT classifier as one `VisionTransformer` with its head, timm's layout, giving the same logits in eval mode.
+
+    A linear probe's BatchNorm (no affine, running statistics) folds into its Linear:
+    W (x - mean) / sqrt(var + eps) + b = (W * s) x + (b - W (mean * s)), s = 1 / sqrt(var + eps).
+    """
+    arch, build = payload["arch"], payload["build"]
+    if arch in ("vit", "timm_vit"):
+        vit = VisionTransformer(**build["config"])
+        vit.load_state_dict(model.state_dict(), strict=True)  # timm's ViT has our key names
+        return vit.eval()
+    if arch != "linear_probe":
+        raise CheckpointError(f"a {arch} classifier is not a ViT: only ViT classifiers export to a timm ViT folder")
+    vit = VisionTransformer(**{**build["config"], "num_classes": build["num_classes"], "global_pool": build["pool"]})
+    bn, fc = model.head[0], model.head[1]
+    scale = (bn.running_var.double() + bn.eps).rsqrt()  # (D,)
+    weight = fc.weight.double() * scale  # (C, D)
+    bias = fc.bias.double() - weight @ bn.running_mean.double()  # (C,)
+    state = {**model.encoder.state_dict(), "head.weight": weight.float(), "head.bias": bias.float()}
+    vit.load_state_dict(state, strict=True)
+    return vit.eval()

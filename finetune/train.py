@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from finetune.config import FinetuneConfig
 from finetune.evaluate import evaluate, save_confusion_matrix
 from finetune.features import FeatureLoader, extract_features
-from finetune.models import Built, build_classifier, load_classifier, resolve_encoder_path, save_classifier
+from finetune.models import Built, build_classifier, encoder_init, load_classifier, save_classifier
+from vit import tracking
 from vit.augment import BatchLoader
 from vit.checkpoint import read_encoder, unwrap
 from vit.cli import parse
@@ -33,16 +34,18 @@ def job_type(cfg: FinetuneConfig) -> str:
         return "linprobe"
     if ft.mode == "eval":
         return "eval"
-    mae_init = ft.arch == "vit" and ft.init != "scratch" and not ft.init.startswith("timm:")
+    # An exported encoder (local-dir:) is ours; timm's weights and Hub models are reference points.
+    mae_init = ft.arch == "vit" and ft.init != "scratch" and not ft.init.startswith(("timm:", "hf-hub:"))
     return "finetune" if mae_init else "baseline"
 
 
-def parent_run(cfg: FinetuneConfig) -> str | None:
-    """The pretraining run an MAE encoder came from (read before anything is written, so a bad path fails first)."""
-    init = cfg.finetune.init
-    if cfg.finetune.mode == "eval" or init == "scratch" or init.startswith("timm:"):
-        return None
-    return read_encoder(resolve_encoder_path(init)).get("meta", {}).get("run")
+def parent_meta(cfg: FinetuneConfig) -> dict:
+    """The `meta` of the MAE encoder `finetune.init` names ({} for other inits): its run, group, data.
+
+    Read before anything is written, so a bad path fails first.
+    """
+    path = encoder_init(cfg.finetune.init)
+    return read_encoder(path).get("meta", {}) if path is not None else {}
 
 
 def image_size(cfg: FinetuneConfig, built: Built, splits: Splits) -> int:
@@ -99,9 +102,10 @@ def report_eval(run: Run, results: dict[str, dict], classes: list[str], tag: str
         out[f"{split}_top5"] = r["top5"]
         out[f"{split}_loss"] = r["loss"]
         out[f"{split}_per_class"] = dict(zip(classes, r["per_class"]))
+        run.log_table(f"per_class_{split}", ["class", "accuracy"], [[c, a] for c, a in zip(classes, r["per_class"])])
         if figures and run.is_main:
             path = save_confusion_matrix(r["confusion"], classes, confusion_path(run.dir, split), f"{tag} - {split} top-1 {r['top1']:.2%}")
-            run.log_images({f"confusion_{split}": path}, step=0)
+            run.log_images({f"confusion_{split}": path})
     return out
 
 
@@ -219,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse(FinetuneConfig, argv, "finetune", "Fine-tune, linear-probe or evaluate a classifier")
     if cfg.finetune.mode == "eval":
         return run_eval(cfg)
-    parent = parent_run(cfg)
-    run = Run.start(cfg, stage="finetune", job_type=job_type(cfg), parent=parent)
+    parent = parent_meta(cfg)
+    tracking.inherit_group(cfg.run, parent)
+    run = Run.start(cfg, stage="finetune", job_type=job_type(cfg), parent=parent.get("run"))
+    encoder = encoder_init(cfg.finetune.init)
+    if encoder is not None:
+        run.use_encoder(encoder)
     acc = run.accelerator
     with acc.main_process_first():
         splits = load_splits(cfg.data)
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": cfg.finetune.mode,
         "job_type": run.job_type,
         "init": cfg.finetune.init,
-        "parent": parent,
+        "parent": parent.get("run"),
         "model": cfg.model.name if built.arch != "resnet18" else "resnet18",
         "arch": built.arch,
         "cached_features": cfg.finetune.mode == "linear" and cfg.finetune.probe_cache,
@@ -256,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         "steps": progress.step,
         "wall_time_sec": round(wall_time, 2),
         "feature_time_sec": round(trained.feature_time, 2),
+        "images": progress.images,
         "images_per_sec": round(progress.images / max(progress.train_time, 1e-9), 1),
+        "final_loss": run.last_logged("loss"),
+        "final_val_loss": flat.get("val_loss"),
         "best_val_top1": progress.best.get("val_top1"),
         "final_val_top1": flat.get("val_top1"),
         "final_test_top1": flat.get("test_top1"),

@@ -13,7 +13,7 @@ from vit.cli import parse
 from vit.data import load_splits
 from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import exit_on_user_error
-from vit.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, last_logged
+from vit.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path
 
 
 @torch.no_grad()
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             run.print(f"epoch {epoch}: val loss {metrics['val_loss']:.4f}")
         if cfg.run.figure_every and epoch % cfg.run.figure_every == 0:
             figure(progress.step, epoch_figure_path(run.dir, "reconstruction", epoch))
-        save_weights(run, model, progress.step)
+        save_weights(run, model, progress.step, splits)
         return metrics
 
     progress = load_state(run)
@@ -102,11 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         run.print(str(e))
         return 143
-    save_weights(run, model, progress.step)
+    save_weights(run, model, progress.step, splits)
+    run.log_encoder(run.dir / ENCODER_FILE)
     figure(progress.step, run.dir / RECONSTRUCTION_FILE)
     final_val = validation_loss(unwrap(model), val_loader, run, cfg.run.seed) if val_loader is not None else None
     summary = run.finish({
-        "final_loss": last_logged(run.dir, "loss") if run.is_main else None,
+        "final_loss": run.last_logged("loss"),
         "final_val_loss": final_val,
         "steps": progress.step,
         "epochs": progress.epoch,
@@ -125,13 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def encoder_meta(run: Run) -> dict:
-    return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed}
+def encoder_meta(run: Run, splits) -> dict:
+    """Where the encoder came from, its wandb group (runs started from it join it), and the input normalisation it expects."""
+    return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed,
+            "group": run.cfg.run.group, "data": {"dataset": splits.name, "mean": list(splits.mean), "std": list(splits.std)}}  # fmt: skip
 
 
-def save_weights(run: Run, model, step: int) -> None:
+def save_weights(run: Run, model, step: int, splits) -> None:
     """encoder.pt, what the classification stage starts from, and mae.pt, the whole MAE that figures rebuild (main process)."""
     if run.is_main:
         mae = unwrap(model)
-        save_encoder(mae.encoder, run.dir / ENCODER_FILE, step=step, meta=encoder_meta(run))
-        save_mae(mae, run.dir / MAE_FILE, step=step, meta=encoder_meta(run))
+        save_encoder(mae.encoder, run.dir / ENCODER_FILE, step=step, meta=encoder_meta(run, splits))
+        save_mae(mae, run.dir / MAE_FILE, step=step, meta=encoder_meta(run, splits))

@@ -10,7 +10,7 @@ is a few-minute smoke run of the same pipeline.
 Each stage is the ordinary entry point, run as a subprocess and printed first, so every
 command can be copied and rerun alone:
 
-    python -m pretrain --config configs/pretrain/cpu.yaml data.root=PATH run.dir=OUT run.name=mae run.resume=auto
+    python -m pretrain --config configs/pretrain/cpu.yaml data.root=PATH run.dir=OUT run.name=mae run.group=<OUT's name> run.resume=auto
     python -m finetune --config configs/finetune/linprobe_cpu.yaml ... run.name=linprobe finetune.init=OUT/mae
     python -m finetune --config configs/finetune/cpu.yaml ... run.name=finetune finetune.init=OUT/mae
 
@@ -19,6 +19,10 @@ With --budget-minutes M, pretraining and fine-tuning share M minutes of wall tim
 step count with `schedule.budget_minutes` on the machine it runs on; the linear probe
 measures the encoder and runs its own recipe outside the budget.
     python scripts/compare_runs.py OUT/mae OUT/linprobe OUT/finetune --out OUT/report --csv OUT/report/runs.csv
+
+The pretraining run sets the wandb group (the --out folder's name); the probe and the fine-tune
+join it because their encoder comes from it, so wandb shows the three as one pipeline, and their
+offline runs all land in OUT/wandb (`wandb sync OUT/wandb` uploads them).
 
 Without --data or VIT_DATA the stages download CIFAR-10 (data.download=true) where the
 network allows it. Every stage gets run.resume=auto, so running the same command again
@@ -97,7 +101,9 @@ def stage_command(stage: Stage, out: Path, data: str | None, fast: bool, extra: 
     argv += [f"data.root={data}"] if data else ["data.download=true"]
     argv += [f"run.dir={out}", f"run.name={stage.run_name}"]
     if stage.needs_encoder:
-        argv.append(f"finetune.init={out / STAGES[0].run_name}")
+        argv.append(f"finetune.init={out / STAGES[0].run_name}")  # the run's group comes with its encoder
+    else:
+        argv.append(f"run.group={out.resolve().name}")
     argv.append("run.resume=auto")
     if fast:
         argv += list(stage.fast)
@@ -179,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             return code
     print(f"\nquickstart: done. Report: {out / 'report' / 'report.md'} (figures and runs.csv beside it)")
     print(f"Look inside the encoder: python scripts/visualize.py --checkpoint {out / STAGES[0].run_name} --out {out / 'figures'}")
+    print(f"Share it: python -m vit.export {out / STAGES[0].run_name} --out {out / 'export'} [--push USER/NAME]")
+    if (out / "wandb").is_dir():
+        print(f"The runs in wandb: browse them with `wandb leet {out / 'wandb'}`, upload them with `wandb sync {out / 'wandb'}`")
     return 0
 
 

@@ -155,9 +155,9 @@ def test_unreachable_hub_and_missing_file_are_one_line_errors(tmp_path, capsys, 
     code = finetune(tiny_overrides(tmp_path) + ["finetune.init=timm:vit_tiny_patch16_224", f"finetune.init_file={tmp_path / 'nope.pth'}"])
     assert code == 2 and "nope.pth does not exist" in capsys.readouterr().err
     # No weights file and no hub: refused at once with one line, no retry loop.
-    import finetune.models as models
+    import vit.hub
 
-    monkeypatch.setattr(models, "HUB_HOST", ("127.0.0.1", 9))
+    monkeypatch.setattr(vit.hub, "hub_host", lambda: ("127.0.0.1", 9))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty hub cache
     code = finetune(tiny_overrides(tmp_path, name="hub") + ["finetune.init=timm:vit_tiny_patch16_224"])
     err = capsys.readouterr().err

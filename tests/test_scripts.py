@@ -280,6 +280,9 @@ def test_quickstart_runs_each_stage_command_in_order_and_writes_the_report(quick
     for command, name in zip(commands, ("mae", "linprobe", "finetune")):
         assert f"run.dir={out} run.name={name}" in command and "run.resume=auto" in command and "data.dataset=synthetic" in command
     assert f"finetune.init={out / 'mae'}" in commands[1] and f"finetune.init={out / 'mae'}" in commands[2]
+    assert "run.group=qs" in commands[0] and "run.group" not in commands[1]
+    for name in ("mae", "linprobe", "finetune"):  # the probe and the fine-tune join the group of their encoder's run
+        assert yaml.safe_load((out / name / "config.yaml").read_text())["run"]["group"] == "qs"
     assert "compare_runs.py" in commands[3] and f"--out {out / 'report'}" in commands[3]
     for name, job in (("mae", "pretrain"), ("linprobe", "linprobe"), ("finetune", "finetune")):
         summary = json.loads((out / name / "summary.json").read_text())

@@ -1,35 +1,135 @@
-"""Tracking never breaks a run: wandb offline writes a run, `none` writes nothing, a failing tracker costs a warning."""
+"""Tracking never breaks a run, and wandb (offline, no network) gets what its users look for: one wandb directory per
+`run.dir`, group and job type, the final numbers of summary.json, tables and images, and the encoder's lineage.
+
+The offline runs are read back with wandb's own reader of its `.wandb` log, `wandb leet inspect`.
+"""
 
 import json
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import accelerate
 import pytest
+import yaml
 
-from helpers import tiny_overrides
-from pretrain.train import main
+from finetune.train import main as finetune
+from helpers import reset_accelerate, tiny_overrides
+from pretrain.train import main as pretrain
+from vit.config import RunConfig
+from vit.tracking import inherit_group, summary_values
+
+SHARED_SUMMARY_KEYS = {"stage", "job_type", "final_loss", "final_val_loss", "steps", "epochs", "images", "wall_time_sec", "images_per_sec"}
 
 
 def small(tmp_path, **extra):
     return tiny_overrides(tmp_path, **{"schedule.epochs": 1, "model.depth": 1, **extra})
 
 
-@pytest.mark.slow
-def test_wandb_offline_writes_a_run_in_the_run_folder(tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_MODE", raising=False)  # the config's offline default must be enough
-    assert main(small(tmp_path, **{"run.tracker": "wandb", "run.group": "exp1"})) == 0
-    runs = list((tmp_path / "runs" / "run" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+def inspect(run_dirs: dict[str, str]) -> dict[str, SimpleNamespace]:
+    """Offline wandb runs as wandb's own tool reads them: each run's records (one dict each) and its final summary."""
+    procs = {(name, view): subprocess.Popen([sys.executable, "-m", "wandb", "leet", "inspect", *flags, str(path)], stdout=subprocess.PIPE, text=True)
+             for name, path in run_dirs.items() for view, flags in (("records", ["--json"]), ("summary", ["--summary", "--json"]))}  # fmt: skip
+    out = {key: p.communicate(timeout=120)[0] for key, p in procs.items()}
+    runs = {}
+    for name in run_dirs:
+        records = [json.loads(line) for line in out[name, "records"].splitlines() if line.strip()]
+        runs[name] = SimpleNamespace(
+            summary=json.loads(out[name, "summary"])["summary"],
+            run=next(r["run"] for r in records if r["type"] == "run"),
+            artifacts=[r["artifact"] for r in records if r["type"] == "artifact" and r["artifact"]["type"] == "model"],
+        )
+    return runs
+
+
+def leaves(d: dict, prefix: str = "") -> dict:
+    """Flatten nested dicts to dotted keys."""
+    out = {}
+    for k, v in d.items():
+        out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """MAE pretraining (run.group=exp1) and a linear probe of its encoder (no group given), both tracked by wandb offline."""
+    root = tmp_path_factory.mktemp("pipeline")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("WANDB_MODE", raising=False)  # the config's offline default must be enough
+        mp.setenv("WANDB_DATA_DIR", str(root / "wandb-data"))  # wandb stages artifact files here until they are synced
+        mp.setenv("WANDB_CACHE_DIR", str(root / "wandb-cache"))
+        try:
+            assert pretrain(small(root, name="mae", **{"run.tracker": "wandb", "run.group": "exp1"})) == 0
+            reset_accelerate()
+            probe = {"run.tracker": "wandb", "finetune.mode": "linear", "finetune.init": root / "runs" / "mae", "schedule.epochs": 2}
+            assert finetune(small(root, name="probe", **probe)) == 0
+        finally:
+            reset_accelerate()
+    runs = root / "runs"
+    summaries = {name: json.loads((runs / name / "summary.json").read_text()) for name in ("mae", "probe")}
+    return SimpleNamespace(runs=runs, summary=summaries, wandb=inspect({name: s["wandb_run"] for name, s in summaries.items()}))
+
+
+def test_one_wandb_directory_holds_every_run_of_the_run_dir(pipeline):
+    offline = sorted(p.name for p in (pipeline.runs / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and not (pipeline.runs / "mae" / "wandb").exists() and not (pipeline.runs / "probe" / "wandb").exists()
+    assert {pipeline.summary[name]["wandb_run"].rsplit("/", 1)[-1] for name in ("mae", "probe")} == set(offline)
+
+
+def test_runs_carry_group_and_job_type_and_the_probe_joins_its_encoders_group(pipeline):
+    assert pipeline.wandb["mae"].run["run_group"] == "exp1" and pipeline.wandb["mae"].run["job_type"] == "pretrain"
+    assert pipeline.wandb["probe"].run["run_group"] == "exp1" and pipeline.wandb["probe"].run["job_type"] == "linprobe"
+    assert yaml.safe_load((pipeline.runs / "probe" / "config.yaml").read_text())["run"]["group"] == "exp1"
+
+
+def test_the_probe_uses_the_encoder_artifact_the_pretraining_logged(pipeline):
+    (made,) = pipeline.wandb["mae"].artifacts
+    (used,) = pipeline.wandb["probe"].artifacts
+    assert made["name"] == used["name"] == "encoder-mae" and made["type"] == used["type"] == "model"
+    assert [e["path"] for e in made["manifest"]["contents"]] == ["encoder.pt"]
+    assert made["digest"] == used["digest"]  # one artifact version: made by one run, used by the other
+    assert not made.get("use_after_commit") and used["use_after_commit"]  # the record `wandb sync` turns into use_artifact
+    assert json.loads(made["metadata"])["step"] == pipeline.summary["mae"]["steps"]
+
+
+def test_every_final_number_of_summary_json_is_in_the_wandb_summary(pipeline):
+    for name in ("mae", "probe"):
+        ours = {k: v for k, v in leaves(pipeline.summary[name]).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        theirs = leaves(pipeline.wandb[name].summary)
+        assert SHARED_SUMMARY_KEYS <= set(pipeline.summary[name])  # the same column names for every stage
+        assert {k: theirs.get(k) for k in ours} == pytest.approx(ours), name
+    assert {"test_top1", "test_top5", "final_test_top1"} <= set(pipeline.wandb["probe"].summary)
+
+
+def test_per_class_accuracy_is_a_table_and_figures_are_images(pipeline):
+    probe = pipeline.wandb["probe"].summary
+    assert probe["per_class_val"]["_type"] == "table-file" and probe["per_class_val"]["nrows"] == 10
+    assert probe["per_class_test"]["ncols"] == 2
+    assert probe["confusion_val"]["_type"] == "image-file"
+    assert pipeline.wandb["mae"].summary["reconstruction"]["_type"] == "image-file"
+
+
+def test_summary_values_keep_scalars_and_nesting_only():
+    summary = {"a": 1, "b": None, "c": [1, 2], "d": {"e": 0.5, "f": [3], "g": {}}, "h": "text", "i": True}
+    assert summary_values(summary) == {"a": 1, "d": {"e": 0.5}, "h": "text", "i": True}
+
+
+def test_a_given_group_wins_over_the_parents():
+    given, inherited = RunConfig(group="mine"), RunConfig()
+    inherit_group(given, {"group": "parent"})
+    inherit_group(inherited, {"group": "parent"})
+    assert (given.group, inherited.group) == ("mine", "parent")
 
 
 def test_tracker_none_writes_no_tracker_files(tmp_path):
-    assert main(small(tmp_path, **{"run.tracker": "none"})) == 0
+    assert pretrain(small(tmp_path, **{"run.tracker": "none"})) == 0
     run_dir = tmp_path / "runs" / "run"
-    assert not (run_dir / "wandb").exists() and not (run_dir / "tensorboard").exists()
+    assert not (tmp_path / "runs" / "wandb").exists() and not (run_dir / "tensorboard").exists()
     assert (run_dir / "metrics.jsonl").stat().st_size > 0
 
 
 def test_tensorboard_writes_event_files(tmp_path):
-    assert main(small(tmp_path, **{"run.tracker": "tensorboard"})) == 0
+    assert pretrain(small(tmp_path, **{"run.tracker": "tensorboard"})) == 0
     assert list((tmp_path / "runs" / "run" / "tensorboard").rglob("events.out.tfevents.*"))
 
 
@@ -38,7 +138,7 @@ def test_a_failing_tracker_does_not_stop_the_run(tmp_path, monkeypatch, capsys):
         raise RuntimeError("tracker service unreachable")
 
     monkeypatch.setattr(accelerate.Accelerator, "init_trackers", broken)
-    assert main(small(tmp_path, **{"run.tracker": "wandb"})) == 0
+    assert pretrain(small(tmp_path, **{"run.tracker": "wandb"})) == 0
     err = capsys.readouterr().err
     assert "warning: tracker 'wandb' failed to start (RuntimeError: tracker service unreachable)" in err
     summary = json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())

@@ -150,6 +150,10 @@ def adapt_timm_state_dict(state_dict: dict[str, torch.Tensor], model: VisionTran
 def load_timm_weights(model: VisionTransformer, state_dict: dict[str, torch.Tensor]) -> list[str]:
     """Load timm ViT weights into our encoder; returns the missing keys (only the head may be missing)."""
     adapted = adapt_timm_state_dict(state_dict, model)
+    target = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} != {tuple(target[k].shape)}" for k, v in adapted.items() if k in target and v.shape != target[k].shape]
+    if wrong:  # load_state_dict would raise a RuntimeError listing every tensor
+        raise CheckpointError(f"timm weights do not fit this encoder (weights != encoder): {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
     missing, unexpected = model.load_state_dict(adapted, strict=False)
     allowed = {k for k in model.state_dict() if k.startswith("head.")}
     if unexpected or not set(missing) <= allowed:

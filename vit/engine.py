@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from vit import tracking
 from vit.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, plan_steps
 from vit.config import RunConfig, dump_config, to_dict
 from vit.errors import ConfigError, UserError
@@ -48,6 +49,7 @@ from vit.runs import (
     read_state_progress,
     state_dirs,
     state_path,
+    last_logged,
     trim_metrics,
     read_budget,
     write_budget,
@@ -277,13 +279,7 @@ class Run:
         init_kwargs: dict[str, Any] = {}
         if run_cfg.tracker == "wandb":
             os.environ.setdefault("WANDB_SILENT", "true")
-            init_kwargs["wandb"] = {
-                "name": run_cfg.name,
-                "group": run_cfg.group,
-                "job_type": self.job_type,
-                "dir": str(self.dir),
-                "mode": run_cfg.wandb_mode,
-            }
+            init_kwargs["wandb"] = tracking.wandb_init_kwargs(run_cfg, self.job_type)
         config = flatten({**to_dict(self.cfg), "meta": self.meta})
         try:
             self.accelerator.init_trackers(run_cfg.project, config=config, init_kwargs=init_kwargs)
@@ -304,28 +300,55 @@ class Run:
             except Exception as e:
                 self.warn(f"tracker log failed ({type(e).__name__}); metrics stay in {METRICS_FILE}")
 
-    def log_images(self, images: dict[str, Path], step: int) -> None:
-        if not (self.is_main and self.trackers_on):
+    def last_logged(self, key: str) -> Any:
+        """The last value of `key` in metrics.jsonl (main process), or None."""
+        return last_logged(self.dir, key) if self.is_main else None
+
+    def _wandb(self):
+        """The live wandb run on the main process, or None."""
+        return tracking.wandb_run(self.accelerator) if self.is_main and self.trackers_on else None
+
+    def _to_wandb(self, what: str, send: Callable[..., None], *args) -> None:
+        """`send(wandb_run, *args)` when wandb is on; a failure costs one warning, never the run."""
+        wrun = self._wandb()
+        if wrun is None:
             return
         try:
-            for tracker in self.accelerator.trackers:
-                if tracker.name == "wandb":
-                    import wandb
-
-                    tracker.log({k: wandb.Image(str(p)) for k, p in images.items()}, step=step)
+            send(wrun, *args)
         except Exception as e:
-            self.warn(f"tracker image log failed ({type(e).__name__})")
+            first = (str(e).splitlines() or [""])[0][:160]
+            self.warn(f"wandb {what} failed ({type(e).__name__}: {first}); the run folder keeps it")
+
+    def log_images(self, images: dict[str, Path], step: int | None = None) -> None:
+        """PNG figures to wandb; `step=None`: at the last logged step (a final figure)."""
+        self._to_wandb("image log", tracking.log_images, images, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        self._to_wandb("table log", tracking.log_table, name, columns, rows)
+
+    def log_encoder(self, path: Path) -> None:
+        """This run's `encoder.pt` as a wandb model artifact (the start of the lineage)."""
+        self._to_wandb("model artifact", tracking.log_encoder, Path(path))
+
+    def use_encoder(self, path: Path) -> None:
+        """Mark the `encoder.pt` this run starts from as its input (the lineage edge from the run that made it)."""
+        self._to_wandb("artifact use", tracking.use_encoder, Path(path))
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
-        summary = {"stage": self.stage, **summary, "processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
-                   "threads_per_process": self.threads, "precision": self.cfg.run.precision, "seed": self.cfg.run.seed,
-                   "git_commit": self.meta["git_commit"], "run_dir": str(self.dir)}  # fmt: skip
+        """Write summary.json (with the run's facts) and close the trackers, which get the same final values."""
+        summary = {"stage": self.stage, "job_type": self.job_type, **summary, "processes": self.accelerator.num_processes,
+                   "device": str(self.accelerator.device), "threads_per_process": self.threads, "precision": self.cfg.run.precision,
+                   "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir)}  # fmt: skip
         schedule = getattr(self.cfg, "schedule", None)
         if schedule is not None and schedule.budget_minutes is not None:
             # The plan beside what the stage took, so an estimate that missed shows.
             summary["budget"] = {**(read_budget(self.dir) or {}), "stage_seconds": round(time.perf_counter() - self.started, 1)}
+        wrun = self._wandb()
+        if wrun is not None:
+            summary["wandb_run"] = tracking.wandb_run_dir(wrun)
         if self.is_main:
             write_summary(self.dir, summary)
+        self._to_wandb("summary", tracking.log_summary, summary)
         if self.trackers_on:
             try:
                 self.accelerator.end_training()

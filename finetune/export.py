@@ -1,0 +1,35 @@
+"""Export a finished ViT classifier as a timm / Hugging Face Hub folder (head included) with a model card.
+
+    python -m finetune.export runs/finetune --out exports/finetune [--push USER/NAME]
+
+The same folder format and card as `python -m vit.export` (encoders); a linear probe's BatchNorm is
+folded into its Linear head so timm's plain ViT gives the probe's logits.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from finetune.models import classifier_as_vit, load_classifier
+from vit.errors import exit_on_user_error
+from vit.export import Export, cli
+
+
+def classifier_export(source: str | Path) -> Export:
+    """A classifier run folder (or classifier.pt) ready to export."""
+    path = Path(source).expanduser()
+    model, payload = load_classifier(path)
+    data = payload["data"]
+    run_dir = path if path.is_dir() else path.parent if (path.parent / "config.yaml").is_file() else None
+    return Export(classifier_as_vit(model, payload), "classifier", list(data["mean"]), list(data["std"]), data.get("dataset"), run_dir,
+                  label_names=list(payload["classes"]), step=payload.get("step"), parent=payload.get("parent"))  # fmt: skip
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, classifier_export, "python -m finetune.export", "a ViT classifier (a classification run folder or classifier.pt)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""timm / Hub folders: export of encoders and classifiers (`vit.export`, `finetune.export`), and their import through
+`finetune.init=local-dir:` and `hf-hub:` (no network: the Hub cache stands in for a download)."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import huggingface_hub
+import huggingface_hub.constants
+import pytest
+import timm
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from finetune.export import main as export_classifier
+from finetune.models import classifier_as_vit, load_classifier
+from finetune.train import main as finetune
+from helpers import reset_accelerate, tiny_overrides
+from pretrain.train import main as pretrain
+from vit.checkpoint import CheckpointError, encoder_from_checkpoint, save_encoder
+import vit.hub
+from vit.data import CIFAR10_MEAN, SYNTHETIC_MEAN, SYNTHETIC_STD
+from vit.export import encoder_export
+from vit.export import main as export_encoder
+from vit.hub import load_hub_weights
+from vit.model import create_model
+
+MODEL = {"model.depth": 1}
+
+
+def small(root, name, **extra):
+    return tiny_overrides(root, name=name, **{"schedule.epochs": 1, **MODEL, **extra})
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """An MAE run, a linear probe of it, and the encoder exported (tracker none: this module is about the folders)."""
+    root = tmp_path_factory.mktemp("export")
+    try:
+        assert pretrain(small(root, "mae")) == 0
+        reset_accelerate()
+        assert finetune(small(root, "probe", **{"finetune.mode": "linear", "finetune.init": root / "runs" / "mae"})) == 0
+    finally:
+        reset_accelerate()
+    assert export_encoder([str(root / "runs" / "mae"), "--out", str(root / "hub" / "mae")]) == 0
+    return SimpleNamespace(root=root, runs=root / "runs", folder=root / "hub" / "mae")
+
+
+def encoder_like_the_run(**overrides):
+    return create_model("vit_cifar_tiny", embed_dim=32, depth=1, num_heads=2, patch_size=8, num_classes=0, **overrides)
+
+
+def test_timm_builds_the_export_and_gives_our_encoders_outputs(exported):
+    ours = encoder_from_checkpoint(exported.runs / "mae").eval()
+    theirs = timm.create_model(f"local-dir:{exported.folder}", pretrained=True).eval()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.forward_features(x), ours.forward_features(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(theirs(x), ours(x), rtol=1e-5, atol=1e-5)
+
+
+def test_config_json_is_timms_hub_format_with_the_runs_normalisation(exported):
+    config = json.loads((exported.folder / "config.json").read_text())
+    assert config["num_classes"] == 0 and config["num_features"] == 32 and config["model_args"]["depth"] == 1
+    cfg = config["pretrained_cfg"]
+    assert cfg["input_size"] == [3, 32, 32] and cfg["mean"] == list(SYNTHETIC_MEAN) and cfg["std"] == list(SYNTHETIC_STD)
+    assert {"interpolation", "crop_pct", "first_conv", "classifier"} <= set(cfg)
+
+
+def test_model_card_has_hub_front_matter_the_recipe_and_the_probes_accuracy(exported):
+    text = (exported.folder / "README.md").read_text()
+    _, header, body = text.split("---\n", 2)
+    meta = yaml.safe_load(header)
+    probe = json.loads((exported.runs / "probe" / "summary.json").read_text())
+    assert meta["library_name"] == "timm" and meta["pipeline_tag"] == "image-feature-extraction" and meta["metrics"] == ["accuracy"]
+    values = {(r["dataset"]["split"], r["metrics"][0]["value"]) for r in meta["model-index"][0]["results"]}
+    assert ("test", round(100 * probe["test_top1"], 2)) in values
+    commit = yaml.safe_load((exported.runs / "mae" / "config.yaml").read_text())["meta"]["git_commit"]
+    assert commit in body and "mask ratio 0.75" in body and "| probe | linprobe |" in body
+    assert f'timm.create_model("local-dir:{exported.folder}"' in body
+
+
+def test_finetuning_from_the_export_equals_finetuning_from_the_run(exported):
+    """local-dir: loads the very weights of encoder.pt: the same seed gives the same classifier and accuracy."""
+    try:
+        for name, init in (("from_run", exported.runs / "mae"), ("from_folder", f"local-dir:{exported.folder}")):
+            assert finetune(small(exported.root, name, **{"finetune.init": init})) == 0
+            reset_accelerate()
+    finally:
+        reset_accelerate()
+    (a, _), (b, _) = load_classifier(exported.runs / "from_run"), load_classifier(exported.runs / "from_folder")
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    summaries = [json.loads((exported.runs / n / "summary.json").read_text()) for n in ("from_run", "from_folder")]
+    assert summaries[0]["final_val_top1"] == summaries[1]["final_val_top1"] and summaries[1]["job_type"] == "finetune"
+
+
+def test_a_hub_folder_is_resampled_to_another_image_size_like_timm_inits(exported):
+    model = encoder_like_the_run(img_size=64)
+    load_hub_weights(model, f"local-dir:{exported.folder}")
+    assert model.pos_embed.shape == (1, 1 + 64, 32)
+
+
+def broken_copy(folder: Path, tmp: Path, case: str) -> Path:
+    """A copy of a good export with one thing wrong."""
+    bad = tmp / case
+    shutil.copytree(folder, bad)
+    config = json.loads((bad / "config.json").read_text())
+    if case == "no_config":
+        (bad / "config.json").unlink()
+    elif case == "config_not_json":
+        (bad / "config.json").write_text("{")
+    elif case == "no_weights":
+        (bad / "model.safetensors").unlink()
+    elif case == "corrupt_weights":
+        (bad / "model.safetensors").write_bytes((bad / "model.safetensors").read_bytes()[:100])
+    elif case in ("resnet", "unknown_architecture", "wider", "layer_scale"):
+        config.update({"resnet": {"architecture": "resnet18", "model_args": {}}, "unknown_architecture": {"architecture": "vit_nonsense"}}.get(case, {}))
+        config["model_args"].update({"wider": {"embed_dim": 64}, "layer_scale": {"init_values": 1e-5}}.get(case, {}))
+        (bad / "config.json").write_text(json.dumps(config))
+    elif case == "weights_of_another_size":
+        from safetensors.torch import save_file
+
+        save_file(create_model("vit_cifar_tiny", embed_dim=64, depth=1, num_heads=2, patch_size=8, num_classes=0).state_dict(), bad / "model.safetensors")
+    return bad
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no_config", "is not a timm model folder (no config.json)"),
+        ("config_not_json", "config.json is not readable JSON"),
+        ("no_weights", "holds no weights (model.safetensors or pytorch_model.bin)"),
+        ("corrupt_weights", "is not a readable weights file"),
+        ("resnet", "holds a timm ResNet (resnet18), not a ViT"),
+        ("unknown_architecture", "timm cannot build architecture 'vit_nonsense'"),
+        ("wider", "is a different encoder; to load it set model.embed_dim=64 (this run: 32)"),
+        ("layer_scale", "has layer scale, which this encoder does not"),
+        ("weights_of_another_size", "timm weights do not fit this encoder (weights != encoder): blocks.0.attn.proj.bias (64,) != (32,)"),
+    ],
+)  # fmt: skip
+def test_a_corrupt_or_foreign_folder_is_refused_naming_what_is_wrong(exported, tmp_path, case, message):
+    bad = broken_copy(exported.folder, tmp_path, case)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_hub_weights(encoder_like_the_run(), f"local-dir:{bad}")
+
+
+def test_a_bad_folder_stops_a_finetune_with_one_line(exported, tmp_path, capsys):
+    code = finetune(small(tmp_path, "bad", **{"finetune.init": f"local-dir:{tmp_path / 'nowhere'}"}))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "model folder" in err and "does not exist" in err
+
+
+def test_hf_hub_init_loads_from_the_hub_cache_when_offline(exported, tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    shutil.copytree(exported.folder, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    model = encoder_like_the_run()
+    load_hub_weights(model, "hf-hub:someone/tiny")
+    ours = encoder_from_checkpoint(exported.runs / "mae")
+    assert torch.equal(model.blocks[0].attn.qkv.weight, ours.blocks[0].attn.qkv.weight)
+    with pytest.raises(CheckpointError, match=r"unreachable \(HF_HUB_OFFLINE is set\) and no cached copy exists.*local-dir:DIR"):
+        load_hub_weights(encoder_like_the_run(), "hf-hub:someone/other")
+
+
+def test_hf_hub_init_downloads_config_then_the_weights_file_the_repo_has(exported, tmp_path, monkeypatch):
+    """The download path, with the Hub client replaced by a copy from a folder whose weights are a legacy .bin."""
+    repo = tmp_path / "repo"
+    shutil.copytree(exported.folder, repo)
+    torch.save(load_file(repo / "model.safetensors"), repo / "pytorch_model.bin")
+    (repo / "model.safetensors").unlink()
+    asked = []
+
+    def download(repo_id, filename, revision=None):
+        asked.append((repo_id, filename, revision))
+        if not (repo / filename).is_file():
+            raise huggingface_hub.errors.EntryNotFoundError(f"{filename} is not in {repo_id}")
+        return str(repo / filename)
+
+    monkeypatch.setattr(vit.hub, "hub_reachable", lambda timeout=5.0: True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    model = encoder_like_the_run()
+    assert load_hub_weights(model, "hf-hub:someone/tiny@v1") == repo
+    assert [a[1] for a in asked] == ["config.json", "model.safetensors", "pytorch_model.bin"] and asked[0][2] == "v1"
+
+
+def test_push_without_network_is_one_line_and_the_folder_is_still_written(exported, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "pushed"
+    assert export_encoder([str(exported.runs / "mae"), "--out", str(out), "--push", "me/tiny-mae"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unreachable" in err and f"hf upload me/tiny-mae {out}" in err
+    assert 'timm.create_model("hf-hub:me/tiny-mae"' in (out / "README.md").read_text() and (out / "model.safetensors").is_file()
+    with pytest.raises(SystemExit) as e:
+        export_encoder([str(exported.runs / "mae"), "--out", str(out), "--push", "no-user"])
+    assert e.value.code == 2
+
+
+def test_a_linear_probe_exports_as_timms_vit_with_the_probes_logits(exported, tmp_path):
+    assert export_classifier([str(exported.runs / "probe"), "--out", str(tmp_path / "probe")]) == 0
+    probe, _ = load_classifier(exported.runs / "probe")
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'probe'}", pretrained=True).eval()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x), probe.eval()(x), rtol=1e-5, atol=1e-5)
+    config = json.loads((tmp_path / "probe" / "config.json").read_text())
+    assert config["num_classes"] == 10 and len(config["label_names"]) == 10
+    assert "pipeline_tag: image-classification" in (tmp_path / "probe" / "README.md").read_text()
+
+
+def test_what_cannot_export_is_one_line(exported, tmp_path, capsys):
+    with pytest.raises(CheckpointError, match="a resnet18 classifier is not a ViT"):
+        classifier_as_vit(None, {"arch": "resnet18", "build": {}})
+    assert export_encoder([str(exported.runs / "probe"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds a classifier; export it with python -m finetune.export" in err
+
+
+def test_an_encoder_saved_before_it_recorded_its_normalisation_takes_its_datasets(tmp_path):
+    run = tmp_path / "old"
+    save_encoder(encoder_like_the_run(), run / "encoder.pt", meta={"run": str(run)})
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"dataset": "cifar10"}}))
+    assert encoder_export(run).mean == list(CIFAR10_MEAN)

@@ -1,0 +1,246 @@
+"""Export an encoder as a timm / Hugging Face Hub folder, with a model card written from its run folder.
+
+    python -m vit.export runs/mae --out exports/mae                    # a pretraining run folder or an encoder.pt
+    python -m vit.export runs/mae --out exports/mae --push USER/NAME   # and upload it to the Hub
+    python -m finetune.export runs/finetune --out exports/finetune     # a classifier, head included (same options)
+
+The folder (`vit.hub`: model.safetensors, config.json, README.md) loads as it is:
+`timm.create_model("local-dir:exports/mae", pretrained=True)`, and starts a fine-tune or probe with
+`finetune.init=local-dir:exports/mae` (`hf-hub:USER/NAME` once pushed).
+
+The model card holds the architecture, the data and recipe of the run that made the weights (epochs,
+wall time, device, git commit, command), and the val/test accuracy of the runs that used them
+(run folders beside it whose encoder came from it), with Hub front matter (library, tags, datasets, metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from vit import data as vit_data
+from vit.checkpoint import encoder_from_checkpoint, read_encoder
+from vit.errors import CheckpointError, exit_on_user_error
+from vit.hub import hub_config, push_folder, write_hub_folder
+from vit.model import VisionTransformer, count_parameters
+from vit.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, SUMMARY_FILE
+
+# Hub dataset ids, for the card's front matter (the Hub links a model to these).
+HUB_DATASETS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100", "mnist": "ylecun/mnist", "fashionmnist": "zalando-datasets/fashion_mnist"}
+# The input normalisation of each dataset, for encoders saved before encoder.pt recorded it.
+DATASET_NORM = {
+    "cifar10": (vit_data.CIFAR10_MEAN, vit_data.CIFAR10_STD),
+    "cifar100": (vit_data.CIFAR100_MEAN, vit_data.CIFAR100_STD),
+    "mnist": (vit_data.MNIST_MEAN, vit_data.MNIST_STD),
+    "fashionmnist": (vit_data.FASHIONMNIST_MEAN, vit_data.FASHIONMNIST_STD),
+    "imagefolder": (vit_data.IMAGENET_MEAN, vit_data.IMAGENET_STD),
+    "synthetic": (vit_data.SYNTHETIC_MEAN, vit_data.SYNTHETIC_STD),
+}
+
+
+@dataclass
+class Export:
+    """What goes into a Hub folder: the model in timm's layout and what the card says about it."""
+
+    model: VisionTransformer  # headless (an encoder) or with its head (a classifier)
+    kind: str  # "encoder" or "classifier"
+    mean: list[float]
+    std: list[float]
+    dataset: str | None
+    run_dir: Path | None  # the run folder that made the weights (its config.yaml and summary.json feed the card)
+    label_names: list[str] | None = None
+    step: int | None = None
+    parent: str | None = None  # a classifier's pretraining run
+    used_by: list[dict[str, Any]] = field(default_factory=list)  # summaries of the runs that started from an encoder
+
+
+def read_run_file(run_dir: Path | None, name: str) -> dict[str, Any]:
+    """config.yaml or summary.json of a run folder as a dict ({} when absent or unreadable: the card then says less)."""
+    path = run_dir / name if run_dir is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        loaded = yaml.safe_load(path.read_text())  # JSON is YAML
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
+    """Summaries of the finished run folders beside `run_dir` whose encoder came from it (their `meta.parent`)."""
+    found = []
+    for other in sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p != run_dir):
+        parent = (read_run_file(other, CONFIG_FILE).get("meta") or {}).get("parent")
+        summary = read_run_file(other, SUMMARY_FILE)
+        if parent and Path(parent).name == run_dir.name and summary:
+            found.append({"run": other.name, **summary})
+    return found
+
+
+def encoder_export(path: str | Path) -> Export:
+    """An `encoder.pt` (or the pretraining run folder holding one) ready to export."""
+    path = Path(path).expanduser()
+    if path.is_dir() and not (path / ENCODER_FILE).exists() and (path / CLASSIFIER_FILE).exists():
+        raise CheckpointError(f"{path} holds a classifier; export it with python -m finetune.export {path} --out DIR")
+    payload = read_encoder(path)
+    model = encoder_from_checkpoint(path).eval()
+    run_dir = path if path.is_dir() else path.parent if (path.parent / "config.yaml").is_file() else None
+    data = payload.get("meta", {}).get("data") or {}
+    dataset = data.get("dataset") or (read_run_file(run_dir, CONFIG_FILE).get("data") or {}).get("dataset")
+    if "mean" in data:
+        mean, std = data["mean"], data["std"]
+    elif dataset in DATASET_NORM:
+        mean, std = DATASET_NORM[dataset]
+    else:
+        raise CheckpointError(f"{path} does not record the input normalisation it was trained with, and no run folder beside it names the dataset")
+    return Export(model, "encoder", list(mean), list(std), dataset, run_dir, step=payload.get("step"),
+                  used_by=runs_started_from(run_dir) if run_dir is not None else [])  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the model card
+
+
+def front_matter(exp: Export, name: str) -> dict[str, Any]:
+    """The card's YAML header, in the Hub's model-card metadata format."""
+    meta: dict[str, Any] = {
+        "library_name": "timm",
+        "pipeline_tag": "image-classification" if exp.kind == "classifier" else "image-feature-extraction",
+        "tags": ["timm", "vision-transformer", "masked-autoencoder", "vit-mae"],
+    }
+    hub_dataset = HUB_DATASETS.get(exp.dataset or "")
+    if hub_dataset:
+        meta["datasets"] = [hub_dataset]
+    results = [(r["run"], r.get("job_type", "?"), split, r.get(f"{split}_top1")) for r in accuracy_runs(exp) for split in ("val", "test")]
+    results = [r for r in results if r[3] is not None]
+    if results:
+        meta["metrics"] = ["accuracy"]
+        meta["model-index"] = [{"name": name, "results": [
+            {"task": {"type": "image-classification"},
+             "dataset": {"name": exp.dataset, "type": hub_dataset or exp.dataset, "split": "validation (held out of train)" if split == "val" else "test"},
+             "metrics": [{"type": "accuracy", "value": round(100 * top1, 2), "name": f"top-1, {job} ({run})"}]}
+            for run, job, split, top1 in results]}]  # fmt: skip
+    return meta
+
+
+def accuracy_runs(exp: Export) -> list[dict[str, Any]]:
+    """The summaries whose accuracies the card reports: the classifier's own, or those of the runs that used the encoder."""
+    if exp.kind == "classifier":
+        summary = read_run_file(exp.run_dir, SUMMARY_FILE)
+        return [{"run": exp.run_dir.name, **summary}] if summary and exp.run_dir is not None else []
+    return exp.used_by
+
+
+def fmt(value: Any, percent: bool = False) -> str:
+    if value is None:
+        return "-"
+    if percent:
+        return f"{100 * value:.1f}%"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
+
+
+def training_rows(exp: Export) -> list[tuple[str, str]]:
+    """What made the weights, from the run folder's config.yaml and summary.json."""
+    config, summary = read_run_file(exp.run_dir, CONFIG_FILE), read_run_file(exp.run_dir, SUMMARY_FILE)
+    optim, schedule, meta = config.get("optim") or {}, config.get("schedule") or {}, config.get("meta") or {}
+    data = summary.get("data") or {}
+    lr = optim.get("lr") or (f"base_lr {optim['base_lr']} x batch / 256" if "base_lr" in optim else None)
+    rows = [
+        ("run folder", exp.run_dir.name if exp.run_dir else None),
+        ("data", f"{exp.dataset}: {fmt(data.get('train'))} train, {fmt(data.get('val'))} val, {fmt(data.get('test'))} test images"),
+        ("recipe", f"{optim.get('name')}, lr {fmt(lr)}, batch {fmt(optim.get('batch_size'))} per process, weight decay {fmt(optim.get('weight_decay'))}, "
+                   f"warmup {fmt(schedule.get('warmup_epochs'))} epochs"),
+        ("epochs / steps", f"{fmt(summary.get('epochs'))} / {fmt(summary.get('steps', exp.step))}"),
+        ("wall time", f"{duration(summary['wall_time_sec'])} ({fmt(summary.get('images_per_sec'))} img/s)" if "wall_time_sec" in summary else None),
+        ("ran on", f"{fmt(summary.get('device'))} x {fmt(summary.get('processes'))} process(es), precision {fmt(summary.get('precision'))}"),
+        ("final loss (train / val)", f"{fmt(summary.get('final_loss'))} / {fmt(summary.get('final_val_loss'))}"),
+        ("seed, git commit", f"{fmt(meta.get('seed'))}, {fmt(meta.get('git_commit'))}"),
+        ("command", f"`{meta['command']}`" if meta.get("command") else None),
+    ]  # fmt: skip
+    if exp.kind == "encoder":
+        mae = config.get("mae") or {}
+        rows.insert(3, ("MAE", f"mask ratio {fmt(mae.get('mask_ratio'))}, normalised-pixel loss {fmt(mae.get('norm_pix_loss'))}"))
+    else:
+        ft = config.get("finetune") or {}
+        how = "linear probe" if ft.get("mode") == "linear" else "full fine-tuning"
+        rows.insert(3, ("classifier", f"{how} from {fmt(ft.get('init'))} (pretraining run {fmt(exp.parent)})"))
+    return [(k, v) for k, v in rows if v is not None]
+
+
+def model_card(exp: Export, name: str, load_as: str) -> str:
+    """README.md: Hub front matter, what the model is, how to load it, how it was trained, what the runs using it reached."""
+    c = exp.model.config
+    what = "classifier" if exp.kind == "classifier" else "encoder (no head)"
+    pretrained = "trained on an MAE-pretrained encoder" if exp.kind == "classifier" else "pretrained as a masked autoencoder (MAE)"
+    tokens = (c["img_size"] // c["patch_size"]) ** 2
+    output = (f"logits = model(images)  # (B, {c['num_classes']}): {', '.join((exp.label_names or [])[:4])}{', ...' if len(exp.label_names or []) > 4 else ''}"
+              if exp.kind == "classifier" else f"tokens = model.forward_features(images)  # (B, 1 + {tokens}, {c['embed_dim']})")  # fmt: skip
+    lines = ["---", yaml.safe_dump(front_matter(exp, name), sort_keys=False).rstrip(), "---", "", f"# {name}", "",
+             f"A Vision Transformer {what}, {pretrained} on {exp.dataset} with vit-mae: {c['embed_dim']} wide, {c['depth']} block(s), "
+             f"{c['num_heads']} heads, {c['patch_size']}x{c['patch_size']} patches on {c['img_size']}x{c['img_size']} images, "
+             f"{count_parameters(exp.model) / 1e6:.2f}M parameters, {c['global_pool']} pooling. The weights use timm's names "
+             "and load in timm as they are.", "",
+             "## Use it", "", "```python", "import timm", "",
+             f'model = timm.create_model("{load_as}", pretrained=True).eval()',
+             f"# images: (B, {c['in_chans']}, {c['img_size']}, {c['img_size']}), normalised with the mean and std of config.json",
+             output,
+             "```", "", f"Fine-tune or probe it with vit-mae: `python -m finetune --config configs/finetune/cpu.yaml finetune.init={load_as}`.",
+             "", "## Training", "", "| | |", "|---|---|"]  # fmt: skip
+    lines += [f"| {k} | {v} |" for k, v in training_rows(exp)]
+    runs = accuracy_runs(exp)
+    if runs:
+        title = "## Accuracy" if exp.kind == "classifier" else "## Runs that used it"
+        lines += ["", title, "", "| run | job type | epochs | wall time | val top-1 | test top-1 |", "|---|---|---:|---:|---:|---:|"]
+        for r in runs:
+            lines.append(f"| {r['run']} | {r.get('job_type', '-')} | {fmt(r.get('epochs'))} | {duration(r.get('wall_time_sec'))} | "
+                         f"{fmt(r.get('val_top1'), True)} | {fmt(r.get('test_top1'), True)} |")
+        lines += ["", "val: images held out of the training split; test: the dataset's test split."]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def export(exp: Export, out: str | Path, push: str | None = None) -> Path:
+    """Write the Hub folder for `exp` into `out` and, with `push=USER/NAME`, upload it."""
+    out = Path(out).expanduser()
+    name = push.split("/")[-1] if push else out.resolve().name
+    load_as = f"hf-hub:{push}" if push else f"local-dir:{out}"
+    config = hub_config(exp.model, exp.mean, exp.std, exp.label_names)
+    folder = write_hub_folder(out, exp.model, config, model_card(exp, name, load_as))
+    print(f"export: {exp.kind} ({exp.model.config['embed_dim']}d x {exp.model.config['depth']}) -> {folder} "
+          f"(load with timm.create_model(\"local-dir:{folder}\", pretrained=True))")  # fmt: skip
+    if push:
+        print(f"export: pushed to {push_folder(folder, push)}")
+    return folder
+
+
+def cli(argv: list[str] | None, load: Callable[[str], Export], prog: str, what: str) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=f"Export {what} as a timm / Hugging Face Hub folder with a model card")
+    parser.add_argument("source", help=f"{what}: its run folder or checkpoint file")
+    parser.add_argument("--out", required=True, help="folder to write model.safetensors, config.json and README.md into")
+    parser.add_argument("--push", metavar="USER/NAME", help="also upload the folder to this Hub model repository (needs network and a login)")
+    args = parser.parse_args(argv)
+    if args.push is not None and args.push.count("/") != 1:
+        parser.error(f"--push {args.push!r} must look like USER/NAME")
+    export(load(args.source), args.out, args.push)
+    return 0
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, encoder_export, "python -m vit.export", "an MAE encoder (a pretraining run folder or encoder.pt)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

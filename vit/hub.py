@@ -1,0 +1,265 @@
+"""timm / Hugging Face Hub model folders: the one module that writes and reads them.
+
+A folder holds what `timm.create_model("local-dir:DIR")` and the Hub read as they are:
+
+    model.safetensors   the weights, timm key names (`patch_embed.proj.weight`, `blocks.0.attn.qkv.weight`, ...)
+    config.json         timm's Hub config: {"architecture", "num_classes", "num_features", "global_pool",
+                        "model_args": {...}, "pretrained_cfg": {"input_size", "mean", "std", "interpolation",
+                        "crop_pct", ...}, "label_names": [...] (a classifier)}
+    README.md           the model card (written by `vit.export`)
+
+`finetune.init=local-dir:DIR` and `finetune.init=hf-hub:USER/NAME` load such a folder, ours or any timm
+ViT on the Hub, with the checks and resampling of `timm:` inits (`vit.checkpoint.load_timm_weights`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import torch.nn as nn
+
+from vit.checkpoint import CheckpointError, load_timm_weights, read_weights_file
+from vit.io import atomic_write, atomic_write_text
+from vit.errors import UserError
+from vit.model import VisionTransformer
+
+WEIGHTS_FILE = "model.safetensors"
+LEGACY_WEIGHTS_FILE = "pytorch_model.bin"  # what older Hub repos hold instead
+CONFIG_FILE = "config.json"
+CARD_FILE = "README.md"
+PREFIXES = ("local-dir:", "hf-hub:")
+# timm builds any ViT from a registered name plus `model_args` that override its sizes; this is the family's reference.
+TEMPLATE_ARCHITECTURE = "vit_base_patch16_224"
+# Fields that must agree between a Hub ViT and our encoder; image and patch size are resampled instead.
+MATCHED_FIELDS = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
+
+
+def is_hub_init(init: str) -> bool:
+    return init.startswith(PREFIXES)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def hub_config(model: VisionTransformer, mean, std, label_names: list[str] | None = None) -> dict[str, Any]:
+    """timm's config.json for our encoder (headless) or classifier, with the input normalisation it was trained on."""
+    c = model.config
+    num_classes = c["num_classes"]
+    model_args = {
+        k: c[k] for k in ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "global_pool")
+    }
+    # Our average pooling normalises every token and then pools: timm's fc_norm=False.
+    model_args.update(class_token=True, fc_norm=False, num_classes=num_classes)
+    config = {
+        "architecture": TEMPLATE_ARCHITECTURE,
+        "num_classes": num_classes,
+        "num_features": c["embed_dim"],
+        "global_pool": c["global_pool"],
+        "model_args": model_args,
+        "pretrained_cfg": {
+            "input_size": [c["in_chans"], c["img_size"], c["img_size"]],
+            "fixed_input_size": True,
+            "interpolation": "bicubic",
+            "crop_pct": 1.0,  # the whole image: evaluation here resizes, it does not crop
+            "crop_mode": "center",
+            "mean": [float(x) for x in mean],
+            "std": [float(x) for x in std],
+            "num_classes": num_classes,
+            "pool_size": None,
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+            "custom_load": False,
+        },
+    }
+    if label_names and num_classes:
+        config["label_names"] = list(label_names)
+    return config
+
+
+def write_hub_folder(out: str | os.PathLike, model: VisionTransformer, config: dict[str, Any], card: str) -> Path:
+    """Write model.safetensors, config.json and README.md into `out` (each file atomically); returns the folder."""
+    from safetensors.torch import save_file
+
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    atomic_write_text(out / CARD_FILE, card)
+    return out
+
+
+# --------------------------------------------------------------------------- the hub
+
+
+def hub_host() -> tuple[str, int]:
+    """Host and port of the Hub endpoint huggingface_hub talks to (HF_ENDPOINT, else huggingface.co)."""
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hub answers a TCP connection within `timeout` seconds (False at once under HF_HUB_OFFLINE=1).
+
+    Probing once up front gives an offline machine one clear line instead of the hub client's retries.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        socket.create_connection(hub_host(), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def unreachable(what: str) -> str:
+    from huggingface_hub import constants
+
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "no connection"
+    return f"{what}: the model hub ({hub_host()[0]}) is unreachable ({why})"
+
+
+def push_folder(folder: Path, repo_id: str) -> str:
+    """Upload `folder` to the Hub model repository `repo_id` (created if needed); returns the repository URL."""
+    if not hub_reachable():
+        raise UserError(f"{unreachable(f'--push {repo_id}')}; the folder is written: upload it later with "
+                        f"`hf upload {repo_id} {folder}`")  # fmt: skip
+    from huggingface_hub import HfApi
+
+    api = HfApi(library_name="vit-mae")
+    try:
+        repo = api.create_repo(repo_id, repo_type="model", exist_ok=True)
+        api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder), commit_message="Upload a vit-mae export")
+    except Exception as e:  # auth, permissions, quota: all one line for the user
+        raise UserError(f"--push {repo_id}: upload failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                        "log in with `hf auth login` or set HF_TOKEN") from None  # fmt: skip
+    return f"{hub_host()[0]}/{repo.repo_id}"
+
+
+def hub_folder(init: str) -> Path:
+    """The local folder that `local-dir:DIR` or `hf-hub:USER/NAME[@REVISION]` names (downloaded or cached)."""
+    kind, _, ident = init.partition(":")
+    if not ident:
+        raise UserError(f"finetune.init={init}: expected {kind}:<{'folder' if kind == 'local-dir' else 'user/name'}>")
+    if kind == "local-dir":
+        return Path(ident).expanduser()
+    repo_id, _, revision = ident.partition("@")
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError
+
+    files = []
+    if hub_reachable():
+        for name in (CONFIG_FILE, WEIGHTS_FILE, LEGACY_WEIGHTS_FILE):
+            try:
+                files.append(hf_hub_download(repo_id, name, revision=revision or None))
+            except Exception as e:
+                if name != CONFIG_FILE and isinstance(e, EntryNotFoundError):
+                    continue  # the other weights file may be there
+                raise CheckpointError(
+                    f"finetune.init={init}: download of {name} failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                ) from None
+            if name != CONFIG_FILE:
+                break
+    else:
+        found = try_to_load_from_cache(repo_id, CONFIG_FILE, revision=revision or None)
+        if not isinstance(found, str):
+            raise CheckpointError(f"{unreachable(f'finetune.init={init}')} and no cached copy exists; download it elsewhere "
+                                  f"(`hf download {repo_id} --local-dir DIR`) and pass finetune.init=local-dir:DIR")  # fmt: skip
+        files.append(found)
+    return Path(files[0]).parent  # the hub cache keeps one snapshot folder per revision
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_hub_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json and the weights of a timm / Hub folder; a missing, corrupt or foreign folder is one CheckpointError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{folder} is not a timm model folder (no {CONFIG_FILE})")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_path} is not readable JSON ({type(e).__name__})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("architecture"), str):
+        raise CheckpointError(f"{config_path} is not a timm model config (no 'architecture')")
+    weights = next((folder / n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE) if (folder / n).is_file()), None)
+    if weights is None:
+        raise CheckpointError(f"{folder} holds no weights ({WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE})")
+    return config, read_weights_file(weights)
+
+
+def timm_architecture(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The encoder fields of the timm model that config.json describes, built on the meta device (no memory, no init cost).
+
+    Refuses, naming `where`, an unknown architecture, a model that is not a ViT, or a ViT with parts our
+    encoder does not have (register tokens, layer scale, fc_norm, pre-norm, ...).
+    """
+    import timm
+    import timm.models.vision_transformer as tv
+
+    arch, args = config["architecture"], config.get("model_args") or {}
+    try:
+        with torch.device("meta"):
+            m = timm.create_model(arch, pretrained=False, **args)
+    except Exception as e:
+        raise CheckpointError(
+            f"{where}: timm cannot build architecture {arch!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
+    if not isinstance(m, tv.VisionTransformer):
+        raise CheckpointError(f"{where} holds a timm {type(m).__name__} ({arch}), not a ViT")
+    block = m.blocks[0]
+    unsupported = {
+        "no class token": not m.has_class_token,
+        "register tokens": m.num_reg_tokens > 0,
+        "no_embed_class": m.no_embed_class,
+        "fc_norm": not isinstance(m.fc_norm, nn.Identity),
+        "norm_pre": not isinstance(m.norm_pre, nn.Identity),
+        "layer scale": not isinstance(block.ls1, nn.Identity),
+        "qk norm": not isinstance(block.attn.q_norm, nn.Identity),
+        "an activation other than GELU": type(block.mlp.act) is not nn.GELU or block.mlp.act.approximate != "none",
+        f"global_pool={m.global_pool!r}": m.global_pool not in ("token", "avg"),
+    }
+    parts = [name for name, present in unsupported.items() if present]
+    if parts:
+        raise CheckpointError(f"{where}: this timm ViT ({arch}) has {', '.join(parts)}, which this encoder does not")
+    return {
+        "in_chans": m.patch_embed.proj.in_channels,
+        "embed_dim": m.embed_dim,
+        "depth": len(m.blocks),
+        "num_heads": block.attn.num_heads,
+        "mlp_ratio": block.mlp.fc1.out_features / m.embed_dim,
+        "qkv_bias": block.attn.qkv.bias is not None,
+    }
+
+
+def load_hub_weights(model: VisionTransformer, init: str) -> Path:
+    """Load the folder that `init` (`local-dir:...` or `hf-hub:...`) names into `model`; returns the folder.
+
+    The architecture must match field by field (naming the `model.*` overrides that would make it fit);
+    image and patch size may differ and are resampled, and a head of another size is dropped, as for `timm:`.
+    """
+    folder = hub_folder(init)
+    config, state = read_hub_folder(folder)
+    stored = timm_architecture(config, f"finetune.init={init}")
+    wanted = {k: model.config[k] for k in MATCHED_FIELDS}
+    diff = [f"model.{k}={stored[k]!r} (this run: {wanted[k]!r})" for k in MATCHED_FIELDS if stored[k] != wanted[k]]
+    if diff:
+        raise CheckpointError(f"finetune.init={init} is a different encoder; to load it set {' '.join(diff)}")
+    load_timm_weights(model, state)
+    return folder

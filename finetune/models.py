@@ -142,7 +142,7 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
         payload = read_encoder(resolve_encoder_path(init))
         parent = payload.get("meta", {}).get("run")
     try:
-        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode == "linear" else num_classes)
+        encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode in ("linear", "knn") else num_classes)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
 
@@ -151,12 +151,16 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
         load_timm_weights(encoder, state)
     elif init != "scratch":
         load_encoder(encoder, resolve_encoder_path(init))
+        if ft.mode == "full":
+            # The new head starts near zero, as MAE's fine-tuning initialises it, so its first steps do not disturb the encoder.
+            nn.init.trunc_normal_(encoder.head.weight, std=2e-5)
+            nn.init.zeros_(encoder.head.bias)
 
     if ft.arch == "timm_vit":
         model = timm_vit(encoder.config, ft.patch_keep)
         model.load_state_dict(encoder.state_dict(), strict=True)  # the same initial weights, run by timm's code
         return Built(model, "timm_vit", {"config": encoder.config}, parent, encoder.config)
-    if ft.mode == "linear":
+    if ft.mode in ("linear", "knn"):  # knn uses the probe's frozen encoder and its features, not its head
         probe = LinearProbe(encoder, num_classes, pool=ft.probe_pool)
         return Built(probe, "linear_probe", {"config": encoder.config, "num_classes": num_classes, "pool": ft.probe_pool}, parent, encoder.config)
     return Built(encoder, "vit", {"config": encoder.config}, parent, encoder.config)

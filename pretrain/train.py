@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pretrain.config import PretrainConfig
@@ -13,7 +15,9 @@ from vit.cli import parse
 from vit.data import load_splits
 from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import ConfigError, exit_on_user_error
+from vit.knn import knn_evaluate, seeded_subset
 from vit.model import create_model
+from vit.provenance import split_record
 
 
 def build_mae(cfg: PretrainConfig, device=None) -> MaskedAutoencoder:
@@ -46,6 +50,29 @@ def validation_loss(mae: MaskedAutoencoder, loader: BatchLoader, run: Run, seed:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
+def knn_monitor(cfg: PretrainConfig, run: Run, splits, loader_kwargs: dict):
+    """`evaluate(encoder, epoch, epoch_seconds) -> metrics`: kNN top-1 / top-5 of a seeded subset of the val split
+    against a seeded subset of the training images; None when `mae.knn_every` is 0 or there is no val split."""
+    mae_cfg = cfg.mae
+    if not mae_cfg.knn_every or not len(splits.val):
+        return None
+    bank = splits.train.subset(seeded_subset(len(splits.train), mae_cfg.knn_bank_size, cfg.run.seed, "knn_bank"))
+    queries = splits.val.subset(seeded_subset(len(splits.val), mae_cfg.knn_val_size or len(splits.val), cfg.run.seed, "knn_val"))
+    bank_loader = BatchLoader(bank, cfg.optim.batch_size, train=False, **loader_kwargs)
+    query_loader = BatchLoader(queries, cfg.optim.batch_size, train=False, **loader_kwargs)
+    num_classes = len(splits.train.classes)
+
+    def evaluate(encoder, epoch: int, epoch_seconds: float) -> dict[str, float]:
+        r = knn_evaluate(encoder, bank_loader, query_loader, run.accelerator, num_classes, k=mae_cfg.knn_k,
+                         temperature=mae_cfg.knn_temperature, pool=mae_cfg.knn_pool)  # fmt: skip
+        run.print(f"epoch {epoch}: kNN top-1 {r['top1']:.2%}, top-5 {r['top5']:.2%} (k {mae_cfg.knn_k}, bank {r['bank']}, "
+                  f"{r['count']} val images) in {r['seconds']:.1f}s, {r['seconds'] / max(epoch_seconds, 1e-9):.1%} "
+                  f"of the epoch's {epoch_seconds:.0f}s of training")  # fmt: skip
+        return {"knn_top1": r["top1"], "knn_top5": r["top5"], "knn_sec": round(r["seconds"], 2)}
+
+    return evaluate
+
+
 def rank_report(run: Run, model, first_batch_sum: float, images_seen: int) -> list[dict]:
     """Per-rank facts for summary.json: proof that every rank trained, on its own data, with the same weights."""
     acc = run.accelerator
@@ -75,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     train_loader = BatchLoader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed,
                                crop_scale=cfg.data.crop_scale, crop_ratio=cfg.data.crop_ratio, hflip=cfg.data.hflip, **common)
     val_loader = BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common) if len(splits.val.labels) else None
+    knn = knn_monitor(cfg, run, splits, common)
+    pretrained_on = split_record(cfg.data, splits)  # encoder.pt records it, so fine-tuning can refuse val images seen here
     spec = loop_spec(cfg, len(train_loader), acc.num_processes)
     run.print(f"schedule: {spec.epochs} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
               f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")
@@ -100,15 +129,21 @@ def main(argv: list[str] | None = None) -> int:
         loss, _, _ = m(images)
         return loss, {}
 
+    epoch_clock = {"start": time.perf_counter()}  # when the current epoch's training steps began
+
     def on_epoch_end(epoch: int, progress) -> dict[str, float]:
+        epoch_seconds = time.perf_counter() - epoch_clock["start"]
         metrics = {}
         if val_loader is not None:
             metrics["val_loss"] = validation_loss(unwrap(model), val_loader, run, cfg.run.seed)
             run.print(f"epoch {epoch}: val loss {metrics['val_loss']:.4f}")
+        if knn is not None and (epoch % cfg.mae.knn_every == 0 or epoch == spec.epochs):
+            metrics.update(knn(unwrap(model).encoder, epoch, epoch_seconds))
         if cfg.run.figure_every and epoch % cfg.run.figure_every == 0:
             figure(progress.step, f"figures/reconstruction_epoch{epoch:04d}.png")
         if run.is_main:
-            save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run))
+            save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run, pretrained_on))
+        epoch_clock["start"] = time.perf_counter()
         return metrics
 
     progress = load_state(run)
@@ -118,12 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         run.print(str(e))
         return 143
     if run.is_main:
-        save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run))
+        save_encoder(unwrap(model).encoder, run.dir / "encoder.pt", step=progress.step, meta=encoder_meta(run, pretrained_on))
     figure(progress.step, "reconstruction.png")
     final_val = validation_loss(unwrap(model), val_loader, run, cfg.run.seed) if val_loader is not None else None
     summary = run.finish({
         "final_loss": last_logged(run, "loss"),
         "final_val_loss": final_val,
+        "final_knn_top1": last_logged(run, "knn_top1"),
+        "knn_time_sec": round(sum(logged_values(run, "knn_sec")), 2),  # part of wall_time_sec
         "steps": progress.step,
         "epochs": progress.epoch,
         "images": progress.images,
@@ -141,20 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def encoder_meta(run: Run) -> dict:
-    return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed}
+def encoder_meta(run: Run, data: dict) -> dict:
+    return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed, "data": data}
 
 
 def last_logged(run: Run, key: str):
     """The last value of `key` in metrics.jsonl (main process), or None."""
+    values = logged_values(run, key)
+    return values[-1] if values else None
+
+
+def logged_values(run: Run, key: str) -> list:
+    """Every value of `key` in metrics.jsonl, in order (main process; empty on the others)."""
     import json
 
     path = run.dir / "metrics.jsonl"
     if not run.is_main or not path.exists():
-        return None
-    value = None
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        if key in rec:
-            value = rec[key]
-    return value
+        return []
+    return [rec[key] for rec in map(json.loads, path.read_text().splitlines()) if key in rec]

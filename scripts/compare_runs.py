@@ -256,7 +256,8 @@ def row(run: RunFolder) -> dict[str, Any]:
         "epochs": first(s.get("epochs"), last.get("epoch")),
         "steps": first(s.get("steps"), last.get("step")),
         "wall_time_sec": first(s.get("wall_time_sec"), last_value(run, "time")),
-        "images_per_sec": s.get("images_per_sec"),
+        # A cached probe's (or kNN's) cost is its frozen encoder's rate over the images; RESULTS.md quotes that one, not the head's.
+        "images_per_sec": first(s.get("feature_images_per_sec"), s.get("images_per_sec")),
         "precision": first(s.get("precision"), run_cfg.get("precision")),
         "processes": first(s.get("processes"), meta.get("processes")),
         "final_loss": first(s.get("final_loss"), last_value(run, "loss")),
@@ -264,6 +265,7 @@ def row(run: RunFolder) -> dict[str, Any]:
         "val_top1": first(s.get("final_val_top1"), s.get("val_top1"), val_top1[-1] if val_top1 else None),
         "best_val_top1": first(s.get("best_val_top1"), max(val_top1) if val_top1 else None),
         "test_top1": first(s.get("final_test_top1"), s.get("test_top1")),
+        "knn_top1": first(s.get("final_knn_top1"), last_value(run, "knn_top1")),
         "dataset": data.get("dataset") or (run.config.get("data") or {}).get("dataset"),
         "train_images": data.get("train"),
         "val_images": data.get("val"),
@@ -311,6 +313,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("val_top1", "val top-1", fmt_percent),
     ("best_val_top1", "best val top-1", fmt_percent),
     ("test_top1", "test top-1", fmt_percent),
+    ("knn_top1", "kNN top-1", fmt_percent),
 ]
 
 
@@ -515,6 +518,8 @@ FIGURES = [  # file stem, title in report.md
     ("loss_by_time", "Loss against training time"),
     ("accuracy_by_step", "Validation accuracy against step"),
     ("accuracy_by_time", "Validation accuracy against training time"),
+    ("knn_by_step", "kNN top-1 of the encoder during pretraining, against step"),
+    ("knn_by_time", "kNN top-1 of the encoder during pretraining, against training time"),
     ("lr_by_step", "Learning rate against step"),
     ("lr_by_time", "Learning rate against training time"),
     ("final_accuracy", "Final accuracy"),
@@ -530,6 +535,8 @@ def make_figures(runs: list[RunFolder], rows: list[dict[str, Any]], out: Path) -
         figures[f"loss_by_{axis}"] = plot_loss(runs, axis, out / f"loss_by_{axis}.png", colour)
         figures[f"accuracy_by_{axis}"] = plot_metric(runs, "val_top1", axis, out / f"accuracy_by_{axis}.png", colour,
                                                      "val top-1 (%)", "validation top-1 accuracy", percent=True)  # fmt: skip
+        figures[f"knn_by_{axis}"] = plot_metric(runs, "knn_top1", axis, out / f"knn_by_{axis}.png", colour, "val kNN top-1 (%)",
+                                                "pretraining: weighted kNN top-1 on val images", percent=True)  # fmt: skip
         figures[f"lr_by_{axis}"] = plot_metric(
             runs, "lr", axis, out / f"lr_by_{axis}.png", colour, "learning rate", "learning rate (log scale)", log=True
         )

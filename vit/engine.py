@@ -585,12 +585,13 @@ def fit(
                         window[k] = window.get(k, 0) + v.detach().float() / accum
                 progress.batch += accum
                 step_loss = loss_sum / accum
-                if not torch.isfinite(step_loss):
+                bad_loss = _non_finite_on_any_rank(acc, step_loss)
+                if bad_loss is not None:
                     optimizer.zero_grad(set_to_none=True)
                     progress.nan_skips += 1
                     where = f"step {progress.step}, lr {lr:.3g}, precision {run_cfg.precision}, loss {run.stage}"
                     if progress.nan_skips > run_cfg.nan_skip_budget:
-                        raise NonFiniteLoss(f"non-finite loss ({step_loss.item()}) at {where}; the last good resume state is kept in {run.dir / STATE_DIR}")
+                        raise NonFiniteLoss(f"non-finite loss ({bad_loss}) at {where}; the last good resume state is kept in {run.dir / STATE_DIR}")
                     run.warn(f"non-finite loss at {where}; step skipped ({progress.nan_skips}/{run_cfg.nan_skip_budget})")
                     continue
                 if clip is not None:
@@ -642,6 +643,14 @@ def fit(
     if not (run.dir / STATE_DIR / f"step_{progress.step:08d}" / STATE_FILE).is_file():
         save_state(run, progress)  # the end of training is always resumable (e.g. to extend it)
     return progress
+
+
+def _non_finite_on_any_rank(acc, loss: torch.Tensor) -> float | None:
+    """The first non-finite loss of any rank (the same on every rank), else None: all ranks skip or stop together,
+    where a per-rank decision would let one rank step while another skips, and desynchronise them."""
+    losses = acc.gather(loss.detach().float().reshape(1)) if acc.num_processes > 1 else loss.detach().reshape(1)
+    bad = losses[~torch.isfinite(losses)]
+    return bad[0].item() if bad.numel() else None
 
 
 def _any_rank(acc, flag: bool) -> bool:

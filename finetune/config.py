@@ -13,8 +13,10 @@ class FinetuneSection:
     """What to train.
 
     mode: `full` fine-tunes everything; `linear` freezes the encoder and trains a
-    BatchNorm + Linear head; `eval` evaluates a finished classifier (`init` = its run
-    folder or classifier.pt) without training.
+    BatchNorm + Linear head; `knn` classifies val and test by a weighted vote of the
+    nearest training features (no training); `eval` evaluates a finished classifier
+    (`init` = its run folder or classifier.pt) without training, on the data split it
+    was trained with.
     arch: `vit` is our encoder; `timm_vit` runs timm's own VisionTransformer of the
     same size (a baseline that checks our encoder); `resnet18` is the CNN baseline.
     init: `scratch`, an MAE `encoder.pt` (or the pretraining run folder holding one),
@@ -23,14 +25,17 @@ class FinetuneSection:
     `python -m vit.export` writes) or `hf-hub:<user>/<name>`.
     """
 
-    mode: Literal["full", "linear", "eval"] = "full"
+    mode: Literal["full", "linear", "knn", "eval"] = "full"
     arch: Literal["vit", "timm_vit", "resnet18"] = "vit"
     init: str = "scratch"
     init_file: str | None = None
     layer_decay: float | None = 0.75  # None: one learning rate for every layer
     label_smoothing: float = 0.1
     probe_cache: bool = True  # linear mode: train the head on features computed once
-    probe_pool: Literal["token", "avg"] = "token"
+    probe_pool: Literal["token", "avg"] = "token"  # linear and knn modes: the feature, [CLS] or the mean of the patch tokens
+    knn_k: int = 20  # knn mode: neighbours that vote (Wu et al. 2018, as DINO uses it)
+    knn_temperature: float = 0.07  # knn mode: vote weight exp(cosine similarity / temperature)
+    allow_overlap: bool = False  # go on when val images were training images of the encoder (or, in eval mode, the classifier)
     patch_keep: float = 1.0  # full mode, ViTs: fraction of patches each training image keeps (patch dropout); eval sees all
     eval_every: int = 1  # epochs between evaluations
     confusion_matrix: bool = True
@@ -46,7 +51,9 @@ class FinetuneSection:
         for prefix, what in (("timm:", "model name"), ("local-dir:", "folder"), ("hf-hub:", "user/name")):
             if self.init.startswith(prefix):
                 _check(len(self.init) > len(prefix), "finetune.init", f"must look like {prefix}<{what}>")
-        _check(self.arch == "vit" or self.mode != "linear", "finetune.arch", "must be vit for a linear probe")
+        _check(self.arch == "vit" or self.mode not in ("linear", "knn"), "finetune.arch", f"must be vit for finetune.mode={self.mode}")
+        _check(self.knn_k > 0, "finetune.knn_k", "must be positive")
+        _check(self.knn_temperature > 0, "finetune.knn_temperature", "must be positive")
         _check(self.arch != "resnet18" or self.init == "scratch", "finetune.init", "must be scratch for the resnet18 baseline")
 
 

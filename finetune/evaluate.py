@@ -18,6 +18,7 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
     """
     was_training = model.training
     model.eval()
+    sync_from_main(model, accelerator, buffers_only=True)  # every rank evaluates with rank 0's BatchNorm statistics, the saved ones
     device = accelerator.device
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
     extra = torch.zeros(2, dtype=torch.float64, device=device)  # top-5 hits, summed loss
@@ -44,6 +45,19 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
         "per_class": per_class,
         "confusion": confusion.long().cpu(),
     }
+
+
+def sync_from_main(module: nn.Module, accelerator, buffers_only: bool = False) -> None:
+    """Overwrite every rank's parameters and buffers (or buffers only) with rank 0's, in place.
+
+    Ranks hold different values where nothing synchronises them: a model built from a per-rank seed
+    and never wrapped in DDP (a cached probe's encoder), or BatchNorm statistics, which each rank
+    updates from its own batches after DDP's broadcast.
+    """
+    if accelerator.num_processes == 1:
+        return
+    for tensor in module.buffers() if buffers_only else module.state_dict().values():
+        torch.distributed.broadcast(tensor, src=0)
 
 
 def save_confusion_matrix(confusion: torch.Tensor, classes: list[str], path: Path, title: str) -> Path:

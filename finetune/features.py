@@ -7,6 +7,7 @@ from typing import Iterator
 import torch
 
 from vit.augment import epoch_order, eval_shard
+from vit.knn import gather_shards
 
 
 @torch.no_grad()
@@ -14,27 +15,19 @@ def extract_features(probe, loader, accelerator, total: int) -> tuple[torch.Tens
     """Pooled encoder features of every sample, in dataset order, on every rank.
 
     loader: an eval-mode BatchLoader (rank r holds the contiguous shard r) -> features (N, D) float32, labels (N,).
+    The probe runs in eval mode, so dropout or drop path can never make the cached features random.
     """
+    was_training = probe.training
+    probe.eval()
     feats, labels = [], []
     for images, y in loader.epoch(0):
         with accelerator.autocast():
             feats.append(probe.features(images).float())
         labels.append(y)
+    probe.train(was_training)
     local_f = torch.cat(feats) if feats else torch.zeros(0, probe.encoder.embed_dim, device=accelerator.device)
     local_y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=accelerator.device)
-    if accelerator.num_processes == 1:
-        return local_f, local_y
-    # Shards differ in size by at most one: pad to the largest, gather, trim each back, concatenate in rank order.
-    f = accelerator.gather(accelerator.pad_across_processes(local_f, dim=0))
-    y = accelerator.gather(accelerator.pad_across_processes(local_y, dim=0))
-    world = accelerator.num_processes
-    width = f.shape[0] // world
-    parts_f, parts_y = [], []
-    for r in range(world):
-        start, stop = eval_shard(total, r, world)
-        parts_f.append(f[r * width : r * width + stop - start])
-        parts_y.append(y[r * width : r * width + stop - start])
-    return torch.cat(parts_f), torch.cat(parts_y)
+    return gather_shards(accelerator, local_f, total), gather_shards(accelerator, local_y, total)
 
 
 class FeatureLoader:

@@ -129,7 +129,7 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
         # An MAE encoder: the architecture comes from the model config, and must match the checkpoint's.
         parent = read_encoder(encoder_path).get("meta", {}).get("run")
     # Patch dropout (training only) is a feature of the encoder, run the same way by our ViT and timm's.
-    kwargs = dict(cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode == "linear" else num_classes, patch_drop_rate=1.0 - ft.patch_keep)
+    kwargs = dict(cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode in ("linear", "knn") else num_classes, patch_drop_rate=1.0 - ft.patch_keep)
     try:
         encoder = create_model(cfg.model.name, **kwargs)
     except ValueError as e:
@@ -143,11 +143,15 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
     elif encoder_path is not None:
         load_encoder(encoder, encoder_path)
 
+    if init != "scratch" and ft.mode == "full":
+        # The new head starts near zero, as MAE's fine-tuning initialises it, so its first steps do not disturb the encoder.
+        nn.init.trunc_normal_(encoder.head.weight, std=2e-5)
+        nn.init.zeros_(encoder.head.bias)
     if ft.arch == "timm_vit":
         model = timm_vit(encoder.config)
         model.load_state_dict(encoder.state_dict(), strict=True)  # the same initial weights, run by timm's code
         return Built(model, "timm_vit", {"config": encoder.config}, parent, encoder.config)
-    if ft.mode == "linear":
+    if ft.mode in ("linear", "knn"):  # knn uses the probe's frozen encoder and its features, not its head
         probe = LinearProbe(encoder, num_classes, pool=ft.probe_pool)
         return Built(probe, "linear_probe", {"config": encoder.config, "num_classes": num_classes, "pool": ft.probe_pool}, parent, encoder.config)
     return Built(encoder, "vit", {"config": encoder.config}, parent, encoder.config)

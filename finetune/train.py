@@ -1,7 +1,8 @@
 """Classification: `accelerate launch -m finetune --config configs/finetune/....yaml [key=value ...]`.
 
-One entry point for full fine-tuning, linear probing (cached or not), evaluation of a
-finished classifier, and the baselines (scratch ViT, timm ViT, ResNet-18).
+One entry point for full fine-tuning, linear probing (cached or not), weighted kNN on frozen
+features (`finetune/knn.py`), evaluation of a finished classifier, and the baselines (scratch
+ViT, timm ViT, ResNet-18).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from finetune.config import FinetuneConfig
-from finetune.evaluate import evaluate, save_confusion_matrix
+from finetune.evaluate import evaluate, save_confusion_matrix, sync_from_main
 from finetune.features import FeatureLoader, extract_features
+from finetune.knn import run_knn
 from finetune.models import Built, build_classifier, encoder_init, load_classifier, save_classifier
 from vit import tracking
 from vit.augment import BatchLoader
@@ -23,7 +25,8 @@ from vit.checkpoint import read_encoder, unwrap
 from vit.cli import parse
 from vit.data import Splits, load_splits
 from vit.engine import Preempted, Progress, Run, fit, load_state, loop_spec, make_optimizer, param_groups
-from vit.errors import exit_on_user_error
+from vit.errors import DataError, exit_on_user_error
+from vit.provenance import SPLIT_KEYS, check_overlap, split_record
 from vit.randaug import make_ops
 from vit.runs import CLASSIFIER_FILE, confusion_path
 
@@ -32,8 +35,8 @@ def job_type(cfg: FinetuneConfig) -> str:
     ft = cfg.finetune
     if ft.mode == "linear":
         return "linprobe"
-    if ft.mode == "eval":
-        return "eval"
+    if ft.mode in ("eval", "knn"):
+        return ft.mode
     # An exported encoder (local-dir:) is ours; timm's weights and Hub models are reference points.
     mae_init = ft.arch == "vit" and ft.init != "scratch" and not ft.init.startswith(("timm:", "hf-hub:"))
     return "finetune" if mae_init else "baseline"
@@ -155,7 +158,9 @@ def cached_probe_task(cfg: FinetuneConfig, run: Run, splits: Splits, built: Buil
         loader = BatchLoader(data, cfg.optim.batch_size, train=False, **common)
         feats[split] = extract_features(probe, loader, acc, len(data.labels))
     feature_time = time.perf_counter() - started
-    run.print(f"features: {', '.join(f'{s} {tuple(f.shape)}' for s, (f, _) in feats.items())} in {feature_time:.1f}s")
+    feature_rate = sum(f.shape[0] for f, _ in feats.values()) / max(feature_time, 1e-9)
+    shapes = ", ".join(f"{s} {tuple(f.shape)}" for s, (f, _) in feats.items())
+    run.print(f"features: {shapes} in {feature_time:.1f}s ({feature_rate:.0f} img/s)")
     shard = dict(rank=acc.process_index, world_size=acc.num_processes)
     train = FeatureLoader(*feats["train"], cfg.optim.batch_size, seed=cfg.run.seed, **shard)
     evals = {s: FeatureLoader(*feats[s], cfg.optim.batch_size, train=False, **shard) for s in ("val", "test") if s in feats}
@@ -199,14 +204,22 @@ def train(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> Traine
 def run_eval(cfg: FinetuneConfig) -> int:
     """`finetune.mode=eval`: evaluate a finished classifier on the val (and test) split, no training."""
     model, payload = load_classifier(cfg.finetune.init)
+    record = payload["data"].get("split")
+    # The val split must be the one the classifier was validated on: its settings, not the command line's (data.root may differ).
+    replaced = [f"data.{k}={record[k]} (not {getattr(cfg.data, k)})" for k in SPLIT_KEYS if record and getattr(cfg.data, k) != record[k]]
+    for key in SPLIT_KEYS if record else ():
+        setattr(cfg.data, key, record[key])
     run = Run.start(cfg, stage="finetune", job_type="eval", parent=payload.get("parent"))
+    if replaced:
+        run.print(f"eval: the classifier's data split: {', '.join(replaced)}")
     acc = run.accelerator
     with acc.main_process_first():
         splits = load_splits(cfg.data)
     if list(splits.train.classes) != list(payload["classes"]):
-        from vit.errors import DataError
-
         raise DataError(f"the classifier was trained on classes {payload['classes']}, this data has {splits.train.classes}")
+    note = check_overlap(record, splits, f"the classifier {cfg.finetune.init}", "finetune.allow_overlap", cfg.finetune.allow_overlap)
+    if note:
+        run.warn(note)
     model = model.to(acc.device)
     size = payload["data"]["image_size"]
     common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=size, rank=acc.process_index, world_size=acc.num_processes)
@@ -232,8 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     acc = run.accelerator
     with acc.main_process_first():
         splits = load_splits(cfg.data)
+    check_pretraining_overlap(cfg, run, splits)
     num_classes = len(splits.train.classes)
     built = build_classifier(cfg, num_classes, acc.device)
+    # Each rank drew its own random init (per-rank seed); a cached probe's encoder is never wrapped in DDP, so make them one.
+    sync_from_main(built.model, acc)
+    if cfg.finetune.mode == "knn":
+        return run_knn(cfg, run, splits, built, parent.get("run"))
     if built.arch == "linear_probe" and cfg.data.val_size == 0 and splits.test is None:
         run.warn("no validation or test split: the probe's accuracy cannot be measured")
     n_params = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
@@ -247,11 +265,21 @@ def main(argv: list[str] | None = None) -> int:
     # The cached probe's stage time includes computing the features, not only training the head.
     wall_time = progress.train_time + trained.feature_time
     size = image_size(cfg, built, splits)
-    data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std)}
+    data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std),
+                 "split": split_record(cfg.data, splits)}  # fmt: skip
     if run.is_main:
         save_classifier(run.dir / CLASSIFIER_FILE, built, trained.model, splits.train.classes, data_info, progress.step)
     tag = f"{built.arch} {cfg.finetune.mode} ({cfg.finetune.init})"
     flat = report_eval(run, results, splits.train.classes, tag, cfg.finetune.confusion_matrix)
+    cached = cfg.finetune.mode == "linear" and cfg.finetune.probe_cache
+    rate = round(progress.images / max(progress.train_time, 1e-9), 1)
+    featurised = len(splits.train) + len(splits.val) + (len(splits.test) if splits.test is not None else 0)
+    # A cached probe has two rates: the frozen encoder's over every image (the stage's cost), and the head's over the cache.
+    rates = {"images_per_sec": rate}
+    if cached:
+        feature_rate = round(featurised / max(trained.feature_time, 1e-9), 1)
+        # `images_per_sec` keeps its meaning across stages (what the stage's images cost): here the encoder's rate.
+        rates = {"images_per_sec": feature_rate, "feature_images_per_sec": feature_rate, "head_images_per_sec": rate}
     summary = run.finish({
         "mode": cfg.finetune.mode,
         "job_type": run.job_type,
@@ -259,13 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         "parent": parent.get("run"),
         "model": cfg.model.name if built.arch != "resnet18" else "resnet18",
         "arch": built.arch,
-        "cached_features": cfg.finetune.mode == "linear" and cfg.finetune.probe_cache,
+        "cached_features": cached,
         "epochs": progress.epoch,
         "steps": progress.step,
         "wall_time_sec": round(wall_time, 2),
         "feature_time_sec": round(trained.feature_time, 2),
         "images": progress.images,
-        "images_per_sec": round(progress.images / max(progress.train_time, 1e-9), 1),
+        **rates,
         "final_loss": run.last_logged("loss"),
         "final_val_loss": flat.get("val_loss"),
         "best_val_top1": progress.best.get("val_top1"),
@@ -273,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "final_test_top1": flat.get("test_top1"),
         "data": splits.describe(),
         "test_split": splits.test is not None,
+        "ranks": rank_checksums(trained.model, acc),
         **flat,
     })
     lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()]
@@ -280,3 +309,20 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("(no test split in this dataset: val only)")
     run.print(f"done in {summary['wall_time_sec']:.0f}s: " + ", ".join(lines) + f" -> {run.dir}")
     return 0
+
+
+def check_pretraining_overlap(cfg: FinetuneConfig, run: Run, splits: Splits) -> None:
+    """Refuse val images the MAE encoder was pretrained on (`finetune.allow_overlap=true` goes on regardless)."""
+    path = encoder_init(cfg.finetune.init)
+    if path is None:  # timm and Hub weights carry no record of their data
+        return
+    record = read_encoder(path).get("meta", {}).get("data")
+    note = check_overlap(record, splits, f"the encoder {path}", "finetune.allow_overlap", cfg.finetune.allow_overlap)
+    if note:
+        run.warn(note)
+
+
+def rank_checksums(model: nn.Module, acc) -> list[dict]:
+    """Per-rank sum of the model's parameters for summary.json: every rank must have trained and evaluated the same model."""
+    checksum = sum(p.detach().double().sum() for p in model.parameters()).float().reshape(1, 1).to(acc.device)
+    return [{"rank": r, "param_checksum": c[0]} for r, c in enumerate(acc.gather(checksum).cpu().tolist())]

@@ -1,47 +1,72 @@
-"""Reconstruction figure: original | masked input | reconstruction | reconstruction with visible patches pasted back."""
+"""Reconstruction figure: original | masked input | reconstruction | reconstruction with visible patches pasted back | raw output.
+
+With `norm_pix_loss` the decoder predicts each patch normalised by that patch's own mean and
+variance, which only the hidden image knows: the reconstruction rows borrow them from the
+image (and say so in their labels), and the last row shows the model's raw output, which
+uses nothing of the hidden patches.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from torchvision.utils import save_image
+from torchvision.utils import make_grid
 
 from pretrain.model import MaskedAutoencoder, patchify, unpatchify
 
 
 @torch.no_grad()
-def reconstruct(mae: MaskedAutoencoder, images: torch.Tensor, mean, std, seed: int = 0) -> torch.Tensor:
-    """images: (B, C, H, W) normalised -> (4, B, C, H, W) in [0, 1]: original, masked, reconstruction, pasted."""
+def reconstruct(mae: MaskedAutoencoder, images: torch.Tensor, mean, std, seed: int = 0) -> tuple[torch.Tensor, list[str]]:
+    """images: (B, C, H, W) normalised -> rows (R, B, C, H, W) in [0, 1] and the R row labels (R = 5 with norm_pix_loss, else 4)."""
     mae.eval()
     generator = torch.Generator().manual_seed(seed)
     _, pred, mask = mae(images, generator=generator)
-    pred = pred.float()
+    raw = pred.float()  # (B, L, p*p*C): per-patch normalised pixels with norm_pix_loss, else normalised pixels
     p = mae.patch_size
     target = patchify(images.float(), p)  # (B, L, p*p*C)
+    pred = raw
     if mae.norm_pix_loss:
-        # The decoder predicts each patch normalised by its own statistics: undo that with the true ones.
         mu, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
-        pred = pred * (var + 1e-6) ** 0.5 + mu
+        pred = raw * (var + 1e-6) ** 0.5 + mu  # un-normalised with each hidden patch's true statistics
     m = mask.unsqueeze(-1)  # (B, L, 1)
-    masked = unpatchify(target * (1 - m), p, mae.in_chans)
-    recon = unpatchify(pred, p, mae.in_chans)
-    pasted = unpatchify(target * (1 - m) + pred * m, p, mae.in_chans)
+    visible = f"{1 - mae.mask_ratio:.0%}"
+    rows = [images.float(), unpatchify(target * (1 - m), p, mae.in_chans), unpatchify(pred, p, mae.in_chans),
+            unpatchify(target * (1 - m) + pred * m, p, mae.in_chans)]  # fmt: skip
+    if mae.norm_pix_loss:
+        labels = ["original", f"masked input ({visible} of the patches)",
+                  "reconstruction, each patch scaled\nwith the TRUE mean and variance\nof the patch it hides",
+                  "the same with the visible\npatches pasted back",
+                  "raw output: what the model\npredicts (per-patch normalised)"]  # fmt: skip
+        rows.append(unpatchify(raw, p, mae.in_chans))
+    else:
+        labels = ["original", f"masked input ({visible} of the patches)", "reconstruction",
+                  "reconstruction with the\nvisible patches pasted back"]  # fmt: skip
     mean_t = torch.tensor(mean, device=images.device).view(1, -1, 1, 1)
     std_t = torch.tensor(std, device=images.device).view(1, -1, 1, 1)
-    rows = [images.float(), masked, recon, pasted]
     rows = [(r * std_t + mean_t).clamp(0, 1) for r in rows]
-    rows[1] = torch.where(unpatchify(m.expand_as(target), p, mae.in_chans) > 0, torch.full_like(rows[1], 0.5), rows[1])  # masked patches grey
-    return torch.stack(rows)
+    hidden = unpatchify(m.expand_as(target), p, mae.in_chans) > 0  # (B, C, H, W)
+    rows[1] = torch.where(hidden, torch.full_like(rows[1], 0.5), rows[1])  # masked patches grey
+    return torch.stack(rows), labels
 
 
 def save_reconstruction_figure(mae: MaskedAutoencoder, images: torch.Tensor, mean, std, path: Path, seed: int = 0) -> Path:
-    """Write a PNG grid, one column per image and one row per view (original, masked, reconstruction, pasted)."""
-    rows = reconstruct(mae, images, mean, std, seed)  # (4, B, C, H, W)
-    n = rows.shape[1]
-    grid = rows.reshape(-1, *rows.shape[2:]).cpu()  # (4B, C, H, W), row-major: a row per view
-    scale = max(1, 64 // grid.shape[-1])  # CIFAR's 32x32 is too small to see at 1x
-    grid = torch.nn.functional.interpolate(grid, scale_factor=scale, mode="nearest")
+    """Write a PNG: one column per image, one labelled row per view (see `reconstruct`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, labels = reconstruct(mae, images, mean, std, seed)  # (R, B, C, H, W)
+    num_rows, n = rows.shape[:2]
+    fig, axes = plt.subplots(num_rows, 1, figsize=(2.4 + 0.75 * n, 0.85 * num_rows), dpi=100, squeeze=False)
+    for ax, row, label in zip(axes[:, 0], rows.cpu(), labels):
+        ax.imshow(make_grid(row, nrow=n, padding=2, pad_value=1.0).permute(1, 2, 0).numpy(), interpolation="nearest")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
+    fig.subplots_adjust(left=2.3 / (2.4 + 0.75 * n), right=0.99, top=0.99, bottom=0.01, hspace=0.08)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(grid, path, nrow=n, padding=2, pad_value=1.0)
+    fig.savefig(path)
+    plt.close(fig)
     return path

@@ -92,7 +92,9 @@ class MaskedAutoencoder(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def no_weight_decay(self) -> set[str]:
-        return {f"encoder.{n}" for n in self.encoder.no_weight_decay()} | {"mask_token"}
+        # MAE's pretraining decays [CLS] and the mask token like every tensor of 2+ dimensions (fine-tuning exempts [CLS]);
+        # only the positional table is exempt, and the paper's fixed sin-cos one is frozen anyway.
+        return {"encoder.pos_embed"}
 
     # ----------------------------------------------------------------- the three parts
 

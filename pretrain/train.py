@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pretrain.config import PretrainConfig
@@ -13,7 +15,9 @@ from vit.cli import parse
 from vit.data import load_splits
 from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import exit_on_user_error
-from vit.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path
+from vit.knn import knn_evaluate, seeded_subset
+from vit.provenance import split_record
+from vit.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, read_metrics
 
 
 @torch.no_grad()
@@ -28,6 +32,29 @@ def validation_loss(mae: MaskedAutoencoder, loader: BatchLoader, run: Run, seed:
         total += torch.stack([loss.float() * images.shape[0], torch.tensor(float(images.shape[0]), device=total.device)])
     total = run.accelerator.reduce(total, reduction="sum")
     return (total[0] / total[1].clamp(min=1)).item()
+
+
+def knn_monitor(cfg: PretrainConfig, run: Run, splits, loader_kwargs: dict):
+    """`evaluate(encoder, epoch, epoch_seconds) -> metrics`: kNN top-1 / top-5 of a seeded subset of the val split
+    against a seeded subset of the training images; None when `mae.knn_every` is 0 or there is no val split."""
+    mae_cfg = cfg.mae
+    if not mae_cfg.knn_every or not len(splits.val):
+        return None
+    bank = splits.train.subset(seeded_subset(len(splits.train), mae_cfg.knn_bank_size, cfg.run.seed, "knn_bank"))
+    queries = splits.val.subset(seeded_subset(len(splits.val), mae_cfg.knn_val_size or len(splits.val), cfg.run.seed, "knn_val"))
+    bank_loader = BatchLoader(bank, cfg.optim.batch_size, train=False, **loader_kwargs)
+    query_loader = BatchLoader(queries, cfg.optim.batch_size, train=False, **loader_kwargs)
+    num_classes = len(splits.train.classes)
+
+    def evaluate(encoder, epoch: int, epoch_seconds: float) -> dict[str, float]:
+        r = knn_evaluate(encoder, bank_loader, query_loader, run.accelerator, num_classes, k=mae_cfg.knn_k,
+                         temperature=mae_cfg.knn_temperature, pool=mae_cfg.knn_pool)  # fmt: skip
+        run.print(f"epoch {epoch}: kNN top-1 {r['top1']:.2%}, top-5 {r['top5']:.2%} (k {mae_cfg.knn_k}, bank {r['bank']}, "
+                  f"{r['count']} val images) in {r['seconds']:.1f}s, {r['seconds'] / max(epoch_seconds, 1e-9):.1%} "
+                  f"of the epoch's {epoch_seconds:.0f}s of training")  # fmt: skip
+        return {"knn_top1": r["top1"], "knn_top5": r["top5"], "knn_sec": round(r["seconds"], 2)}
+
+    return evaluate
 
 
 def rank_report(run: Run, model, first_batch_sum: float, images_seen: int) -> list[dict]:
@@ -59,9 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     train_loader = BatchLoader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed,
                                crop_scale=cfg.data.crop_scale, crop_ratio=cfg.data.crop_ratio, hflip=cfg.data.hflip, **common)
     val_loader = BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common) if len(splits.val.labels) else None
+    knn = knn_monitor(cfg, run, splits, common)
+    pretrained_on = split_record(cfg.data, splits)  # encoder.pt records it, so fine-tuning can refuse val images seen here
     spec = loop_spec(cfg, len(train_loader), acc.num_processes)
     if spec.budget is not None:
-        spec.budget.eval_images = len(splits.val.labels)  # the val loss after every epoch
+        spec.budget.eval_images = len(splits.val)  # the val loss after every epoch
+        if cfg.mae.knn_every and len(splits.val):
+            # The kNN monitor embeds its bank and queries with every patch visible: about 3 masked-MAE forwards an image.
+            knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
+            spec.budget.eval_images += 3 * knn_images // cfg.mae.knn_every
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
               f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")
 
@@ -86,14 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         loss, _, _ = m(images)
         return loss, {}
 
+    epoch_clock = {"start": time.perf_counter()}  # when the current epoch's training steps began
+
     def on_epoch_end(epoch: int, progress) -> dict[str, float]:
+        epoch_seconds = time.perf_counter() - epoch_clock["start"]
         metrics = {}
         if val_loader is not None:
             metrics["val_loss"] = validation_loss(unwrap(model), val_loader, run, cfg.run.seed)
             run.print(f"epoch {epoch}: val loss {metrics['val_loss']:.4f}")
+        if knn is not None and (epoch % cfg.mae.knn_every == 0 or epoch == spec.epoch_limit):
+            metrics.update(knn(unwrap(model).encoder, epoch, epoch_seconds))
         if cfg.run.figure_every and epoch % cfg.run.figure_every == 0:
             figure(progress.step, epoch_figure_path(run.dir, "reconstruction", epoch))
-        save_weights(run, model, progress.step, splits)
+        save_weights(run, model, progress.step, splits, pretrained_on)
+        epoch_clock["start"] = time.perf_counter()
         return metrics
 
     progress = load_state(run)
@@ -102,13 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         run.print(str(e))
         return 143
-    save_weights(run, model, progress.step, splits)
+    save_weights(run, model, progress.step, splits, pretrained_on)
     run.log_encoder(run.dir / ENCODER_FILE)
     figure(progress.step, run.dir / RECONSTRUCTION_FILE)
     final_val = validation_loss(unwrap(model), val_loader, run, cfg.run.seed) if val_loader is not None else None
     summary = run.finish({
         "final_loss": run.last_logged("loss"),
         "final_val_loss": final_val,
+        "final_knn_top1": run.last_logged("knn_top1"),
+        "knn_time_sec": round(sum(r.get("knn_sec", 0) for r in read_metrics(run.dir)[0]), 2) if run.is_main else None,  # part of wall_time_sec
         "steps": progress.step,
         "epochs": progress.epoch,
         "images": progress.images,
@@ -126,15 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def encoder_meta(run: Run, splits) -> dict:
-    """Where the encoder came from, its wandb group (runs started from it join it), and the input normalisation it expects."""
+def encoder_meta(run: Run, splits, pretrained_on: dict) -> dict:
+    """Where the encoder came from, its wandb group (runs started from it join it), the input normalisation it expects,
+    and the split it was pretrained on (fine-tuning refuses val images seen here)."""
+    data = {"dataset": splits.name, "mean": list(splits.mean), "std": list(splits.std), **pretrained_on}
     return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed,
-            "group": run.cfg.run.group, "data": {"dataset": splits.name, "mean": list(splits.mean), "std": list(splits.std)}}  # fmt: skip
+            "group": run.cfg.run.group, "data": data}  # fmt: skip
 
 
-def save_weights(run: Run, model, step: int, splits) -> None:
+def save_weights(run: Run, model, step: int, splits, pretrained_on: dict) -> None:
     """encoder.pt, what the classification stage starts from, and mae.pt, the whole MAE that figures rebuild (main process)."""
     if run.is_main:
         mae = unwrap(model)
-        save_encoder(mae.encoder, run.dir / ENCODER_FILE, step=step, meta=encoder_meta(run, splits))
-        save_mae(mae, run.dir / MAE_FILE, step=step, meta=encoder_meta(run, splits))
+        meta = encoder_meta(run, splits, pretrained_on)
+        save_encoder(mae.encoder, run.dir / ENCODER_FILE, step=step, meta=meta)
+        save_mae(mae, run.dir / MAE_FILE, step=step, meta=meta)

@@ -176,7 +176,8 @@ def row(run: RunFolder) -> dict[str, Any]:
         "epochs": first(s.get("epochs"), last.get("epoch")),
         "steps": first(s.get("steps"), last.get("step")),
         "wall_time_sec": first(s.get("wall_time_sec"), last_value(run, "time")),
-        "images_per_sec": s.get("images_per_sec"),
+        # A cached probe's (or kNN's) cost is its frozen encoder's rate over the images; RESULTS.md quotes that one, not the head's.
+        "images_per_sec": first(s.get("feature_images_per_sec"), s.get("images_per_sec")),
         "precision": first(s.get("precision"), run_cfg.get("precision")),
         "processes": first(s.get("processes"), meta.get("processes")),
         "final_loss": first(s.get("final_loss"), last_value(run, "loss")),
@@ -184,6 +185,7 @@ def row(run: RunFolder) -> dict[str, Any]:
         "val_top1": first(s.get("final_val_top1"), s.get("val_top1"), val_top1[-1] if val_top1 else None),
         "best_val_top1": first(s.get("best_val_top1"), max(val_top1) if val_top1 else None),
         "test_top1": first(s.get("final_test_top1"), s.get("test_top1")),
+        "knn_top1": first(s.get("final_knn_top1"), last_value(run, "knn_top1")),
         "dataset": data.get("dataset") or (run.config.get("data") or {}).get("dataset"),
         "train_images": data.get("train"),
         "val_images": data.get("val"),
@@ -231,6 +233,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("val_top1", "val top-1", fmt_percent),
     ("best_val_top1", "best val top-1", fmt_percent),
     ("test_top1", "test top-1", fmt_percent),
+    ("knn_top1", "kNN top-1", fmt_percent),
 ]
 
 
@@ -301,6 +304,8 @@ FIGURES = [  # file stem, title in report.md
     ("loss_by_time", "Loss against training time"),
     ("accuracy_by_step", "Validation accuracy against step"),
     ("accuracy_by_time", "Validation accuracy against training time"),
+    ("knn_by_step", "kNN top-1 of the encoder during pretraining, against step"),
+    ("knn_by_time", "kNN top-1 of the encoder during pretraining, against training time"),
     ("lr_by_step", "Learning rate against step"),
     ("lr_by_time", "Learning rate against training time"),
     ("final_accuracy", "Final accuracy"),
@@ -314,11 +319,14 @@ def make_figures(runs: list[RunFolder], rows: list[dict[str, Any]], out: Path) -
     figures: dict[str, Path | None] = {}
     losses = loss_panels(runs)
     accuracy = {r.name: series(r, "val_top1") for r in runs}
+    knn = {r.name: series(r, "knn_top1") for r in runs}
     lr = {r.name: series(r, "lr") for r in runs}
     for axis in ("step", "time"):
         figures[f"loss_by_{axis}"] = plots.plot_loss(losses, axis, out / f"loss_by_{axis}.png", colour)
         figures[f"accuracy_by_{axis}"] = plots.plot_curves(accuracy, axis, out / f"accuracy_by_{axis}.png", colour,
                                                            "val top-1 (%)", "validation top-1 accuracy", percent=True)  # fmt: skip
+        figures[f"knn_by_{axis}"] = plots.plot_curves(knn, axis, out / f"knn_by_{axis}.png", colour, "val kNN top-1 (%)",
+                                                      "pretraining: weighted kNN top-1 on val images", percent=True)  # fmt: skip
         figures[f"lr_by_{axis}"] = plots.plot_curves(lr, axis, out / f"lr_by_{axis}.png", colour,
                                                      "learning rate", "learning rate (log scale)", log=True)  # fmt: skip
     figures["final_accuracy"] = plots.plot_final_accuracy(rows, out / "final_accuracy.png")

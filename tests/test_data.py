@@ -497,3 +497,60 @@ def test_corrupt_idx_file(tmp_path, mnist_root):
     with pytest.raises(DataError) as e:
         load_splits(cfg_for(tmp_path, dataset="mnist", root=str(mnist_root.root)))
     assert_one_line_naming(e, bad, "expected")
+
+
+# --------------------------------------------------------------------------- split bookkeeping and safe unpickling
+
+
+def test_val_size_not_divisible_by_the_classes_is_spread_not_lost(tmp_path, cifar10_folder):
+    s = load_splits(cfg_for(tmp_path, dataset="cifar10", root=str(cifar10_folder.root), val_size=23))
+    assert (len(s.val), len(s.train)) == (23, 27)
+    assert sorted(torch.bincount(s.val.labels, minlength=10).tolist()) == [2] * 7 + [3] * 3
+    divisible = load_splits(cfg_for(tmp_path, dataset="cifar10", root=str(cifar10_folder.root), val_size=20))
+    assert torch.bincount(divisible.val.labels, minlength=10).tolist() == [2] * 10
+
+
+def test_splits_know_their_positions_in_the_source_and_its_fingerprint(tmp_path, cifar10_folder, imagefolder_tree, imagefolder_tar):
+    s = load_splits(cfg_for(tmp_path, dataset="cifar10", root=str(cifar10_folder.root), val_size=10, train_fraction=0.5))
+    source = s.source
+    assert source.size == 50 and source.val.shape == (10,) and source.train.shape == (len(s.train),)
+    assert not set(source.val.tolist()) & set(source.train.tolist())
+    original = torch.from_numpy(cifar10_folder.train_images)
+    assert torch.equal(original[source.train], s.train.images) and torch.equal(original[source.val], s.val.images)
+    # The fingerprint is the content's: the same images read from a tree or an archive agree, other data does not.
+    tree = load_splits(cfg_for(tmp_path, dataset="imagefolder", root=str(imagefolder_tree.root)))
+    tar = load_splits(cfg_for(tmp_path, dataset="imagefolder", root=str(imagefolder_tar.path)))
+    assert tree.source.fingerprint == tar.source.fingerprint != source.fingerprint
+    other_split = load_splits(cfg_for(tmp_path, dataset="cifar10", root=str(cifar10_folder.root), val_size=20))
+    assert other_split.source.fingerprint == source.fingerprint
+
+
+class _CallsAFunction:
+    """Pickles as a call of os.makedirs(marker): what a crafted data_batch_1 could do instead."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.makedirs, (self.marker,)
+
+
+def test_a_cifar_pickle_that_calls_a_function_is_refused_without_running_it(tmp_path, cifar10_folder):
+    import pickle
+
+    marker = tmp_path / "the_payload_ran"
+    batch = {"labels": [0] * 10, "data": cifar10_folder.train_images[:10].reshape(10, 3072), "extra": _CallsAFunction(marker)}
+    (cifar10_folder.folder / "data_batch_1").write_bytes(pickle.dumps(batch))
+    with pytest.raises(DataError) as e:
+        load_splits(cfg_for(tmp_path, dataset="cifar10", root=str(cifar10_folder.root)))
+    assert not marker.exists()
+    assert_one_line_naming(e, cifar10_folder.folder / "data_batch_1", "refused", "os.makedirs")
+    # What the official files hold (numpy arrays and dtypes, lists, dicts, bytes, strings, numbers) still loads, any protocol.
+    for protocol in (2, 4, 5):
+        batch = {b"labels": [1] * 10, "data": cifar10_folder.train_images[:10].reshape(10, 3072), "batch_label": b"x", "n": np.int64(3)}
+        (cifar10_folder.folder / "data_batch_1").write_bytes(pickle.dumps(batch, protocol=protocol))
+        s = load_splits(cfg_for(tmp_path, dataset="cifar10", root=str(cifar10_folder.root)))
+        assert torch.equal(s.train.images[:10], torch.from_numpy(cifar10_folder.train_images[:10]))
+        assert s.train.labels[:10].tolist() == [1] * 10

@@ -107,6 +107,9 @@ def test_cached_and_uncached_probes_agree_and_encoder_stays_frozen(mae_run, tmp_
     cached = probe(tmp_path, "cached", mae_run, True)
     uncached = probe(tmp_path, "uncached", mae_run, False)
     assert cached["cached_features"] and not uncached["cached_features"]
+    # A cached probe has two rates, named for what they count; an uncached one has the one.
+    assert cached["feature_images_per_sec"] > 0 and cached["head_images_per_sec"] > 0 and "images_per_sec" not in cached
+    assert uncached["images_per_sec"] > 0 and "feature_images_per_sec" not in uncached
     assert cached["final_val_top1"] == uncached["final_val_top1"]
     assert cached["final_test_top1"] == uncached["final_test_top1"]
     a, _ = load_classifier(tmp_path / "runs" / "cached")
@@ -225,3 +228,33 @@ def test_patch_dropout_where_it_cannot_apply_is_a_one_line_error(tmp_path, capsy
     assert finetune(overrides) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: finetune.patch_keep")
+
+
+def test_cached_features_are_extracted_in_eval_mode_even_with_dropout_and_drop_path():
+    from vit.model import create_model
+    from finetune.features import extract_features
+    from vit.augment import BatchLoader
+    from vit.data import make_synthetic
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    encoder = create_model("vit_cifar_tiny", embed_dim=32, depth=2, num_heads=2, patch_size=8, num_classes=0,
+                           drop_rate=0.3, drop_path_rate=0.5)  # fmt: skip
+    probe = LinearProbe(encoder, num_classes=10)  # freshly built: in training mode, as the cached probe gets it
+    assert probe.training and probe.encoder.training
+    images = make_synthetic(64, 0)["train"]
+    loader = BatchLoader(images, 16, train=False, device="cpu", mean=(0.5,) * 3, std=(0.5,) * 3, out_size=32)
+    acc = Accelerator(cpu=True)
+    first, labels = extract_features(probe, loader, acc, len(images))
+    second, _ = extract_features(probe, loader, acc, len(images))
+    probe.eval()
+    reference = torch.cat([probe.features(x) for x, _ in loader.epoch(0)])
+    assert torch.equal(first, second) and torch.equal(first, reference) and torch.equal(labels, images.labels)
+
+
+def test_mae_fine_tuning_starts_from_a_head_near_zero(mae_run, tmp_path):
+    cfg = load_config(FinetuneConfig, None, tiny_overrides(tmp_path) + [f"finetune.init={mae_run}"])
+    head = build_classifier(cfg, num_classes=10).model.head
+    assert 1e-5 < head.weight.std().item() < 4e-5 and not head.bias.any()  # std 2e-5, as MAE initialises it
+    scratch = build_classifier(load_config(FinetuneConfig, None, tiny_overrides(tmp_path)), num_classes=10).model.head
+    assert scratch.weight.std().item() > 0.05  # a scratch model keeps its own initialisation

@@ -133,7 +133,7 @@ def test_short_run_lowers_loss_and_leaves_a_complete_run_folder(tmp_path):
     rebuilt = mae_from_checkpoint(run_dir)
     x = torch.randn(4, 3, 32, 32)
     mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
-    assert torch.equal(reconstruct(rebuilt, x, mean, std, seed=1), reconstruct(trained, x, mean, std, seed=1))
+    assert torch.equal(reconstruct(rebuilt, x, mean, std, seed=1)[0], reconstruct(trained, x, mean, std, seed=1)[0])
 
 
 def test_mae_checkpoint_holds_plain_tensors_and_its_configs_and_refuses_other_files(tmp_path):
@@ -148,7 +148,7 @@ def test_mae_checkpoint_holds_plain_tensors_and_its_configs_and_refuses_other_fi
     assert rebuilt.mask_ratio == 0.6 and rebuilt.norm_pix_loss
     x = torch.randn(2, 3, 32, 32)
     mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
-    assert torch.equal(reconstruct(rebuilt, x, mean, std, seed=2), reconstruct(mae, x, mean, std, seed=2))
+    assert torch.equal(reconstruct(rebuilt, x, mean, std, seed=2)[0], reconstruct(mae, x, mean, std, seed=2)[0])
     save_encoder(mae.encoder, tmp_path / "encoder.pt")
     with pytest.raises(CheckpointError, match=r"encoder.pt is not a masked autoencoder checkpoint \(expected format 'vit-mae/1'\)"):
         mae_from_checkpoint(tmp_path / "encoder.pt")
@@ -271,3 +271,30 @@ def test_training_mode_predicts_masked_patches_exactly_as_eval_mode():
     torch.testing.assert_close(pred_train[m], pred_eval[m], rtol=1e-5, atol=1e-5)
     assert torch.all(pred_train[~m] == 0)  # visible patches are not predicted in training
     torch.testing.assert_close(loss_train, loss_eval, rtol=1e-5, atol=1e-6)
+
+
+def test_pretraining_decays_cls_and_mask_tokens_as_the_paper_does():
+    from vit.engine import param_groups
+
+    mae = tiny_mae(norm_pix_loss=True)
+    decay = {id(p) for g in param_groups(mae, weight_decay=0.05) if g["weight_decay"] > 0 for p in g["params"]}
+    assert id(mae.encoder.cls_token) in decay and id(mae.mask_token) in decay
+    assert id(mae.encoder.blocks[0].norm1.weight) not in decay and id(mae.decoder_embed.bias) not in decay
+
+
+def test_reconstruction_figure_labels_the_true_statistics_and_its_raw_row_uses_no_hidden_pixel():
+    from pretrain.figures import reconstruct
+
+    torch.manual_seed(0)
+    mae = tiny_mae(norm_pix_loss=True)
+    x = torch.randn(2, 3, 32, 32)
+    rows, labels = reconstruct(mae, x, (0.5,) * 3, (0.25,) * 3, seed=1)
+    assert rows.shape[:2] == (5, 2) and "TRUE mean and variance" in labels[2] and labels[4].startswith("raw output")
+    _, _, mask = mae(x, generator=torch.Generator().manual_seed(1))
+    hidden = torch.nn.functional.interpolate(mask.view(2, 1, 4, 4), scale_factor=8) > 0  # (B, 1, 32, 32): pixels of masked patches
+    changed = torch.where(hidden, x + 3.0 * torch.randn_like(x), x)  # new content in the hidden patches only
+    rows2, _ = reconstruct(mae, changed, (0.5,) * 3, (0.25,) * 3, seed=1)
+    torch.testing.assert_close(rows2[4], rows[4])  # the raw output cannot see the hidden patches
+    assert not torch.allclose(rows2[2], rows[2])  # the reconstruction row borrows their statistics
+    plain, plain_labels = reconstruct(tiny_mae(norm_pix_loss=False), x, (0.5,) * 3, (0.25,) * 3)
+    assert plain.shape[0] == 4 and plain_labels[2] == "reconstruction"

@@ -54,7 +54,7 @@ def fake_runs(tmp_path) -> Path:
                "images_per_sec": 812.34, "model": "vit_cifar_tiny", "processes": 2, "precision": "bf16", "seed": 3,
                "data": {"dataset": "cifar10", "train": 45000, "val": 5000, "test": 10000}},
               [{"step": s, "epoch": s / 20, "lr": 1e-4 * s, "loss": 1.0 - s / 100, "images_per_sec": 800.0, "time": 3.0 * s} for s in range(1, 41)]
-              + [{"step": 40, "epoch": 2, "val_loss": 0.65}],
+              + [{"step": 20, "epoch": 1, "val_loss": 0.7, "knn_top1": 0.3}, {"step": 40, "epoch": 2, "val_loss": 0.65, "knn_top1": 0.35}],
               config={"model": {"name": "vit_cifar_tiny", "depth": 3}})  # fmt: skip
     write_run(root, "ft", {"stage": "finetune", "job_type": "finetune", "parent": str(root / "mae"), "processes": 1},
               {"stage": "finetune", "mode": "full", "job_type": "finetune", "init": str(root / "mae" / "encoder.pt"), "parent": str(root / "mae"),
@@ -92,7 +92,7 @@ def test_table_lists_every_run_with_its_numbers_and_unfinished_runs_as_such(fake
     assert lines[0].startswith("| run | stage | init (parent) | model |") and len(lines) == 2 + 3
     row_of = {line.split(" | ")[0].strip("| "): line for line in lines[2:]}
     assert set(row_of) == {"mae", "ft", "probe (unfinished)"}
-    assert "| 2m 05s | 812 | bf16 | 2 | 0.6123 | 0.6500 | - | - | - |" in row_of["mae"]
+    assert "| 2m 05s | 812 | bf16 | 2 | 0.6123 | 0.6500 | - | - | - | 35.0% |" in row_of["mae"]
     assert "| 1h 06m | 90 | no | 1 |" in row_of["ft"] and "| 80.0% | 81.2% | 79.0% |" in row_of["ft"]
 
     with open(tmp_path / "out" / "runs.csv") as f:
@@ -101,6 +101,14 @@ def test_table_lists_every_run_with_its_numbers_and_unfinished_runs_as_such(fake
         float(table["ft"]["best_val_top1"]) == 0.8125 and table["mae"]["seed"] == "3" and table["probe"]["status"].startswith("unfinished")
     )
     assert table["mae"]["command"] == "pretrain --config a.yaml" and table["mae"]["train_images"] == "45000"
+
+
+def test_a_cached_probe_shows_its_feature_rate_the_one_results_quotes(tmp_path):
+    write_run(tmp_path / "runs", "probe", {"stage": "finetune", "job_type": "linprobe"},
+              {"stage": "finetune", "job_type": "linprobe", "cached_features": True, "feature_images_per_sec": 344.4,
+               "head_images_per_sec": 912345.0, "final_val_top1": 0.46}, [])  # fmt: skip
+    result = compare_runs.compare([str(tmp_path / "runs")])
+    assert result["rows"][0]["images_per_sec"] == 344.4 and "| 344 |" in result["table"]
 
 
 @pytest.mark.slow
@@ -342,8 +350,8 @@ def test_visualize_on_a_pretraining_encoder_writes_every_figure_without_resume_s
     assert visualize.main(["--checkpoint", str(run / "encoder.pt"), "--out", str(figures), "--num-images", "4"]) == 0
     stdout = capsys.readouterr().out
     assert "4 images of the synthetic val split" in stdout and "skipped" not in stdout
-    # 4 rows (views) x 4 images of 64 px (32 px at 2x) with 2 px padding.
-    assert png_size(figures / "reconstruction.png") == (4 * 66 + 2, 4 * 66 + 2)
+    # The MAE came back from mae.pt: 5 labelled rows (views, norm_pix_loss) of 4 images, 100 dpi.
+    assert png_size(figures / "reconstruction.png") == (round(100 * (2.4 + 0.75 * 4)), round(100 * 0.85 * 5))
     for name in ("attention_heads", "attention_rollout", "pos_embed_similarity", "patch_grid", "sincos_table"):
         w, h = png_size(figures / f"{name}.png")
         assert w > 100 and h > 100, name

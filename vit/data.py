@@ -102,6 +102,16 @@ class ImageSet:
 
 
 @dataclass
+class SourceIndex:
+    """Where `Splits.train` and `Splits.val` sit in the source's training split, and a hash of that split's content."""
+
+    fingerprint: str  # `fingerprint(source training split)`: the same images and labels give the same string, wherever they are read from
+    size: int  # images in the source's training split
+    train: torch.Tensor  # (len(Splits.train),) int64 positions
+    val: torch.Tensor | None  # (len(Splits.val),) int64 positions; None when val is a folder of its own
+
+
+@dataclass
 class Splits:
     name: str
     train: ImageSet
@@ -109,6 +119,7 @@ class Splits:
     test: ImageSet | None  # None when the source has no test split
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    source: SourceIndex | None = None
 
     def describe(self) -> dict[str, Any]:
         """Split sizes for summary.json: {"dataset", "train", "val", "test" (int or None), "num_classes", "image_size"}."""
@@ -142,12 +153,24 @@ def load_splits(cfg: DataConfig) -> Splits:
     mean, std = NORMALIZATION[name]
 
     train, val = raw["train"], raw.get("val")
+    source = SourceIndex(fingerprint(train), len(train), torch.arange(len(train)), None)
     if val is None:
         val_index, train_index = carve_val(train.labels, train.classes, cfg.val_size, cfg.split_seed)
         train, val = train.subset(train_index), train.subset(val_index)
+        source.train, source.val = train_index, val_index
     if cfg.train_fraction < 1.0:
-        train = train.subset(stratified_subset(train.labels, len(train.classes), cfg.train_fraction, cfg.split_seed))
-    return Splits(name, train, val, raw.get("test"), mean, std)
+        keep = stratified_subset(train.labels, len(train.classes), cfg.train_fraction, cfg.split_seed)
+        train, source.train = train.subset(keep), source.train[keep]
+    return Splits(name, train, val, raw.get("test"), mean, std, source)
+
+
+def fingerprint(images: ImageSet) -> str:
+    """A hash of the images, labels and class names: it tells whether two runs read the same data, from any path or format."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(list(images.classes)).encode())
+    digest.update(images.labels.numpy().tobytes())
+    digest.update(memoryview(images.images.contiguous().numpy()).cast("B"))
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- splits
@@ -163,7 +186,8 @@ def seeded_generator(purpose: str, *parts: int) -> torch.Generator:
 def carve_val(labels: torch.Tensor, classes: list[str], val_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Class-balanced validation indices: labels (N,) -> (val_index (K,), train_index (N-K,)), both sorted.
 
-    `val_size // num_classes` images of every class, chosen by a generator seeded with `seed`;
+    `val_size // num_classes` images of every class, and one more of each of the first `val_size % num_classes`
+    classes, so the split holds exactly `val_size`; chosen by a generator seeded with `seed`;
     every class keeps at least one training image.
     """
     if val_size == 0:
@@ -172,14 +196,15 @@ def carve_val(labels: torch.Tensor, classes: list[str], val_size: int, seed: int
     per_class = val_size // num_classes
     if per_class == 0:
         raise DataError(f"data.val_size={val_size} is smaller than the {num_classes} classes; a balanced split needs one per class")
+    counts = [per_class + (c < val_size % num_classes) for c in range(num_classes)]
     generator = seeded_generator("val", seed)
     picked = []
     for c in range(num_classes):
         members = (labels == c).nonzero().flatten()
-        if members.shape[0] <= per_class:
-            have, want = members.shape[0], per_class + 1
-            raise DataError(f"class {classes[c]!r} has {have} training images; data.val_size={val_size} needs {want} per class")
-        picked.append(members[torch.randperm(members.shape[0], generator=generator)[:per_class]])
+        if members.shape[0] <= counts[c]:
+            have, want = members.shape[0], counts[c] + 1
+            raise DataError(f"class {classes[c]!r} has {have} training images; data.val_size={val_size} needs {want} of it")
+        picked.append(members[torch.randperm(members.shape[0], generator=generator)[:counts[c]]])
     val_index = torch.cat(picked).sort().values
     keep = torch.ones(labels.shape[0], dtype=torch.bool)
     keep[val_index] = False
@@ -314,12 +339,38 @@ def _read_cifar_pickles(folder: Path, spec: _CifarSpec) -> dict[str, ImageSet]:
     return result
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles only what the official CIFAR files hold: dicts, lists, strings, bytes, numbers and numpy arrays.
+
+    A plain `pickle.load` calls any function a file names, so a crafted `data_batch_1` would run code
+    as soon as `data.root` points at it. Only numpy's array and dtype rebuilders (under numpy 1 and 2
+    module names) and `_codecs.encode` (how Python 3 writes bytes into protocol-2 pickles) may be named.
+    """
+
+    ALLOWED = {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray") for n in ("_reconstruct", "scalar")} | {
+        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+    }  # fmt: skip
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise _ForbiddenGlobal(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    pass
+
+
 def _unpickle(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise DataError(f"{path} is missing from the CIFAR folder {path.parent}")
     try:
         with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="latin1")  # latin1: the official files are Python 2 pickles of numpy arrays
+            entry = _CifarUnpickler(f, encoding="latin1").load()  # latin1: the official files are Python 2 pickles of numpy arrays
+    except _ForbiddenGlobal as e:
+        raise DataError(f"{path} is refused: it asks to call {e}, which no CIFAR file does "
+                        "(they hold only numpy arrays, lists, dicts, strings and numbers)") from None
     except Exception as e:  # any unpickling failure means a damaged file
         raise DataError(f"{path} is not a readable CIFAR pickle ({type(e).__name__}: {e})") from None
     if not isinstance(entry, dict):

@@ -660,8 +660,9 @@ class TrainLoop:
                 self.window.add(k, v.detach().float() / accum)
         p.batch += accum
         step_loss = loss_sum / accum
-        if not torch.isfinite(step_loss):
-            self.skip_non_finite(step_loss)
+        bad_loss = _non_finite_on_any_rank(acc, step_loss)
+        if bad_loss is not None:
+            self.skip_non_finite(bad_loss)
             return False
         clip = self.run.cfg.optim.clip_grad
         if clip is not None:
@@ -704,14 +705,14 @@ class TrainLoop:
         self.run.print(f"budget: {budget.minutes:g} min -> {steps} steps ({steps / spec.steps_per_epoch:.2f} epochs) at {seconds_per_step:.3f} s/step "
                        f"measured over {plan.measured_steps} steps, {elapsed:.0f} s spent, evaluations ~{eval_s:.0f} s each + {final_s:.0f} s at the end")
 
-    def skip_non_finite(self, loss: torch.Tensor) -> None:
+    def skip_non_finite(self, loss: float) -> None:
         """Drop the step's gradients; stop the run once more than `run.nan_skip_budget` steps were skipped."""
         run, p, budget = self.run, self.progress, self.run.cfg.run.nan_skip_budget
         self.optimizer.zero_grad(set_to_none=True)
         p.nan_skips += 1
         where = f"step {p.step}, lr {self.lr:.3g}, precision {run.cfg.run.precision}, loss {run.stage}"
         if p.nan_skips > budget:
-            raise NonFiniteLoss(f"non-finite loss ({loss.item()}) at {where}; the last good resume state is kept in {run.dir / STATE_DIR}")
+            raise NonFiniteLoss(f"non-finite loss ({loss}) at {where}; the last good resume state is kept in {run.dir / STATE_DIR}")
         run.warn(f"non-finite loss at {where}; step skipped ({p.nan_skips}/{budget})")
 
     def log_step(self) -> None:
@@ -768,6 +769,22 @@ class TrainLoop:
         if not is_complete_state(state_path(self.run.dir, p.step)):
             save_state(self.run, p)
         return p
+
+
+def _non_finite_on_any_rank(acc, loss: torch.Tensor) -> float | None:
+    """The first non-finite loss of any rank (the same on every rank), else None: all ranks skip or stop together,
+    where a per-rank decision would let one rank step while another skips, and desynchronise them."""
+    losses = acc.gather(loss.detach().float().reshape(1)) if acc.num_processes > 1 else loss.detach().reshape(1)
+    bad = losses[~torch.isfinite(losses)]
+    return bad[0].item() if bad.numel() else None
+
+
+def _non_finite_on_any_rank(acc, loss: torch.Tensor) -> float | None:
+    """The first non-finite loss of any rank (the same on every rank), else None: all ranks skip or stop together,
+    where a per-rank decision would let one rank step while another skips, and desynchronise them."""
+    losses = acc.gather(loss.detach().float().reshape(1)) if acc.num_processes > 1 else loss.detach().reshape(1)
+    bad = losses[~torch.isfinite(losses)]
+    return bad[0].item() if bad.numel() else None
 
 
 def _any_rank(acc, flag: bool) -> bool:

@@ -89,7 +89,7 @@ def encoder_export(path: str | Path) -> Export:
         raise CheckpointError(f"{path} holds a classifier; export it with python -m finetune.export {path} --out DIR")
     payload = read_encoder(path)
     model = encoder_from_checkpoint(path).eval()
-    run_dir = path if path.is_dir() else path.parent if (path.parent / "config.yaml").is_file() else None
+    run_dir = path if path.is_dir() else path.parent if (path.parent / CONFIG_FILE).is_file() else None
     data = payload.get("meta", {}).get("data") or {}
     dataset = data.get("dataset") or (read_run_file(run_dir, CONFIG_FILE).get("data") or {}).get("dataset")
     if "mean" in data:

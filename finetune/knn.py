@@ -1,0 +1,61 @@
+"""`finetune.mode=knn`: weighted kNN classification on frozen features (Wu et al. 2018, as DINO evaluates), no training.
+
+The encoder's pooled features of the training split are the memory bank; val and test are
+classified by the vote of their `finetune.knn_k` nearest bank features. Nothing is trained, so
+the stage takes the time of one pass of the encoder over the images.
+"""
+
+from __future__ import annotations
+
+import time
+
+from finetune.config import FinetuneConfig
+from finetune.models import Built
+from vit.augment import BatchLoader
+from vit.data import Splits
+from vit.engine import Run
+from vit.knn import encode, knn_accuracy
+
+
+def run_knn(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built, parent: str | None) -> int:
+    """Classify val and test against the training features; writes summary.json like a probe's (val/test top-1, top-5)."""
+    acc, ft = run.accelerator, cfg.finetune
+    encoder = built.model.to(acc.device).encoder  # the LinearProbe's frozen encoder; its head is not used
+    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=built.encoder_config["img_size"],
+                  rank=acc.process_index, world_size=acc.num_processes)  # fmt: skip
+    started = time.perf_counter()
+    bank, bank_labels = encode(encoder, BatchLoader(splits.train, cfg.optim.batch_size, train=False, **common), acc, ft.probe_pool,
+                               total=len(splits.train))  # fmt: skip
+    queries = {}
+    for split, data in (("val", splits.val), ("test", splits.test)):
+        if data is not None and len(data):
+            queries[split] = encode(encoder, BatchLoader(data, cfg.optim.batch_size, train=False, **common), acc, ft.probe_pool)
+    feature_time = time.perf_counter() - started
+    num_classes = len(splits.train.classes)
+    results = {split: knn_accuracy(bank, bank_labels, f, y, num_classes, ft.knn_k, ft.knn_temperature, acc)
+               for split, (f, y) in queries.items()}  # fmt: skip
+    wall_time = time.perf_counter() - started
+    images = len(splits.train) + sum(r["count"] for r in results.values())
+    flat = {f"{split}_{key}": r[key] for split, r in results.items() for key in ("top1", "top5")}
+    run.finish({
+        "mode": "knn",
+        "job_type": run.job_type,
+        "init": ft.init,
+        "parent": parent,
+        "model": cfg.model.name,
+        "arch": built.arch,
+        "knn": {"k": ft.knn_k, "temperature": ft.knn_temperature, "pool": ft.probe_pool, "bank": bank.shape[0]},
+        "wall_time_sec": round(wall_time, 2),
+        "feature_time_sec": round(feature_time, 2),
+        "images_per_sec": round(images / max(feature_time, 1e-9), 1),
+        "feature_images_per_sec": round(images / max(feature_time, 1e-9), 1),
+        "final_val_top1": flat.get("val_top1"),
+        "final_test_top1": flat.get("test_top1"),
+        "data": splits.describe(),
+        "test_split": splits.test is not None,
+        **flat,
+    })  # fmt: skip
+    lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()] or ["no val or test split to classify"]
+    run.print(f"knn (k {ft.knn_k}, T {ft.knn_temperature}, bank {bank.shape[0]}): " + ", ".join(lines)
+              + f" in {wall_time:.1f}s ({feature_time:.1f}s of features) -> {run.dir}")  # fmt: skip
+    return 0

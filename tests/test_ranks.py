@@ -1,0 +1,80 @@
+"""Two CPU processes must behave as one: the same encoder, the same decisions, the same evaluation on every rank."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from finetune.train import main as finetune
+from helpers import ROOT, free_port, reset_accelerate, tiny_overrides
+
+
+def launch(target: list[str], args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """`accelerate launch` of two gloo CPU processes; target is ["-m", module] or [script]."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), *target, *args]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def summary(tmp_path: Path, name: str) -> dict:
+    return json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+
+
+def test_random_encoder_cached_probe_is_one_encoder_and_evaluates_like_its_saved_classifier(tmp_path):
+    # A random encoder: before the fix each rank built its own from its own seed, and nothing synchronised them.
+    probe = tiny_overrides(tmp_path, name="probe", **{"schedule.epochs": 2}) + [
+        "finetune.mode=linear", "finetune.init=scratch", "optim.name=sgd", "optim.lr=0.05"]  # fmt: skip
+    out = launch(["-m", "finetune"], probe)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = summary(tmp_path, "probe")
+    assert s["processes"] == 2 and s["cached_features"]
+    assert [r["rank"] for r in s["ranks"]] == [0, 1] and s["ranks"][0]["param_checksum"] == s["ranks"][1]["param_checksum"]
+    # The saved classifier, evaluated by one process, reproduces what the two ranks measured together: the same
+    # encoder on both ranks, and the head's BatchNorm statistics of rank 0 (the saved ones) on both.
+    assert finetune(tiny_overrides(tmp_path, name="again") + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'probe'}"]) == 0
+    e = summary(tmp_path, "again")
+    assert abs(e["val_loss"] - s["val_loss"]) < 1e-5 and e["val_top1"] == s["val_top1"] and e["test_top1"] == s["test_top1"]
+
+
+def test_knn_of_a_random_encoder_is_the_same_on_two_processes_as_on_one(tmp_path):
+    args = ["finetune.mode=knn", "finetune.init=scratch", "finetune.probe_pool=avg"]
+    out = launch(["-m", "finetune"], tiny_overrides(tmp_path, name="two") + args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert finetune(tiny_overrides(tmp_path, name="one") + args) == 0
+    reset_accelerate()
+    two, one = summary(tmp_path, "two"), summary(tmp_path, "one")
+    assert two["processes"] == 2 and one["processes"] == 1
+    keys = ("val_top1", "val_top5", "test_top1", "test_top5")
+    assert {k: two[k] for k in keys} == {k: one[k] for k in keys}
+
+
+NAN_ON_RANK_1 = '''
+import os, sys
+from pretrain.model import MaskedAutoencoder
+from pretrain.train import main
+
+original, calls = MaskedAutoencoder.forward_loss, {"n": 0}
+
+def forward_loss(self, imgs, pred, mask):
+    calls["n"] += 1
+    loss = original(self, imgs, pred, mask)
+    return loss * float("nan") if os.environ["RANK"] == "1" and calls["n"] == 3 else loss
+
+MaskedAutoencoder.forward_loss = forward_loss
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_a_non_finite_loss_on_one_rank_is_skipped_by_both(tmp_path):
+    script = tmp_path / "nan_on_rank_1.py"
+    script.write_text(NAN_ON_RANK_1)
+    args = tiny_overrides(tmp_path, name="nan", **{"schedule.epochs": 1, "optim.batch_size": 16, "run.nan_skip_budget": 1})
+    out = launch([str(script)], args, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("step skipped (1/1)") == 1  # the main process says it once
+    s = summary(tmp_path, "nan")
+    assert s["steps"] == 216 // (16 * 2) - 1  # both ranks skipped the same step
+    checksums = [r["param_checksum"] for r in s["ranks"]]
+    assert checksums[0] == checksums[1] and checksums[0] == checksums[0]  # the same weights, and not NaN

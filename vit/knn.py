@@ -1,0 +1,126 @@
+"""Weighted k-nearest-neighbour evaluation of frozen features (Wu et al. 2018, as DINO evaluates with it).
+
+    bank, bank_labels = encode(encoder, bank_loader, acc, pool="avg", total=len(bank_set))  # (M, D), (M,): every rank, dataset order
+    queries, labels = encode(encoder, query_loader, acc, pool="avg")                         # this rank's shard only
+    result = knn_accuracy(bank, bank_labels, queries, labels, num_classes, k=20, temperature=0.07, accelerator=acc)
+
+Features are L2-normalised; each query's k most cosine-similar bank features vote for their
+labels with weight exp(similarity / temperature). The bank is gathered across ranks in
+dataset order and every rank classifies its own shard of the queries, so the counts, summed
+over ranks, are the same on any number of processes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from vit.augment import eval_shard
+from vit.data import seeded_generator
+
+Pool = Literal["token", "avg"]
+
+
+def pooled(encoder, images: torch.Tensor, pool: Pool) -> torch.Tensor:
+    """images: (B, C, H, W) -> (B, D): the [CLS] token or the mean of the patch tokens of the final-normed features."""
+    tokens = encoder.forward_features(images)  # (B, 1 + N, D)
+    return tokens[:, 1:].mean(1) if pool == "avg" else tokens[:, 0]
+
+
+def gather_shards(accelerator, local: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows of every rank's eval shard (`vit.augment.eval_shard`) concatenated in dataset order, on every rank.
+
+    local: (n_r, ...) this rank's rows -> (total, ...).
+    """
+    world = accelerator.num_processes
+    if world == 1:
+        return local
+    # Shards differ in size by at most one: pad to the largest, gather, trim each back, concatenate in rank order.
+    padded = accelerator.gather(accelerator.pad_across_processes(local, dim=0))
+    width = padded.shape[0] // world
+    parts = []
+    for r in range(world):
+        start, stop = eval_shard(total, r, world)
+        parts.append(padded[r * width : r * width + stop - start])
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def encode(encoder, loader, accelerator, pool: Pool, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pooled features of an eval-mode loader's samples, computed with the encoder in eval mode (no dropout, no drop path).
+
+    -> features (n, D) float32, labels (n,): this rank's shard, or with `total` (the loader's sample count)
+    every sample in dataset order on every rank.
+    """
+    was_training = encoder.training
+    encoder.eval()
+    feats, labels = [], []
+    for images, y in loader.epoch(0):
+        with accelerator.autocast():
+            feats.append(pooled(encoder, images, pool).float())
+        labels.append(y)
+    encoder.train(was_training)
+    device = accelerator.device
+    f = torch.cat(feats) if feats else torch.zeros(0, encoder.embed_dim, device=device)
+    y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=device)
+    if total is None:
+        return f, y
+    return gather_shards(accelerator, f, total), gather_shards(accelerator, y, total)
+
+
+def knn_scores(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, num_classes: int, k: int = 20,
+               temperature: float = 0.07) -> torch.Tensor:  # fmt: skip
+    """Class votes: bank (M, D), bank_labels (M,), queries (Q, D) -> scores (Q, num_classes).
+
+    Each query's k nearest bank features by cosine similarity s vote for their labels with weight exp(s / temperature).
+    """
+    bank = F.normalize(bank.float(), dim=1)
+    queries = F.normalize(queries.float(), dim=1)
+    sim, index = (queries @ bank.T).topk(min(k, bank.shape[0]), dim=1)  # (Q, k)
+    scores = torch.zeros(queries.shape[0], num_classes, device=queries.device)
+    return scores.scatter_add_(1, bank_labels[index], (sim / temperature).exp())
+
+
+def knn_accuracy(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, labels: torch.Tensor, num_classes: int,
+                 k: int = 20, temperature: float = 0.07, accelerator=None, chunk: int = 512) -> dict[str, float]:  # fmt: skip
+    """Top-1 / top-5 of the weighted kNN vote over queries (Q, D) with labels (Q,).
+
+    With `accelerator`, the queries are this rank's shard and the counts are summed over ranks.
+    Returns {"top1", "top5", "count"}.
+    """
+    top1 = top5 = 0
+    for lo in range(0, queries.shape[0], chunk):  # (chunk, M) similarities at a time keeps memory flat
+        scores = knn_scores(bank, bank_labels, queries[lo : lo + chunk], num_classes, k, temperature)
+        ranked = scores.topk(min(5, num_classes), dim=1).indices  # (chunk, 5)
+        y = labels[lo : lo + chunk].unsqueeze(1)
+        top1 += int((ranked[:, :1] == y).sum())
+        top5 += int((ranked == y).any(1).sum())
+    hits = torch.tensor([top1, top5, queries.shape[0]], dtype=torch.float64, device=queries.device)
+    if accelerator is not None and accelerator.num_processes > 1:
+        hits = accelerator.reduce(hits, reduction="sum")
+    count = max(hits[2].item(), 1.0)
+    return {"top1": hits[0].item() / count, "top5": hits[1].item() / count, "count": int(hits[2].item())}
+
+
+def seeded_subset(n: int, size: int, seed: int, purpose: str) -> torch.Tensor:
+    """Sorted indices of a random subset of `size` of n images (all n when size >= n), a pure function of
+    (n, size, seed, purpose): -> (min(n, size),)."""
+    if size >= n:
+        return torch.arange(n)
+    return torch.randperm(n, generator=seeded_generator(purpose, seed))[:size].sort().values
+
+
+def knn_evaluate(encoder, bank_loader, query_loader, accelerator, num_classes: int, *, k: int = 20, temperature: float = 0.07,
+                 pool: Pool = "avg") -> dict[str, float]:  # fmt: skip
+    """kNN accuracy of `encoder` on the queries of `query_loader` against the bank of `bank_loader` (both eval-mode loaders).
+
+    Returns {"top1", "top5", "count", "bank", "seconds"}: seconds of feature extraction and voting on this rank.
+    """
+    started = time.perf_counter()
+    bank, bank_labels = encode(encoder, bank_loader, accelerator, pool, total=len(bank_loader.labels))
+    queries, labels = encode(encoder, query_loader, accelerator, pool)
+    result = knn_accuracy(bank, bank_labels, queries, labels, num_classes, k, temperature, accelerator)
+    return {**result, "bank": bank.shape[0], "seconds": time.perf_counter() - started}

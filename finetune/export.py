@@ -14,7 +14,7 @@ from pathlib import Path
 from finetune.models import classifier_as_vit, load_classifier
 from vit.errors import exit_on_user_error
 from vit.export import Export, cli
-from vit.runs import CONFIG_FILE
+from vit.runs import run_folder_of
 
 
 def classifier_export(source: str | Path) -> Export:
@@ -22,7 +22,7 @@ def classifier_export(source: str | Path) -> Export:
     path = Path(source).expanduser()
     model, payload = load_classifier(path)
     data = payload["data"]
-    run_dir = path if path.is_dir() else path.parent if (path.parent / CONFIG_FILE).is_file() else None
+    run_dir = run_folder_of(path)
     return Export(classifier_as_vit(model, payload), "classifier", list(data["mean"]), list(data["std"]), data.get("dataset"), run_dir,
                   label_names=list(payload["classes"]), step=payload.get("step"), parent=payload.get("parent"))  # fmt: skip
 

@@ -25,10 +25,10 @@ import yaml
 
 from vit import data as vit_data
 from vit.checkpoint import encoder_from_checkpoint, read_encoder
-from vit.errors import CheckpointError, exit_on_user_error
+from vit.errors import CheckpointError, UserError, exit_on_user_error
 from vit.hub import hub_config, push_folder, write_hub_folder
 from vit.model import VisionTransformer, count_parameters
-from vit.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, SUMMARY_FILE
+from vit.runs import CLASSIFIER_FILE, ENCODER_FILE, read_config, read_summary, run_folder_of
 
 # Hub dataset ids, for the card's front matter (the Hub links a model to these).
 HUB_DATASETS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100", "mnist": "ylecun/mnist", "fashionmnist": "zalando-datasets/fashion_mnist"}
@@ -59,24 +59,22 @@ class Export:
     used_by: list[dict[str, Any]] = field(default_factory=list)  # summaries of the runs that started from an encoder
 
 
-def read_run_file(run_dir: Path | None, name: str) -> dict[str, Any]:
-    """config.yaml or summary.json of a run folder as a dict ({} when absent or unreadable: the card then says less)."""
-    path = run_dir / name if run_dir is not None else None
-    if path is None or not path.is_file():
+def read_run_file(run_dir: Path | None, reader: Callable[[Path], dict[str, Any] | None]) -> dict[str, Any]:
+    """`read_config` or `read_summary` of a run folder, {} when absent or damaged: the card then says less."""
+    if run_dir is None:
         return {}
     try:
-        loaded = yaml.safe_load(path.read_text())  # JSON is YAML
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return reader(run_dir) or {}
+    except (UserError, OSError, UnicodeDecodeError):
         return {}
-    return loaded if isinstance(loaded, dict) else {}
 
 
 def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
     """Summaries of the finished run folders beside `run_dir` whose encoder came from it (their `meta.parent`)."""
     found = []
     for other in sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p != run_dir):
-        parent = (read_run_file(other, CONFIG_FILE).get("meta") or {}).get("parent")
-        summary = read_run_file(other, SUMMARY_FILE)
+        parent = (read_run_file(other, read_config).get("meta") or {}).get("parent")
+        summary = read_run_file(other, read_summary)
         if parent and Path(parent).name == run_dir.name and summary:
             found.append({"run": other.name, **summary})
     return found
@@ -89,9 +87,9 @@ def encoder_export(path: str | Path) -> Export:
         raise CheckpointError(f"{path} holds a classifier; export it with python -m finetune.export {path} --out DIR")
     payload = read_encoder(path)
     model = encoder_from_checkpoint(path).eval()
-    run_dir = path if path.is_dir() else path.parent if (path.parent / CONFIG_FILE).is_file() else None
+    run_dir = run_folder_of(path)
     data = payload.get("meta", {}).get("data") or {}
-    dataset = data.get("dataset") or (read_run_file(run_dir, CONFIG_FILE).get("data") or {}).get("dataset")
+    dataset = data.get("dataset") or (read_run_file(run_dir, read_config).get("data") or {}).get("dataset")
     if "mean" in data:
         mean, std = data["mean"], data["std"]
     elif dataset in DATASET_NORM:
@@ -130,7 +128,7 @@ def front_matter(exp: Export, name: str) -> dict[str, Any]:
 def accuracy_runs(exp: Export) -> list[dict[str, Any]]:
     """The summaries whose accuracies the card reports: the classifier's own, or those of the runs that used the encoder."""
     if exp.kind == "classifier":
-        summary = read_run_file(exp.run_dir, SUMMARY_FILE)
+        summary = read_run_file(exp.run_dir, read_summary)
         return [{"run": exp.run_dir.name, **summary}] if summary and exp.run_dir is not None else []
     return exp.used_by
 
@@ -151,7 +149,7 @@ def duration(seconds: Any) -> str:
 
 def training_rows(exp: Export) -> list[tuple[str, str]]:
     """What made the weights, from the run folder's config.yaml and summary.json."""
-    config, summary = read_run_file(exp.run_dir, CONFIG_FILE), read_run_file(exp.run_dir, SUMMARY_FILE)
+    config, summary = read_run_file(exp.run_dir, read_config), read_run_file(exp.run_dir, read_summary)
     optim, schedule, meta = config.get("optim") or {}, config.get("schedule") or {}, config.get("meta") or {}
     data = summary.get("data") or {}
     lr = optim.get("lr") or (f"base_lr {optim['base_lr']} x batch / 256" if "base_lr" in optim else None)

@@ -100,6 +100,14 @@ def is_run_folder(path: Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in RUN_MARKERS)
 
 
+def run_folder_of(path: Path) -> Path | None:
+    """The run folder a checkpoint belongs to: `path` itself when a folder, else the folder beside the file when it holds a run's config."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    return path.parent if (path.parent / CONFIG_FILE).is_file() else None
+
+
 def is_finished(run_dir: Path) -> bool:
     return (Path(run_dir) / SUMMARY_FILE).is_file()
 

@@ -34,108 +34,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import shutil
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from vit.cli import split_overrides
+from vit.pipeline import DATA_ENV, RESERVED, quickstart
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA_ENV = "VIT_DATA"
-RESERVED = ("run.dir", "run.name", "finetune.init")  # quickstart sets these itself: each stage must find the last
-
-
-@dataclass(frozen=True)
-class Stage:
-    title: str
-    module: str  # python -m <module>
-    config: str  # relative to the repository
-    run_name: str
-    fast: tuple[str, ...]  # overrides added by --fast
-    needs_encoder: bool = False  # gets finetune.init=<the pretraining run>
-
-
-FAST_DATA = ("data.train_fraction=0.2", "data.val_size=1000")
-STAGES = (
-    Stage("MAE pretraining", "pretrain", "configs/pretrain/cpu.yaml", "mae", FAST_DATA + ("schedule.epochs=1", "schedule.warmup_epochs=0.2")),
-    Stage(
-        "linear probe",
-        "finetune",
-        "configs/finetune/linprobe_cpu.yaml",
-        "linprobe",
-        FAST_DATA + ("schedule.epochs=10", "schedule.warmup_epochs=1"),
-        needs_encoder=True,
-    ),  # fmt: skip
-    Stage("fine-tuning", "finetune", "configs/finetune/cpu.yaml", "finetune", FAST_DATA + ("schedule.epochs=1", "schedule.warmup_epochs=0.2"), needs_encoder=True),
-)
-
-
-def shown_python() -> str:
-    """`python` where that is the interpreter running us, else its full path (so the printed command is the one run)."""
-    found = shutil.which("python")
-    return "python" if found and Path(found).resolve() == Path(sys.executable).resolve() else sys.executable
-
-
-def shown_path(path: Path) -> str:
-    """`path` relative to the working directory when it lies below it (shorter commands), else absolute."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def budget_overrides(stage: Stage, minutes: float | None, pretrain_share: float) -> list[str]:
-    """`schedule.budget_minutes` for the stages the budget covers: pretraining and fine-tuning."""
-    if minutes is None or stage.run_name not in ("mae", "finetune"):
-        return []
-    share = pretrain_share if stage.run_name == "mae" else 1 - pretrain_share
-    return [f"schedule.budget_minutes={round(minutes * share, 3):g}"]
-
-
-def stage_command(stage: Stage, out: Path, data: str | None, fast: bool, extra: list[str]) -> list[str]:
-    """The argv of one stage: `python -m <module> --config <yaml> data.root=... run.dir=... run.name=... ...`."""
-    argv = [sys.executable, "-m", stage.module, "--config", shown_path(ROOT / stage.config)]
-    argv += [f"data.root={data}"] if data else ["data.download=true"]
-    argv += [f"run.dir={out}", f"run.name={stage.run_name}"]
-    if stage.needs_encoder:
-        argv.append(f"finetune.init={out / STAGES[0].run_name}")  # the run's group comes with its encoder
-    else:
-        argv.append(f"run.group={out.resolve().name}")
-    argv.append("run.resume=auto")
-    if fast:
-        argv += list(stage.fast)
-    return argv + extra
-
-
-def compare_command(out: Path) -> list[str]:
-    report = out / "report"
-    runs = [str(out / s.run_name) for s in STAGES]
-    return [
-        sys.executable,
-        shown_path(ROOT / "scripts" / "compare_runs.py"),
-        *runs,
-        "--out",
-        str(report),
-        "--csv",
-        str(report / "runs.csv"),
-    ]
-
-
-def run_command(argv: list[str]) -> int:
-    """Run one stage in the foreground and return its exit code.
-
-    Ctrl-C reaches the stage too (same process group): the stage saves a resume state and
-    exits, and we wait for it instead of killing it halfway through the save.
-    """
-    process = subprocess.Popen(argv)
-    while True:
-        try:
-            return process.wait()
-        except KeyboardInterrupt:
-            continue
+REPORT_SCRIPT = Path(__file__).resolve().with_name("compare_runs.py")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -170,25 +75,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
     data = args.data or os.environ.get(DATA_ENV) or None
-    if data is None and not any(o.startswith(("data.root=", "data.dataset=")) for o in extra):
-        print(f"quickstart: no --data and no ${DATA_ENV}: the stages download CIFAR-10 into data.cache_dir if it is not there yet")
-    out = args.out
-    commands = [(s.title, stage_command(s, out, data, args.fast, budget_overrides(s, args.budget_minutes, args.pretrain_share) + extra))
-                for s in STAGES]  # fmt: skip
-    commands.append(("comparison report", compare_command(out)))
-    for i, (title, command) in enumerate(commands, 1):
-        print(f"\n[{i}/{len(commands)}] {title}\n$ {shlex.join([shown_python(), *command[1:]])}", flush=True)
-        code = run_command(command)
-        if code != 0:
-            hint = "rerun the same command to resume it" if code in (130, 143) else "its message is above"
-            print(f"quickstart: stopped: the {title} stage exited with code {code} ({hint})", file=sys.stderr, flush=True)
-            return code
-    print(f"\nquickstart: done. Report: {out / 'report' / 'report.md'} (figures and runs.csv beside it)")
-    print(f"Look inside the encoder: python scripts/visualize.py --checkpoint {out / STAGES[0].run_name} --out {out / 'figures'}")
-    print(f"Share it: python -m vit.export {out / STAGES[0].run_name} --out {out / 'export'} [--push USER/NAME]")
-    if (out / "wandb").is_dir():
-        print(f"The runs in wandb: browse them with `wandb leet {out / 'wandb'}`, upload them with `wandb sync {out / 'wandb'}`")
-    return 0
+    return quickstart(args.out, data, extra, REPORT_SCRIPT, args.fast, args.budget_minutes, args.pretrain_share)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,9 @@
 """Helpers shared by the tests."""
 
-import importlib.util
 import socket
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    """scripts/ is not a package: load a script from its path."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def free_port() -> int:

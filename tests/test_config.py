@@ -6,10 +6,10 @@ import pytest
 import yaml
 
 from finetune.config import FinetuneConfig
-from helpers import load_script
 from pretrain.config import PretrainConfig
 from vit.config import dump_config, load_config
 from vit.errors import ConfigError
+from vit.sweep import read_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,7 @@ def test_every_shipped_config_loads(path):
 
 @pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_job_of_every_shipped_sweep_loads(path):
-    common, jobs = load_script("sweep").read_sweep(path)
+    common, jobs = read_sweep(path)
     for job in jobs:
         cls = PretrainConfig if job.module == "pretrain" else FinetuneConfig
         load_config(cls, ROOT / job.config, common + job.overrides)

@@ -1,5 +1,10 @@
-"""The tools a person runs: scripts/compare_runs.py, scripts/visualize.py (with vit/inspect.py) and scripts/quickstart.py."""
+"""The tools a person runs and the package code behind them: vit/compare.py (scripts/compare_runs.py), pretrain/visualize.py
+with vit/inspect.py (scripts/visualize.py), vit/pipeline.py (scripts/quickstart.py) and vit/sweep.py (scripts/sweep.py).
 
+The package code is tested in this process; a script's own command line (its flags, exit codes and one-line errors)
+is tested by running the script as a person does, `python scripts/<name>.py ...`."""
+
+import ast
 import contextlib
 import csv
 import io
@@ -15,20 +20,25 @@ import yaml
 from PIL import Image
 
 from finetune.train import main as finetune_main
-from helpers import load_script, reset_accelerate, tiny_overrides
+from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain_main
-from vit import plots
+from pretrain.visualize import visualize
+from vit import compare, pipeline, plots
+from vit.errors import ConfigError, UserError
 from vit.inspect import attention_rollout, cls_attention, patch_grid_overlay, pos_embed_similarity, rollout_cls_map
 from vit.model import VisionTransformer
 from vit.pos_embed import sincos_2d
 from vit.runs import read_run
+from vit.sweep import read_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
+REPORT_SCRIPT = ROOT / "scripts" / "compare_runs.py"
 
 
-compare_runs = load_script("compare_runs")
-visualize = load_script("visualize")
-quickstart = load_script("quickstart")
+def run_script(name: str, *args, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python scripts/<name>.py ARGS` from the checkout, as a person runs it."""
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- compare_runs on hand-written run folders
@@ -73,7 +83,7 @@ def fake_runs(tmp_path) -> Path:
 
 
 def test_table_lists_every_run_with_its_numbers_and_unfinished_runs_as_such(fake_runs, tmp_path):
-    result = compare_runs.compare([str(fake_runs)], csv_path=tmp_path / "out" / "runs.csv")
+    result = compare.compare([str(fake_runs)], csv_path=tmp_path / "out" / "runs.csv")
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"mae", "ft", "probe"}
     expected = {
@@ -107,18 +117,18 @@ def test_a_cached_probe_shows_its_feature_rate_the_one_results_quotes(tmp_path):
     write_run(tmp_path / "runs", "probe", {"stage": "finetune", "job_type": "linprobe"},
               {"stage": "finetune", "job_type": "linprobe", "cached_features": True, "feature_images_per_sec": 344.4,
                "head_images_per_sec": 912345.0, "final_val_top1": 0.46}, [])  # fmt: skip
-    result = compare_runs.compare([str(tmp_path / "runs")])
+    result = compare.compare([str(tmp_path / "runs")])
     assert result["rows"][0]["images_per_sec"] == 344.4 and "| 344 |" in result["table"]
 
 
 @pytest.mark.slow
 def test_figures_are_images_of_the_set_size_and_the_report_links_them(fake_runs, tmp_path):
     out = tmp_path / "report"
-    code = compare_runs.main([str(fake_runs / "mae"), str(fake_runs / "ft"), str(fake_runs / "probe"), "--out", str(out)])
-    assert code == 0
+    proc = run_script("compare_runs", fake_runs / "mae", fake_runs / "ft", fake_runs / "probe", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     report = (out / "report.md").read_text()
     size = (int(plots.FIGSIZE[0] * plots.DPI), int(plots.FIGSIZE[1] * plots.DPI))
-    for stem, _ in compare_runs.FIGURES:
+    for stem, _ in compare.FIGURES:
         path = out / f"{stem}.png"
         with Image.open(path) as im:
             assert im.size == size, stem
@@ -144,10 +154,10 @@ def test_accuracy_against_pretraining_length_groups_seeds_and_puts_the_random_pr
     classifier("ft_long", "finetune", str(root / "mae_long"), str(root / "mae_long"), 0.75)
     classifier("probe_random", "linprobe", None, "scratch", 0.30)
     classifier("scratch_vit", "baseline", None, "scratch", 0.70)  # no encoder to place it by: left out
-    runs = compare_runs.load_runs([str(root)])
-    points = compare_runs.pretraining_points(runs, [compare_runs.row(r) for r in runs])
+    runs = compare.load_runs([str(root)])
+    points = compare.pretraining_points(runs, [compare.row(r) for r in runs])
     assert points == {"linprobe": {0.0: [0.30], 10.0: [0.40, 0.50], 30.0: [0.60]}, "finetune": {30.0: [0.75]}}
-    path = compare_runs.compare([str(root)], out=tmp_path / "report")["figures"]["accuracy_vs_pretraining"]
+    path = compare.compare([str(root)], out=tmp_path / "report")["figures"]["accuracy_vs_pretraining"]
     with Image.open(path) as im:
         lo, hi = im.convert("L").getextrema()
         assert hi - lo > 100
@@ -158,22 +168,30 @@ def test_a_resumed_runs_redone_steps_replace_the_first_attempt_and_epoch_lines_g
     metrics += [{"step": s, "loss": 2.0, "time": s + 0.5} for s in (3, 4, 5)] + [{"step": 5, "val_loss": 9.0}]
     write_run(tmp_path, "r", {"stage": "pretrain"}, None, metrics)
     run = read_run(tmp_path / "r")
-    loss = compare_runs.series(run, "loss")
+    loss = compare.series(run, "loss")
     assert loss.steps == [1, 2, 3, 4, 5] and loss.values == [1.0, 1.0, 2.0, 2.0, 2.0] and loss.times == [1.0, 2.0, 3.5, 4.5, 5.5]
-    val = compare_runs.series(run, "val_loss")
+    val = compare.series(run, "val_loss")
     assert (val.steps, val.times, val.values) == ([5], [5.5], [9.0])
 
 
-def test_runs_filter_and_bad_paths(fake_runs, tmp_path, capsys):
-    result = compare_runs.compare([str(fake_runs)], patterns=["m*", "ft"])
+def test_runs_filter_and_bad_paths(fake_runs, tmp_path):
+    result = compare.compare([str(fake_runs)], patterns=["m*", "ft"])
     assert [r["name"] for r in result["rows"]] == ["ft", "mae"]
-    assert compare_runs.main([str(fake_runs), "--runs", "nothing*"]) == 2
-    assert compare_runs.main([str(tmp_path / "missing")]) == 2
-    assert compare_runs.main([str(fake_runs / "notes")]) == 2
-    err = capsys.readouterr().err.splitlines()
-    errors = [line for line in err if line.startswith("error:")]
-    assert len(errors) == 3 and "--runs 'nothing*' matches none of the runs: ft, mae, probe" in errors[0]
+    errors = []
+    for paths, patterns in (([fake_runs], ["nothing*"]), ([tmp_path / "missing"], None), ([fake_runs / "notes"], None)):
+        with pytest.raises(UserError) as e:
+            compare.compare([str(p) for p in paths], patterns=patterns)
+        errors.append(str(e.value))
+    assert all("\n" not in e for e in errors)  # each is one line on the command line
+    assert "--runs 'nothing*' matches none of the runs: ft, mae, probe" in errors[0]
     assert "does not exist" in errors[1] and "no run folders" in errors[2]
+
+
+def test_compare_runs_command_line_says_a_bad_path_in_one_line_with_exit_code_2(fake_runs):
+    proc = run_script("compare_runs", fake_runs / "notes")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "no run folders" in errors[0], proc.stderr
+    assert f"note: {fake_runs / 'notes'} is not a run folder and holds none; skipped" in proc.stderr and proc.stdout == ""
 
 
 # --------------------------------------------------------------------------- vit/inspect.py
@@ -249,7 +267,7 @@ def quickstart_overrides(tmp_path) -> list[str]:
 
 
 def in_process(argv: list[str]) -> int:
-    """quickstart's stage runner, in this process: `python -m pretrain|finetune ...` and `python scripts/compare_runs.py ...`.
+    """quickstart's stage runner with the stages in this process: `python -m pretrain|finetune ...`; the report is the script itself.
 
     Starting three interpreters that each import torch would cost far more than the stages themselves.
     """
@@ -259,8 +277,8 @@ def in_process(argv: list[str]) -> int:
         code = entry(argv[3:])
         reset_accelerate()
         return code
-    assert Path(argv[1]).resolve() == ROOT / "scripts" / "compare_runs.py"
-    return compare_runs.main(argv[2:])
+    assert Path(argv[1]).resolve() == REPORT_SCRIPT
+    return pipeline.run_command(argv)  # `python scripts/compare_runs.py ...`, as printed
 
 
 @pytest.fixture(scope="module")
@@ -268,12 +286,9 @@ def quickstart_out(tmp_path_factory):
     """One quickstart run (pretrain -> linear probe -> fine-tune -> report); returns (out folder, its stdout, exit code)."""
     tmp = tmp_path_factory.mktemp("quickstart")
     out = tmp / "qs"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(quickstart, "run_command", in_process)
-        mp.delenv(quickstart.DATA_ENV, raising=False)
-        buffer = io.StringIO()
-        with contextlib.redirect_stdout(buffer):
-            code = quickstart.main(["--out", str(out), "--", *quickstart_overrides(tmp)])
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = pipeline.quickstart(out, None, quickstart_overrides(tmp), REPORT_SCRIPT, runner=in_process)
     return out, buffer.getvalue(), code
 
 
@@ -308,10 +323,9 @@ def test_quickstart_runs_each_stage_command_in_order_and_writes_the_report(quick
     assert f"Report: {out / 'report' / 'report.md'}" in stdout
 
 
-def test_quickstart_stops_at_the_first_failing_stage_with_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(quickstart, "run_command", in_process)
+def test_quickstart_stops_at_the_first_failing_stage_with_one_line(tmp_path, capsys):
     tiny = [o for o in quickstart_overrides(tmp_path) if not o.startswith("data.dataset=")]  # CIFAR-10 from --data
-    code = quickstart.main(["--data", str(tmp_path / "no_such_folder"), "--out", str(tmp_path / "qs"), "--", *tiny])
+    code = pipeline.quickstart(tmp_path / "qs", str(tmp_path / "no_such_folder"), tiny, REPORT_SCRIPT, runner=in_process)
     captured = capsys.readouterr()
     assert code == 2
     assert captured.out.count("\n$ ") == 1  # the linear probe never started
@@ -321,14 +335,13 @@ def test_quickstart_stops_at_the_first_failing_stage_with_one_line(tmp_path, mon
     assert len(stderr) == 2
 
 
-def test_quickstart_refuses_overrides_it_sets_itself(capsys):
-    with pytest.raises(SystemExit) as e:
-        quickstart.parse_args(["--", "run.name=x"])
-    assert e.value.code == 2 and "run.name is set by quickstart" in capsys.readouterr().err
+def test_quickstart_refuses_overrides_it_sets_itself():
+    proc = run_script("quickstart", "--", "run.name=x")
+    assert proc.returncode == 2 and "run.name is set by quickstart" in proc.stderr
 
 
 def test_stage_runner_returns_the_subprocess_exit_code():
-    assert quickstart.run_command([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    assert pipeline.run_command([sys.executable, "-c", "raise SystemExit(3)"]) == 3
 
 
 # --------------------------------------------------------------------------- visualize on the quickstart's runs
@@ -342,13 +355,14 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_visualize_on_a_pretraining_encoder_writes_every_figure_without_resume_states(quickstart_out, tmp_path, capsys):
+def test_visualize_on_a_pretraining_encoder_writes_every_figure_without_resume_states(quickstart_out, tmp_path):
     out, _, _ = quickstart_out
     run = shutil.copytree(out / "mae", tmp_path / "mae")
     shutil.rmtree(run / "states")  # pruned: the whole MAE comes from mae.pt
     figures = tmp_path / "figures"
-    assert visualize.main(["--checkpoint", str(run / "encoder.pt"), "--out", str(figures), "--num-images", "4"]) == 0
-    stdout = capsys.readouterr().out
+    proc = run_script("visualize", "--checkpoint", run / "encoder.pt", "--out", figures, "--num-images", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stdout = proc.stdout
     assert "4 images of the synthetic val split" in stdout and "skipped" not in stdout
     # The MAE came back from mae.pt: 5 labelled rows (views, norm_pix_loss) of 4 images, 100 dpi.
     assert png_size(figures / "reconstruction.png") == (round(100 * (2.4 + 0.75 * 4)), round(100 * 0.85 * 5))
@@ -358,42 +372,46 @@ def test_visualize_on_a_pretraining_encoder_writes_every_figure_without_resume_s
     # A run pretrained before mae.pt was written: one line says why there is no reconstruction; the other figures follow.
     (run / "mae.pt").unlink()
     older = tmp_path / "figures_older"
-    assert visualize.main(["--checkpoint", str(run), "--out", str(older), "--num-images", "2"]) == 0
-    stdout = capsys.readouterr().out
+    proc = run_script("visualize", "--checkpoint", run, "--out", older, "--num-images", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stdout = proc.stdout
     assert f"reconstruction: skipped (no mae.pt beside {run / 'encoder.pt'}, which holds the encoder alone" in stdout
     assert not (older / "reconstruction.png").exists() and png_size(older / "attention_rollout.png")[0] > 100
 
 
 @pytest.mark.slow
-def test_visualize_on_a_classifier_with_an_image_folder(quickstart_out, tmp_path, capsys):
+def test_visualize_on_a_classifier_with_an_image_folder(quickstart_out, tmp_path):
     out, _, _ = quickstart_out
     folder = tmp_path / "photos"
     folder.mkdir()
     for i in range(3):
         Image.new("RGB", (48, 40), (80 * i, 120, 200)).save(folder / f"p{i}.png")
     figures = tmp_path / "figures"
-    assert visualize.main(["--checkpoint", str(out / "finetune"), "--images", str(folder), "--out", str(figures)]) == 0
-    stdout = capsys.readouterr().out
+    proc = run_script("visualize", "--checkpoint", out / "finetune", "--images", folder, "--out", figures)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stdout = proc.stdout
     assert "classifier" in stdout and f"3 images from {folder}" in stdout
     assert "reconstruction: skipped (" in stdout and not (figures / "reconstruction.png").exists()
     for name in ("attention_heads", "attention_rollout", "pos_embed_similarity", "patch_grid", "sincos_table"):
         assert png_size(figures / f"{name}.png")[0] > 100
 
 
-def test_visualize_refuses_bad_checkpoints_with_one_line(tmp_path, capsys):
+def test_visualize_refuses_bad_checkpoints_with_one_line(tmp_path):
     (tmp_path / "encoder.pt").write_text("not a checkpoint")
     (tmp_path / "empty").mkdir()
     for checkpoint, message in ((tmp_path / "missing.pt", "does not exist"), (tmp_path / "encoder.pt", "is not a readable checkpoint"),
                                 (tmp_path / "empty", "holds neither encoder.pt nor classifier.pt")):  # fmt: skip
-        assert visualize.main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "figures")]) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+        with pytest.raises(UserError) as e:
+            visualize(str(checkpoint), [], tmp_path / "figures")
+        assert "\n" not in str(e.value) and message in str(e.value), e.value
     assert not (tmp_path / "figures").exists()
+    # On the command line: that one line, and exit code 2.
+    proc = run_script("visualize", "--checkpoint", tmp_path / "empty", "--out", tmp_path / "figures")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr
+    assert "holds neither encoder.pt nor classifier.pt" in proc.stderr and not (tmp_path / "figures").exists()
 
 
 # --------------------------------------------------------------------------- sweep.py
-
-sweep = load_script("sweep")
 
 
 def write_sweep(path: Path, jobs: list[dict], common: list[str] | None = None) -> Path:
@@ -402,7 +420,7 @@ def write_sweep(path: Path, jobs: list[dict], common: list[str] | None = None) -
 
 
 @pytest.mark.slow
-def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_keeps_finished_ones(tmp_path, capsys):
+def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_keeps_finished_ones(tmp_path):
     spec = write_sweep(tmp_path / "sweep.yaml", [
         {"name": "pre", "module": "pretrain", "config": "configs/pretrain/cpu.yaml", "overrides": ["schedule.epochs=1"]},
         {"name": "ft", "module": "finetune", "config": "configs/finetune/cpu.yaml", "init": "pre", "overrides": ["schedule.epochs=1"]},
@@ -411,8 +429,9 @@ def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_kee
     ])  # fmt: skip
     tiny = [o for o in tiny_overrides(tmp_path) if not o.startswith(("run.dir=", "run.name=", "schedule.epochs="))]
     out = tmp_path / "sweep"
-    assert sweep.main([str(spec), "--out", str(out), "--parallel", "2", "--", *tiny, "schedule.warmup_epochs=0"]) == 1
-    said = capsys.readouterr().out
+    proc = run_script("sweep", spec, "--out", out, "--parallel", "2", "--", *tiny, "schedule.warmup_epochs=0", timeout=900)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    said = proc.stdout
     assert "sweep: pre: ok" in said and "sweep: ft: ok" in said and "sweep: bad: exit 2" in said
     assert "sweep: after_bad: skipped (bad failed)" in said and "sweep: 2/4 jobs ok" in said
     summary = json.loads((out / "ft" / "summary.json").read_text())
@@ -420,8 +439,9 @@ def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_kee
     assert "optim.weight_decay must be >= 0" in (out / "bad.log").read_text()
     # The same command again keeps the finished jobs and retries the failed one.
     before = (out / "ft" / "summary.json").stat().st_mtime_ns
-    assert sweep.main([str(spec), "--out", str(out), "--", *tiny, "schedule.warmup_epochs=0"]) == 1
-    said = capsys.readouterr().out
+    proc = run_script("sweep", spec, "--out", out, "--", *tiny, "schedule.warmup_epochs=0", timeout=900)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    said = proc.stdout
     assert "sweep: pre: finished earlier, kept" in said and "sweep: ft: finished earlier, kept" in said and "sweep: bad: exit 2" in said
     assert (out / "ft" / "summary.json").stat().st_mtime_ns == before
 
@@ -433,15 +453,40 @@ def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_kee
     ([{"name": "a", "module": "pretrain", "config": "configs/nope.yaml"}], "config 'configs/nope.yaml' is not a file"),
     ([{"name": "a", "module": "pretrain", "config": "configs/pretrain/cpu.yaml", "overrides": ["run.name=x"]}], "run.name is set by the sweep"),
 ])  # fmt: skip
-def test_a_bad_sweep_file_is_one_line_naming_the_job(tmp_path, capsys, jobs, message):
+def test_a_bad_sweep_file_is_one_line_naming_the_job(tmp_path, jobs, message):
     spec = write_sweep(tmp_path / "sweep.yaml", jobs)
-    assert sweep.main([str(spec), "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    with pytest.raises(ConfigError) as e:
+        read_sweep(spec)
+    err = str(e.value).splitlines()
     assert len(err) == 1 and message in err[0] and "jobs[" in err[0]
+
+
+def test_sweep_command_line_says_a_bad_sweep_file_in_one_line_with_exit_code_2_before_starting_anything(tmp_path):
+    spec = write_sweep(tmp_path / "sweep.yaml", [{"name": "a", "module": "pretrain", "config": "configs/nope.yaml"}])
+    proc = run_script("sweep", spec, "--out", tmp_path / "out")
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error: ")
+    assert "jobs[0]: config 'configs/nope.yaml' is not a file" in err[0]
     assert not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------- every script as a person runs it
+
+
+def test_the_library_imports_no_stage_and_no_script():
+    """vit/ sits below the stages and the scripts: no module of it imports pretrain, finetune or scripts, even inside a function."""
+    above = {"pretrain", "finetune", "scripts"}
+    found = []
+    for path in sorted((ROOT / "vit").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]  # `from . import x`: within vit
+            else:
+                continue
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in above]
+    assert found == []
 
 
 @pytest.mark.parametrize("script", ["bench", "compare_runs", "visualize", "quickstart", "sweep"])
@@ -452,12 +497,11 @@ def test_each_script_runs_from_its_file_and_prints_its_help(script):
     assert proc.stdout.startswith("usage: ") and "--help" in proc.stdout
 
 
-def test_quickstart_budget_splits_minutes_between_pretraining_and_fine_tuning(tmp_path, monkeypatch, capsys):
+def test_quickstart_budget_splits_minutes_between_pretraining_and_fine_tuning(tmp_path):
     seen = []
-    monkeypatch.setattr(quickstart, "run_command", lambda argv: seen.append(argv) or 0)
-    assert quickstart.main(["--data", "x", "--out", str(tmp_path), "--budget-minutes", "60", "--pretrain-share", "0.25"]) == 0
+    runner = lambda argv: seen.append(argv) or 0  # noqa: E731
+    assert pipeline.quickstart(tmp_path, "x", [], REPORT_SCRIPT, budget_minutes=60, pretrain_share=0.25, runner=runner) == 0
     budgets = [[a for a in argv if a.startswith("schedule.budget_minutes=")] for argv in seen]
     assert budgets == [["schedule.budget_minutes=15"], [], ["schedule.budget_minutes=45"], []]  # mae, probe, fine-tune, report
-    with pytest.raises(SystemExit):
-        quickstart.main(["--budget-minutes", "60", "--pretrain-share", "1.5"])
-    assert "--pretrain-share must be between 0 and 1" in capsys.readouterr().err
+    proc = run_script("quickstart", "--budget-minutes", "60", "--pretrain-share", "1.5")
+    assert proc.returncode == 2 and "--pretrain-share must be between 0 and 1" in proc.stderr

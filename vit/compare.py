@@ -1,0 +1,395 @@
+"""Comparing runs from their folders alone: table rows, the markdown table, the CSV, the figures and report.md.
+
+    result = compare(["runs/mae", "runs/ft"], out=Path("report"), csv_path=Path("report/runs.csv"))
+    print(result["table"])                           # also result["rows"], ["figures"], ["report"], ["csv"]
+
+Runs are read through `vit.runs` (`RunFolder`: config, summary, metric records; a run without a
+summary is unfinished and shows what its metrics hold so far); figures are drawn by `vit.plots`.
+No tracker, no network. `scripts/compare_runs.py` is its command line.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import fnmatch
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from vit import plots
+from vit.errors import UserError
+from vit.runs import CLASSIFICATION, RUN_MARKERS, RunFolder, is_run_folder, read_run
+
+REPORT_FILE = "report.md"  # in the report folder, beside the figures
+
+
+
+# --------------------------------------------------------------------------- reading run folders
+
+
+def find_runs(paths: list[str]) -> list[Path]:
+    """Run folders named by `paths`: each is a run folder or holds run folders (one level down). Order kept, no repeats."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise UserError(f"{path} does not exist")
+        if is_run_folder(path):
+            candidates = [path]
+        elif path.is_dir():
+            candidates = sorted(p for p in path.iterdir() if is_run_folder(p))
+            if not candidates:
+                print(f"note: {path} is not a run folder and holds none; skipped", file=sys.stderr)
+        else:
+            print(f"note: {path} is not a run folder; skipped", file=sys.stderr)
+            candidates = []
+        for c in candidates:
+            if c.resolve() not in {f.resolve() for f in found}:
+                found.append(c)
+    return found
+
+
+def run_names(paths: list[Path]) -> list[str]:
+    """Folder names, with the parent folder prepended where two runs share a name."""
+    names = [p.name for p in paths]
+    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
+
+
+def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFolder]:
+    """The runs under `paths`, kept where their names match one of `patterns` (all when None)."""
+    folders = find_runs(paths)
+    if not folders:
+        raise UserError(f"no run folders (with {', '.join(RUN_MARKERS)}) under {' '.join(paths)}")
+    runs = [read_run(p, n) for p, n in zip(folders, run_names(folders))]
+    if patterns:
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(r.name, pattern) for r in runs):
+                raise UserError(f"--runs {pattern!r} matches none of the runs: {', '.join(r.name for r in runs)}")
+        runs = [r for r in runs if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)]
+    return runs
+
+
+# --------------------------------------------------------------------------- curves
+
+
+@dataclass
+class Series:
+    steps: list[float]
+    times: list[float | None]
+    values: list[float]
+
+
+def series(run: RunFolder, key: str) -> Series:
+    """One metric over the run: (step, training time, value), sorted by step.
+
+    A resumed run logs the steps after its last state again; the later line wins. Epoch-end
+    lines that carry no time take the time of the latest line at or before their step.
+    """
+    clock: dict[float, float] = {}
+    values: dict[float, float] = {}
+    for rec in run.metrics:
+        step = rec["step"]
+        if isinstance(rec.get("time"), (int, float)):
+            clock[step] = rec["time"]
+        value = rec.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            values[step] = float(value)
+    timed = sorted(clock)
+    steps = sorted(values)
+    times = []
+    for s in steps:
+        i = bisect.bisect_right(timed, s)  # the timed lines at or before this step
+        times.append(clock[timed[i - 1]] if i else None)
+    return Series(steps, times, [values[s] for s in steps])
+
+
+def last_value(run: RunFolder, key: str) -> float | None:
+    s = series(run, key)
+    return s.values[-1] if s.values else None
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def short_run(ref: str | None) -> str | None:
+    """A run reference (folder, encoder.pt or classifier.pt path) as its run folder's name."""
+    if not ref:
+        return None
+    if ref == "scratch" or ref.startswith("timm:"):
+        return ref
+    path = Path(ref)
+    return path.parent.name if path.suffix in (".pt", ".pth", ".safetensors") else path.name
+
+
+def model_label(run: RunFolder) -> str | None:
+    """The preset name plus the architecture fields the run's config overrode, e.g. `vit_cifar_tiny depth=1` (`timm ...` for timm's ViT)."""
+    s = run.summary or {}
+    model_cfg = run.config.get("model") or {}
+    name = s.get("model") or model_cfg.get("name")
+    if name is None or name == "resnet18":
+        return name
+    if s.get("arch") == "timm_vit":
+        name = f"timm {name}"  # the baseline that runs timm's ViT code on the same configuration
+    changed = [
+        f"{k}={model_cfg[k]}"
+        for k in ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
+        if model_cfg.get(k) is not None
+    ]
+    return " ".join([name, *changed])
+
+
+def first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def row(run: RunFolder) -> dict[str, Any]:
+    """Raw values of one run for the table and the CSV; None where the run does not have the value."""
+    s = run.summary or {}
+    meta = run.meta
+    data = s.get("data") or {}
+    run_cfg = run.config.get("run") or {}
+    last = run.metrics[-1] if run.metrics else {}
+    val_top1 = series(run, "val_top1").values
+    init = (s.get("init") or (run.config.get("finetune") or {}).get("init")) if run.group == CLASSIFICATION else None
+    parent = s.get("parent") or meta.get("parent")
+    init_label = short_run(init)
+    if parent and short_run(parent) != init_label:
+        init_label = f"{init_label} ({short_run(parent)})" if init_label else short_run(parent)
+    status = "finished" if run.finished else "unfinished"
+    if run.problems:
+        status += "; " + "; ".join(run.problems)
+    return {
+        "name": run.name,
+        "status": status,
+        "stage": run.stage,
+        "init": init_label,
+        "model": model_label(run),
+        "epochs": first(s.get("epochs"), last.get("epoch")),
+        "steps": first(s.get("steps"), last.get("step")),
+        "wall_time_sec": first(s.get("wall_time_sec"), last_value(run, "time")),
+        # A cached probe's (or kNN's) cost is its frozen encoder's rate over the images; RESULTS.md quotes that one, not the head's.
+        "images_per_sec": first(s.get("feature_images_per_sec"), s.get("images_per_sec")),
+        "precision": first(s.get("precision"), run_cfg.get("precision")),
+        "processes": first(s.get("processes"), meta.get("processes")),
+        "final_loss": first(s.get("final_loss"), last_value(run, "loss")),
+        "val_loss": first(s.get("final_val_loss"), s.get("val_loss"), last_value(run, "val_loss")),
+        "val_top1": first(s.get("final_val_top1"), s.get("val_top1"), val_top1[-1] if val_top1 else None),
+        "best_val_top1": first(s.get("best_val_top1"), max(val_top1) if val_top1 else None),
+        "test_top1": first(s.get("final_test_top1"), s.get("test_top1")),
+        "knn_top1": first(s.get("final_knn_top1"), last_value(run, "knn_top1")),
+        "dataset": data.get("dataset") or (run.config.get("data") or {}).get("dataset"),
+        "train_images": data.get("train"),
+        "val_images": data.get("val"),
+        "test_images": data.get("test"),
+        "seed": first(s.get("seed"), meta.get("seed")),
+        "device": first(s.get("device"), meta.get("device")),
+        "git_commit": first(s.get("git_commit"), meta.get("git_commit")),
+        "parent": parent,
+        "command": meta.get("command"),
+        "path": str(run.path),
+    }
+
+
+def fmt_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+def fmt_percent(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def fmt_number(x: float) -> str:
+    return f"{x:g}" if isinstance(x, int) or float(x).is_integer() else f"{x:.2f}"
+
+
+# (row key, header, formatter) of the markdown table; the CSV has every key of `row`.
+COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("name", "run", str),
+    ("stage", "stage", str),
+    ("init", "init (parent)", str),
+    ("model", "model", str),
+    ("epochs", "epochs", fmt_number),
+    ("wall_time_sec", "wall time", fmt_duration),
+    ("images_per_sec", "img/s", lambda x: f"{x:.0f}"),
+    ("precision", "precision", str),
+    ("processes", "procs", str),
+    ("final_loss", "loss", lambda x: f"{x:.4f}"),
+    ("val_loss", "val loss", lambda x: f"{x:.4f}"),
+    ("val_top1", "val top-1", fmt_percent),
+    ("best_val_top1", "best val top-1", fmt_percent),
+    ("test_top1", "test top-1", fmt_percent),
+    ("knn_top1", "kNN top-1", fmt_percent),
+]
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for r in rows:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            value = r.get(key)
+            text = "-" if value is None else fmt(value)
+            if key == "name" and not r["status"].startswith("finished"):
+                text += " (unfinished)"
+            cells.append(cell(text))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+# --------------------------------------------------------------------------- figures (drawn by vit.plots)
+
+LOSS_TITLES = {"pretrain": "MAE pretraining: masked-patch loss", CLASSIFICATION: "classification: cross-entropy"}
+
+
+def loss_panels(runs: list[RunFolder]) -> dict[str, dict[str, tuple[Series, Series]]]:
+    """{panel title: {run: (loss, val_loss)}}: a panel for MAE runs and one for classifiers, where a run of it logged a loss."""
+    groups = [g for g in ("pretrain", CLASSIFICATION) if any(r.group == g and series(r, "loss").values for r in runs)]
+    return {LOSS_TITLES[g]: {r.name: (series(r, "loss"), series(r, "val_loss")) for r in runs if r.group == g} for g in groups}
+
+
+def pretraining_points(runs: list[RunFolder], rows: list[dict[str, Any]]) -> dict[str, dict[float, list[float]]]:
+    """Final val top-1 of the probes and fine-tunes, keyed by the pretraining time (minutes) of the encoder they start from.
+
+    Returns {job type: {minutes: [val top-1 of each run, e.g. one per seed]}}. The parent must be one
+    of the finished pretraining runs given; a linear probe of a random encoder (init scratch) is the
+    point at 0 minutes.
+    """
+    minutes = {r.name: r.summary["wall_time_sec"] / 60 for r in runs
+               if r.group == "pretrain" and r.finished and r.summary.get("wall_time_sec") is not None}  # fmt: skip
+    points: dict[str, dict[float, list[float]]] = {}
+    for r in rows:
+        if r["stage"] not in ("linprobe", "finetune") or r["val_top1"] is None or not r["status"].startswith("finished"):
+            continue
+        parent = short_run(r["parent"])
+        if parent in minutes:
+            x = minutes[parent]
+        elif r["stage"] == "linprobe" and r["init"] == "scratch":
+            x = 0.0
+        else:
+            continue
+        points.setdefault(r["stage"], {}).setdefault(x, []).append(r["val_top1"])
+    return points
+
+
+FIGURES = [  # file stem, title in report.md
+    ("loss_by_step", "Loss against step"),
+    ("loss_by_time", "Loss against training time"),
+    ("accuracy_by_step", "Validation accuracy against step"),
+    ("accuracy_by_time", "Validation accuracy against training time"),
+    ("knn_by_step", "kNN top-1 of the encoder during pretraining, against step"),
+    ("knn_by_time", "kNN top-1 of the encoder during pretraining, against training time"),
+    ("lr_by_step", "Learning rate against step"),
+    ("lr_by_time", "Learning rate against training time"),
+    ("final_accuracy", "Final accuracy"),
+    ("accuracy_vs_pretraining", "Accuracy against the pretraining length of the encoder"),
+]
+
+
+def make_figures(runs: list[RunFolder], rows: list[dict[str, Any]], out: Path) -> dict[str, Path | None]:
+    """Every figure of FIGURES written into `out`; None for one no run has data for."""
+    colour = plots.colours([r.name for r in runs])
+    figures: dict[str, Path | None] = {}
+    losses = loss_panels(runs)
+    accuracy = {r.name: series(r, "val_top1") for r in runs}
+    knn = {r.name: series(r, "knn_top1") for r in runs}
+    lr = {r.name: series(r, "lr") for r in runs}
+    for axis in ("step", "time"):
+        figures[f"loss_by_{axis}"] = plots.plot_loss(losses, axis, out / f"loss_by_{axis}.png", colour)
+        figures[f"accuracy_by_{axis}"] = plots.plot_curves(accuracy, axis, out / f"accuracy_by_{axis}.png", colour,
+                                                           "val top-1 (%)", "validation top-1 accuracy", percent=True)  # fmt: skip
+        figures[f"knn_by_{axis}"] = plots.plot_curves(knn, axis, out / f"knn_by_{axis}.png", colour, "val kNN top-1 (%)",
+                                                      "pretraining: weighted kNN top-1 on val images", percent=True)  # fmt: skip
+        figures[f"lr_by_{axis}"] = plots.plot_curves(lr, axis, out / f"lr_by_{axis}.png", colour,
+                                                     "learning rate", "learning rate (log scale)", log=True)  # fmt: skip
+    figures["final_accuracy"] = plots.plot_final_accuracy(rows, out / "final_accuracy.png")
+    points = pretraining_points(runs, rows)
+    figures["accuracy_vs_pretraining"] = plots.plot_accuracy_vs_pretraining(points, out / "accuracy_vs_pretraining.png")
+    return figures
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report_markdown(rows: list[dict[str, Any]], figures: dict[str, Path | None], command: str) -> str:
+    unfinished = sum(not r["status"].startswith("finished") for r in rows)
+    lines = [
+        "# Run comparison",
+        "",
+        f"Made by `{command}` from {len(rows)} run folder(s)" + (f", {unfinished} of them unfinished." if unfinished else "."),
+        "Wall time and images/s count training only (no evaluation, no start-up); accuracies are top-1 on the splits below.",
+        "",
+        markdown_table(rows),
+        "",
+        "## Figures",
+        "",
+    ]
+    for stem, title in FIGURES:
+        path = figures.get(stem)
+        lines.append(f"### {title}\n\n![{title}]({path.name})\n" if path else f"### {title}\n\nNo run logged the data for this figure.\n")
+    lines += [
+        "## Runs",
+        "",
+        "| run | folder | data (train / val / test) | seed | device | git commit | command |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        split = " / ".join("-" if r[k] is None else str(r[k]) for k in ("train_images", "val_images", "test_images"))
+        data = f"{r['dataset'] or '?'} {split}"
+        command = f"`{r['command']}`" if r["command"] else "-"
+        lines.append(
+            "| "
+            + " | ".join(
+                cell(str(x if x is not None else "-"))
+                for x in (r["name"], r["path"], data, r["seed"], r["device"], r["git_commit"], command)
+            )
+            + " |"
+        )
+    problems = [f"- {r['name']}: {r['status']}" for r in rows if not r["status"].startswith("finished") or ";" in r["status"]]
+    if problems:
+        lines += ["", "## Unfinished or damaged runs", "", *problems]
+    return "\n".join(lines) + "\n"
+
+
+def compare(paths: list[str], out: Path | None = None, csv_path: Path | None = None, patterns: list[str] | None = None,
+            command: str = "compare_runs.py") -> dict[str, Any]:  # fmt: skip
+    """Read the runs, and write the CSV, the figures and report.md where asked. Returns {"rows", "table", "figures", "report", "csv"}.
+
+    `command` is the command line quoted at the top of report.md.
+    """
+    runs = load_runs(paths, patterns)
+    rows = [row(r) for r in runs]
+    table = markdown_table(rows)
+    result: dict[str, Any] = {"rows": rows, "table": table, "figures": {}, "report": None, "csv": None}
+    if csv_path is not None:
+        result["csv"] = write_csv(rows, csv_path)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        result["figures"] = make_figures(runs, rows, out)
+        report = out / REPORT_FILE
+        report.write_text(report_markdown(rows, result["figures"], command))
+        result["report"] = report
+    return result
+
+

@@ -11,25 +11,22 @@ import time
 
 from finetune.config import FinetuneConfig
 from finetune.models import Built
-from vit.augment import BatchLoader
-from vit.data import Splits
 from vit.engine import Run
 from vit.knn import encode, knn_accuracy
+from vit.loaders import Data
 
 
-def run_knn(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built, parent: str | None) -> int:
+def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str | None) -> int:
     """Classify val and test against the training features; writes summary.json like a probe's (val/test top-1, top-5)."""
-    acc, ft = run.accelerator, cfg.finetune
+    acc, ft, splits = run.accelerator, cfg.finetune, data.splits
     encoder = built.model.to(acc.device).encoder  # the LinearProbe's frozen encoder; its head is not used
-    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=built.encoder_config["img_size"],
-                  rank=acc.process_index, world_size=acc.num_processes)  # fmt: skip
     started = time.perf_counter()
-    bank, bank_labels = encode(encoder, BatchLoader(splits.train, cfg.optim.batch_size, train=False, **common), acc, ft.probe_pool,
+    bank, bank_labels = encode(encoder, data.loader(splits.train, cfg.optim.batch_size, train=False), acc, ft.probe_pool,
                                total=len(splits.train))  # fmt: skip
     queries = {}
-    for split, data in (("val", splits.val), ("test", splits.test)):
-        if data is not None and len(data):
-            queries[split] = encode(encoder, BatchLoader(data, cfg.optim.batch_size, train=False, **common), acc, ft.probe_pool)
+    for split, images in (("val", splits.val), ("test", splits.test)):
+        if images is not None and len(images):
+            queries[split] = encode(encoder, data.loader(images, cfg.optim.batch_size, train=False), acc, ft.probe_pool)
     feature_time = time.perf_counter() - started
     num_classes = len(splits.train.classes)
     results = {split: knn_accuracy(bank, bank_labels, f, y, num_classes, ft.knn_k, ft.knn_temperature, acc)

@@ -116,8 +116,8 @@ def timm_state_dict(name: str, init_file: str | None) -> dict[str, torch.Tensor]
     )
 
 
-def build_classifier(cfg, num_classes: int, device=None) -> Built:
-    """The classifier that `cfg.finetune` asks for, initialised as asked."""
+def build_classifier(cfg, num_classes: int, device=None, say=None) -> Built:
+    """The classifier that `cfg.finetune` asks for, initialised as asked; `say` gets a line about any resampling."""
     ft = cfg.finetune
     if ft.arch == "resnet18":
         return Built(cifar_resnet18(num_classes), "resnet18", {"num_classes": num_classes})
@@ -141,7 +141,7 @@ def build_classifier(cfg, num_classes: int, device=None) -> Built:
     elif is_hub_init(init):
         load_hub_weights(encoder, init)
     elif encoder_path is not None:
-        load_encoder(encoder, encoder_path)
+        load_encoder(encoder, encoder_path, say)
 
     if init != "scratch" and ft.mode == "full":
         # The new head starts near zero, as MAE's fine-tuning initialises it, so its first steps do not disturb the encoder.

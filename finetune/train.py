@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -20,12 +21,13 @@ from finetune.features import FeatureLoader, extract_features
 from finetune.knn import run_knn
 from finetune.models import Built, build_classifier, encoder_init, load_classifier, save_classifier
 from vit import tracking
-from vit.augment import BatchLoader
 from vit.checkpoint import read_encoder, unwrap
 from vit.cli import parse
-from vit.data import Splits, load_splits
+from vit.data import Splits
 from vit.engine import Preempted, Progress, Run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import DataError, exit_on_user_error
+from vit.loaders import Data, open_data
+from vit.model import preset_image_size
 from vit.provenance import SPLIT_KEYS, check_overlap, split_record
 from vit.randaug import make_ops
 from vit.runs import CLASSIFIER_FILE, confusion_path
@@ -51,28 +53,33 @@ def parent_meta(cfg: FinetuneConfig) -> dict:
     return read_encoder(path).get("meta", {}) if path is not None else {}
 
 
-def image_size(cfg: FinetuneConfig, built: Built, splits: Splits) -> int:
-    if built.encoder_config is not None:
-        return built.encoder_config["img_size"]
-    return splits.train.images.shape[-1]
+def input_size(cfg: FinetuneConfig) -> int | None:
+    """The image size the classifier takes: the ViT's (preset and overrides); for ResNet-18 `data.image_size` (None: as stored)."""
+    if cfg.finetune.arch == "resnet18":
+        return cfg.data.image_size
+    return preset_image_size(cfg.model.name, cfg.model.img_size)
 
 
-def loaders(cfg: FinetuneConfig, run: Run, splits: Splits, size: int, augment: bool):
+def open_run_data(cfg: FinetuneConfig, run: Run, out_size: int | None) -> Data:
+    """The run's labelled data (the main process decodes or scans first, the others then read its cache)."""
     acc = run.accelerator
-    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=size, rank=acc.process_index, world_size=acc.num_processes)
+    with acc.main_process_first():
+        return open_data(cfg.data, out_size=out_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
+                         threads=run.threads, local_processes=run.local_processes, need_labels=True, say=run.print)  # fmt: skip
+
+
+def loaders(cfg: FinetuneConfig, data: Data, augment: bool):
     # A linear probe sees only crop and flip (MAE's probe recipe); fine-tuning adds the `aug` ops.
-    train = BatchLoader(
-        splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed, crop_scale=cfg.data.crop_scale, crop_ratio=cfg.data.crop_ratio,
-        hflip=cfg.data.hflip, ops=make_ops(cfg.aug) if augment else (), **common,
-    )  # fmt: skip
-    return train, eval_loaders(cfg, splits, common)
+    train = data.loader(data.splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed, ops=make_ops(cfg.aug) if augment else ())
+    return train, eval_loaders(cfg, data)
 
 
-def eval_loaders(cfg: FinetuneConfig, splits: Splits, common: dict) -> dict[str, BatchLoader]:
+def eval_loaders(cfg: FinetuneConfig, data: Data) -> dict[str, Any]:
     """The evaluation loaders: val when the split is not empty, test when the dataset has one."""
-    evals = {"val": BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common)} if len(splits.val.labels) else {}
+    splits = data.splits
+    evals = {"val": data.loader(splits.val, cfg.optim.batch_size, train=False)} if len(splits.val) else {}
     if splits.test is not None:
-        evals["test"] = BatchLoader(splits.test, cfg.optim.batch_size, train=False, **common)
+        evals["test"] = data.loader(splits.test, cfg.optim.batch_size, train=False)
     return evals
 
 
@@ -118,8 +125,8 @@ class Task:
 
     module: nn.Module  # the classifier, or the cached probe's head
     groups: list[dict]  # its optimiser groups
-    train: BatchLoader | FeatureLoader
-    evals: dict[str, BatchLoader | FeatureLoader]
+    train: Any  # a batch loader of images, or a FeatureLoader
+    evals: dict[str, Any]
     layer_decay: float | None = None  # what `param_groups` was given (None: one learning rate for every layer)
     feature_time: float = 0.0  # seconds spent computing the cached features
 
@@ -134,29 +141,27 @@ class Trained:
     feature_time: float  # seconds spent computing the cached probe's features (0 otherwise)
 
 
-def classifier_task(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> Task:
+def classifier_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Task:
     """Full fine-tuning, the baselines, or an uncached linear probe: the classifier trained end to end on images."""
     ft = cfg.finetune
     num_layers = built.encoder_config["depth"] if built.encoder_config and built.arch in ("vit", "timm_vit") else None
     layer_decay = ft.layer_decay if num_layers is not None and ft.mode == "full" else None
     groups = param_groups(built.model, cfg.optim.weight_decay, layer_decay, num_layers)
-    train, evals = loaders(cfg, run, splits, image_size(cfg, built, splits), augment=ft.mode == "full")
+    train, evals = loaders(cfg, data, augment=ft.mode == "full")
     return Task(built.model, groups, train, evals, layer_decay)
 
 
-def cached_probe_task(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> Task:
+def cached_probe_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Task:
     """A linear probe on features computed once: the head trains on the cache for many epochs in seconds."""
-    acc = run.accelerator
+    acc, splits = run.accelerator, data.splits
     probe = built.model.to(acc.device)
-    size = image_size(cfg, built, splits)
-    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=size, rank=acc.process_index, world_size=acc.num_processes)
     feats = {}
     started = time.perf_counter()
-    for split, data in (("train", splits.train), ("val", splits.val), ("test", splits.test)):
-        if data is None or not len(data.labels):
+    for split, images in (("train", splits.train), ("val", splits.val), ("test", splits.test)):
+        if images is None or not len(images):
             continue
-        loader = BatchLoader(data, cfg.optim.batch_size, train=False, **common)
-        feats[split] = extract_features(probe, loader, acc, len(data.labels))
+        loader = data.loader(images, cfg.optim.batch_size, train=False)
+        feats[split] = extract_features(probe, loader, acc, len(images))
     feature_time = time.perf_counter() - started
     feature_rate = sum(f.shape[0] for f, _ in feats.values()) / max(feature_time, 1e-9)
     shapes = ", ".join(f"{s} {tuple(f.shape)}" for s, (f, _) in feats.items())
@@ -167,18 +172,18 @@ def cached_probe_task(cfg: FinetuneConfig, run: Run, splits: Splits, built: Buil
     return Task(probe.head, param_groups(probe.head, cfg.optim.weight_decay), train, evals, feature_time=feature_time)
 
 
-def train(cfg: FinetuneConfig, run: Run, splits: Splits, built: Built) -> Trained:
+def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
     """Train what `cfg.finetune` asks for (resuming where `run.resume` says) and evaluate it on every split."""
-    acc = run.accelerator
+    acc, splits = run.accelerator, data.splits
     cached = cfg.finetune.mode == "linear" and cfg.finetune.probe_cache
-    task = (cached_probe_task if cached else classifier_task)(cfg, run, splits, built)
+    task = (cached_probe_task if cached else classifier_task)(cfg, run, data, built)
     optimizer = make_optimizer(task.groups, cfg.optim, acc.device)
     module, optimizer = acc.prepare(task.module, optimizer)
     # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
     forward = torch.compile(module) if cfg.run.compile and not cached else module
     spec = loop_spec(cfg, len(task.train), acc.num_processes)
     if spec.budget is not None:
-        val_images = len(splits.val.labels) if "val" in task.evals else 0
+        val_images = len(splits.val) if "val" in task.evals else 0
         spec.budget.eval_images, spec.budget.eval_every = val_images, cfg.finetune.eval_every
         spec.budget.final_images = sum(len(s) for s in (splits.val, splits.test) if s is not None)
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
@@ -213,17 +218,16 @@ def run_eval(cfg: FinetuneConfig) -> int:
     if replaced:
         run.print(f"eval: the classifier's data split: {', '.join(replaced)}")
     acc = run.accelerator
-    with acc.main_process_first():
-        splits = load_splits(cfg.data)
+    size = payload["data"]["image_size"]
+    data = open_run_data(cfg, run, size)
+    splits = data.splits
     if list(splits.train.classes) != list(payload["classes"]):
         raise DataError(f"the classifier was trained on classes {payload['classes']}, this data has {splits.train.classes}")
     note = check_overlap(record, splits, f"the classifier {cfg.finetune.init}", "finetune.allow_overlap", cfg.finetune.allow_overlap)
     if note:
         run.warn(note)
     model = model.to(acc.device)
-    size = payload["data"]["image_size"]
-    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=size, rank=acc.process_index, world_size=acc.num_processes)
-    evals = eval_loaders(cfg, splits, common)
+    evals = eval_loaders(cfg, data)
     results = {s: evaluate(model, loader, acc, len(splits.train.classes)) for s, loader in evals.items()}
     flat = report_eval(run, results, splits.train.classes, f"eval {payload['arch']}", cfg.finetune.confusion_matrix)
     summary = run.finish({"mode": "eval", "init": cfg.finetune.init, "model": payload["arch"], "data": splits.describe(), **flat})
@@ -243,28 +247,28 @@ def main(argv: list[str] | None = None) -> int:
     if encoder is not None:
         run.use_encoder(encoder)
     acc = run.accelerator
-    with acc.main_process_first():
-        splits = load_splits(cfg.data)
+    data = open_run_data(cfg, run, input_size(cfg))
+    splits = data.splits
     check_pretraining_overlap(cfg, run, splits)
     num_classes = len(splits.train.classes)
-    built = build_classifier(cfg, num_classes, acc.device)
+    built = build_classifier(cfg, num_classes, acc.device, say=run.print)
     # Each rank drew its own random init (per-rank seed); a cached probe's encoder is never wrapped in DDP, so make them one.
     sync_from_main(built.model, acc)
     if cfg.finetune.mode == "knn":
-        return run_knn(cfg, run, splits, built, parent.get("run"))
+        return run_knn(cfg, run, data, built, parent.get("run"))
     if built.arch == "linear_probe" and cfg.data.val_size == 0 and splits.test is None:
         run.warn("no validation or test split: the probe's accuracy cannot be measured")
     n_params = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
     run.print(f"data: {splits.describe()} | {built.arch} ({cfg.finetune.mode}, init {cfg.finetune.init}): {n_params / 1e6:.2f}M trainable parameters")
     try:
-        trained = train(cfg, run, splits, built)
+        trained = train(cfg, run, data, built)
     except Preempted as e:
         run.print(str(e))
         return 143
     progress, results = trained.progress, trained.results
     # The cached probe's stage time includes computing the features, not only training the head.
     wall_time = progress.train_time + trained.feature_time
-    size = image_size(cfg, built, splits)
+    size = built.encoder_config["img_size"] if built.encoder_config is not None else data.out_size
     data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std),
                  "split": split_record(cfg.data, splits)}  # fmt: skip
     if run.is_main:
@@ -301,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "final_test_top1": flat.get("test_top1"),
         "data": splits.describe(),
         "test_split": splits.test is not None,
+        "bad_images": data.bad_total(acc),
         "ranks": rank_checksums(trained.model, acc),
         **flat,
     })

@@ -9,19 +9,18 @@ import torch
 from pretrain.config import PretrainConfig
 from pretrain.figures import save_reconstruction_figure
 from pretrain.model import MaskedAutoencoder, build_mae
-from vit.augment import BatchLoader
 from vit.checkpoint import save_encoder, save_mae, unwrap
 from vit.cli import parse
-from vit.data import load_splits
 from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import exit_on_user_error
 from vit.knn import knn_evaluate, seeded_subset
+from vit.loaders import Data, open_data
 from vit.provenance import split_record
 from vit.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, read_metrics
 
 
 @torch.no_grad()
-def validation_loss(mae: MaskedAutoencoder, loader: BatchLoader, run: Run, seed: int) -> float:
+def validation_loss(mae: MaskedAutoencoder, loader, run: Run, seed: int) -> float:
     """Masked-patch loss on the validation split with fixed masks, averaged over every image of every rank."""
     mae.eval()
     generator = torch.Generator().manual_seed(seed)
@@ -34,16 +33,19 @@ def validation_loss(mae: MaskedAutoencoder, loader: BatchLoader, run: Run, seed:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def knn_monitor(cfg: PretrainConfig, run: Run, splits, loader_kwargs: dict):
+def knn_monitor(cfg: PretrainConfig, run: Run, data: Data):
     """`evaluate(encoder, epoch, epoch_seconds) -> metrics`: kNN top-1 / top-5 of a seeded subset of the val split
-    against a seeded subset of the training images; None when `mae.knn_every` is 0 or there is no val split."""
-    mae_cfg = cfg.mae
+    against a seeded subset of the training images; None when `mae.knn_every` is 0, or there is no val split or no labels."""
+    mae_cfg, splits = cfg.mae, data.splits
     if not mae_cfg.knn_every or not len(splits.val):
         return None
-    bank = splits.train.subset(seeded_subset(len(splits.train), mae_cfg.knn_bank_size, cfg.run.seed, "knn_bank"))
-    queries = splits.val.subset(seeded_subset(len(splits.val), mae_cfg.knn_val_size or len(splits.val), cfg.run.seed, "knn_val"))
-    bank_loader = BatchLoader(bank, cfg.optim.batch_size, train=False, **loader_kwargs)
-    query_loader = BatchLoader(queries, cfg.optim.batch_size, train=False, **loader_kwargs)
+    if not splits.labelled:
+        run.print("kNN monitor: off, the data has no labels (mae.knn_every needs labelled images)")
+        return None
+    bank = data.subset(splits.train, seeded_subset(len(splits.train), mae_cfg.knn_bank_size, cfg.run.seed, "knn_bank"))
+    queries = data.subset(splits.val, seeded_subset(len(splits.val), mae_cfg.knn_val_size or len(splits.val), cfg.run.seed, "knn_val"))
+    bank_loader = data.loader(bank, cfg.optim.batch_size, train=False)
+    query_loader = data.loader(queries, cfg.optim.batch_size, train=False)
     num_classes = len(splits.train.classes)
 
     def evaluate(encoder, epoch: int, epoch_seconds: float) -> dict[str, float]:
@@ -71,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse(PretrainConfig, argv, "pretrain", "MAE pretraining of a ViT encoder")
     run = Run.start(cfg, stage="pretrain")
     acc = run.accelerator
-    with acc.main_process_first():  # the main process decodes into the cache, the others then read it
-        splits = load_splits(cfg.data)
     mae = build_mae(cfg, acc.device)
     img_size = mae.encoder.patch_embed.img_size
+    with acc.main_process_first():  # the main process decodes into the cache (or scans the shards), the others then read it
+        data = open_data(cfg.data, out_size=img_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
+                         threads=run.threads, local_processes=run.local_processes, say=run.print)  # fmt: skip
+    splits = data.splits
     run.print(f"data: {splits.describe()} | model: {cfg.model.name} {mae.encoder.config['embed_dim']}d x {mae.encoder.config['depth']}, "
               f"{sum(p.numel() for p in mae.encoder.parameters()) / 1e6:.2f}M encoder parameters, decoder {mae.decoder_config}")
 
@@ -82,16 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = acc.prepare(mae, optimizer)
     forward = torch.compile(model) if cfg.run.compile else model
 
-    common = dict(device=acc.device, mean=splits.mean, std=splits.std, out_size=img_size, rank=acc.process_index, world_size=acc.num_processes)
-    train_loader = BatchLoader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed,
-                               crop_scale=cfg.data.crop_scale, crop_ratio=cfg.data.crop_ratio, hflip=cfg.data.hflip, **common)
-    val_loader = BatchLoader(splits.val, cfg.optim.batch_size, train=False, **common) if len(splits.val.labels) else None
-    knn = knn_monitor(cfg, run, splits, common)
+    train_loader = data.loader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed)
+    val_loader = data.loader(splits.val, cfg.optim.batch_size, train=False) if len(splits.val) else None
+    knn = knn_monitor(cfg, run, data)
     pretrained_on = split_record(cfg.data, splits)  # encoder.pt records it, so fine-tuning can refuse val images seen here
     spec = loop_spec(cfg, len(train_loader), acc.num_processes)
     if spec.budget is not None:
         spec.budget.eval_images = len(splits.val)  # the val loss after every epoch
-        if cfg.mae.knn_every and len(splits.val):
+        if knn is not None:
             # The kNN monitor embeds its bank and queries with every patch visible: about 3 masked-MAE forwards an image.
             knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
             spec.budget.eval_images += 3 * knn_images // cfg.mae.knn_every
@@ -101,10 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     figure_batch = None
     if cfg.mae.figure_images:
         # Images spread evenly over the split (so over its classes), the same ones at every figure.
-        source = splits.val if len(splits.val.labels) else splits.train
-        picks = source.subset(torch.linspace(0, len(source.labels) - 1, cfg.mae.figure_images).long().unique())
-        figure_loader = BatchLoader(picks, cfg.mae.figure_images, train=False, device=acc.device, mean=splits.mean, std=splits.std, out_size=img_size)
-        figure_batch = next(figure_loader.epoch(0))[0]
+        source = splits.val if len(splits.val) else splits.train
+        picks = data.subset(source, torch.linspace(0, len(source) - 1, cfg.mae.figure_images).long().unique())
+        figure_batch = next(data.loader(picks, cfg.mae.figure_images, train=False, sharded=False).epoch(0))[0]
 
     def figure(step: int, path) -> None:
         if figure_batch is None or not run.is_main:
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "decoder": mae.decoder_config,
         "mask_ratio": cfg.mae.mask_ratio,
         "data": splits.describe(),
+        "bad_images": data.bad_total(acc),
         "ranks": rank_report(run, model, first_batch_sum, progress.images // acc.num_processes),
     })
     run.print(f"done: {summary['steps']} steps in {summary['wall_time_sec']:.0f}s ({summary['images_per_sec']:.0f} img/s), "

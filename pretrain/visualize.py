@@ -131,22 +131,21 @@ def images_from_folder(folder: Path, size: int, n: int) -> torch.Tensor:
 def images_from_data(loaded: Loaded, overrides: list[str], size: int, n: int):
     """`n` images of the run's data config with `overrides`: -> (images (n, 3, size, size) in [0, 1], mean, std, description)."""
     from finetune.config import FinetuneConfig
-    from vit.augment import resize
     from vit.config import load_config
-    from vit.data import load_splits
+    from vit.loaders import open_data
 
     overrides = [o if o.startswith("data.") else f"data.{o}" for o in overrides]
     config_file = loaded.run_dir / CONFIG_FILE if loaded.run_dir is not None else None
     stage = ((loaded.run_config or {}).get("meta") or {}).get("stage")
     cls = FinetuneConfig if stage == "finetune" else PretrainConfig
     cfg = load_config(cls, config_file if stage in ("pretrain", "finetune") else None, overrides)
-    splits = load_splits(cfg.data)
+    data = open_data(cfg.data, out_size=size, say=lambda line: None)  # folders and shards too big for memory are streamed
+    splits = data.splits
     for name, split in (("val", splits.val), ("test", splits.test), ("train", splits.train)):
         if split is not None and len(split):
             break
-    picks = split.subset(spread(len(split), n))
-    images = resize(picks.images.float() / 255, size)  # (n, 3, S, S) in [0, 1]
-    return images, splits.mean, splits.std, f"{n} images of the {splits.name} {name} split"
+    images = data.pixels(split, spread(len(split), n), size).float() / 255  # (n, 3, S, S) in [0, 1]
+    return images, splits.mean, splits.std, f"{len(images)} images of the {splits.name} {name} split"
 
 
 def get_images(loaded: Loaded, spec: list[str], n: int):

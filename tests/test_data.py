@@ -55,7 +55,7 @@ def test_cifar10_pickles_round_trip(tmp_path, cifar10_folder, where):
     assert torch.equal(s.test.images, torch.from_numpy(cifar10_folder.test_images))
     assert torch.equal(s.test.labels, torch.from_numpy(cifar10_folder.test_labels))
     assert (s.mean, s.std) == (CIFAR10_MEAN, CIFAR10_STD)
-    assert s.describe() == {"dataset": "cifar10", "train": 50, "val": 0, "test": 10, "num_classes": 10, "image_size": 32}
+    assert s.describe() == {"dataset": "cifar10", "train": 50, "val": 0, "test": 10, "num_classes": 10, "image_size": 32, "loader": "memory"}
 
 
 def test_cifar_pickles_are_not_copied_into_the_cache(tmp_path, cifar10_folder):
@@ -134,7 +134,7 @@ def test_synthetic_is_deterministic_and_learnable(tmp_path):
     s = load_splits(cfg_for(tmp_path, dataset="synthetic", synthetic_size=400, val_size=40))
     again = load_splits(cfg_for(tmp_path, dataset="synthetic", synthetic_size=400, val_size=40))
     other = load_splits(cfg_for(tmp_path, dataset="synthetic", synthetic_size=400, val_size=40, split_seed=1))
-    assert s.describe() == {"dataset": "synthetic", "train": 360, "val": 40, "test": 100, "num_classes": 10, "image_size": 32}
+    assert s.describe() == {"dataset": "synthetic", "train": 360, "val": 40, "test": 100, "num_classes": 10, "image_size": 32, "loader": "memory"}
     assert torch.equal(s.train.images, again.train.images) and torch.equal(s.test.labels, again.test.labels)
     assert not torch.equal(s.train.images, other.train.images)
     assert not (tmp_path / "cache").exists()  # generated, never written
@@ -488,7 +488,7 @@ def test_crop_params_respect_scale_ratio_and_bounds():
 
 def test_splits_describe_counts(tmp_path):
     s = Splits("x", id_set(10), id_set(4), None, MEAN, STD)
-    assert s.describe() == {"dataset": "x", "train": 10, "val": 4, "test": None, "num_classes": 1, "image_size": 8}
+    assert s.describe() == {"dataset": "x", "train": 10, "val": 4, "test": None, "num_classes": 1, "image_size": 8, "loader": "memory"}
 
 
 def test_corrupt_idx_file(tmp_path, mnist_root):

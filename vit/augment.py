@@ -129,6 +129,17 @@ def resize(images: torch.Tensor, out_size: int) -> torch.Tensor:
     return F.interpolate(images, size=(out_size, out_size), mode="bilinear", align_corners=False, antialias=True)
 
 
+def finish_batch(images: torch.Tensor, generator: torch.Generator | None, ops: Sequence[BatchOp], mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """What every loader does to a cropped (and flipped) batch on the device: the extra ops in order, then normalisation.
+
+    images (B, 3, S, S) float in [0, 1] -> (B, 3, S, S) normalised; `generator` is the batch's, after the crop's draws.
+    """
+    for op in ops:
+        images = op(images, generator)
+    # In place (the batch is a fresh tensor): the same values as `normalize`, without two more batch-sized tensors.
+    return images.sub_(mean.view(1, -1, 1, 1)).div_(std.view(1, -1, 1, 1))
+
+
 def epoch_order(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
     """The sample indices `rank` trains on in `epoch`, in order: (num_batches * batch_size,), a pure function of its arguments.
 
@@ -241,9 +252,7 @@ class BatchLoader:
         x = images.float().div_(255)
         boxes, flips = sample_crop_params(x.shape[0], x.shape[-2], x.shape[-1], self.crop_scale, self.crop_ratio, self.hflip, generator)
         x = random_resized_crop_flip(x, boxes, flips, self.out_size)
-        for op in self.ops:
-            x = op(x, generator)
-        return normalize(x, self._mean_t, self._std_t)
+        return finish_batch(x, generator, self.ops, self._mean_t, self._std_t)
 
     def _eval_epoch(self, start_batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         start, stop = self.shard

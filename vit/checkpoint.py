@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ import torch.nn as nn
 from vit.errors import CheckpointError
 from vit.io import atomic_save
 from vit.model import VisionTransformer
-from vit.pos_embed import resample_patch_embed, resample_pos_embed
+from vit.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
 from vit.runs import ENCODER_FILE, MAE_FILE
 
 ENCODER_FORMAT = "vit-encoder/1"
@@ -100,20 +100,41 @@ def config_mismatch(stored: dict, wanted: dict, fields=ARCHITECTURE_FIELDS) -> l
     return [f"{k}: {stored.get(k)!r} != {wanted.get(k)!r}" for k in fields if stored.get(k) != wanted.get(k)]
 
 
-def load_encoder(model: VisionTransformer, path: str | os.PathLike) -> dict[str, Any]:
+def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load an `encoder.pt` into `model` strictly (the head alone may be new); returns the payload.
 
-    Refuses a checkpoint whose stored encoder config differs from the model's.
+    Refuses a checkpoint whose stored encoder config differs from the model's, except in image size:
+    an encoder pretrained at one size loads into a model of another (same patch size), its positional
+    embeddings resampled to the new patch grid (a fixed sin-cos table is recomputed for it, a learned
+    one interpolated bicubically), which `say` reports in one line.
     """
     payload = read_encoder(path)
-    diff = config_mismatch(payload["config"], model.config)
+    stored = payload["config"]
+    diff = config_mismatch(stored, model.config, tuple(f for f in ARCHITECTURE_FIELDS if f != "img_size"))
     if diff:
         raise CheckpointError(f"{path} was saved from a different encoder (checkpoint != this run): {'; '.join(diff)}")
-    missing, unexpected = model.load_state_dict(payload["state_dict"], strict=False)
+    state = payload["state_dict"]
+    if stored.get("img_size") != model.config["img_size"]:
+        state = {**state, "pos_embed": resampled_pos_embed(state["pos_embed"], stored, model)}
+        old, new = stored["img_size"] // stored["patch_size"], model.patch_embed.grid_size
+        if say is not None:
+            how = "recomputed (sin-cos)" if stored.get("pos_embed") == "sincos" else "interpolated (bicubic)"
+            say(f"encoder {path}: pretrained at {stored['img_size']} px, loaded at {model.config['img_size']} px: "
+                f"positional embeddings {how} from a {old}x{old} to a {new}x{new} patch grid")  # fmt: skip
+    missing, unexpected = model.load_state_dict(state, strict=False)
     head_keys = {k for k in model.state_dict() if k.startswith("head.")}
     if unexpected or set(missing) != head_keys:
         raise CheckpointError(f"{path} does not match the encoder: missing {sorted(set(missing) - head_keys)}, unexpected {sorted(unexpected)}")
     return payload
+
+
+def resampled_pos_embed(table: torch.Tensor, stored: dict, model: VisionTransformer) -> torch.Tensor:
+    """A checkpoint's positional table (1, 1 + G*G, D) for `model`'s patch grid: a sin-cos table is recomputed exactly,
+    a learned one interpolated (the [CLS] row kept)."""
+    grid = model.patch_embed.grid_size
+    if stored.get("pos_embed") == "sincos":
+        return sincos_2d(table.shape[-1], grid).unsqueeze(0).to(table.dtype)
+    return resample_pos_embed(table, grid, model.num_prefix_tokens)
 
 
 def encoder_from_checkpoint(path: str | os.PathLike, **overrides) -> VisionTransformer:

@@ -83,11 +83,24 @@ class ModelConfig:
 class DataConfig:
     """Where the images come from and how they are split and augmented."""
 
-    dataset: Literal["cifar10", "cifar100", "imagefolder", "mnist", "fashionmnist", "synthetic"] = "cifar10"
-    root: str | None = None  # dataset folder or ImageFolder .tar.gz; None: download (where allowed) into cache_dir
+    # folder: every image file under `root` at any depth, unlabelled; webdataset: tar shards
+    # (`root=shards/train-{000000..000127}.tar`, .jpg/.png + optional .cls); hf: a Hugging Face dataset
+    # saved with save_to_disk (`root` its folder) or a Hub name.
+    dataset: Literal["cifar10", "cifar100", "imagefolder", "folder", "webdataset", "hf", "mnist", "fashionmnist", "synthetic"] = "cifar10"
+    root: str | None = None  # dataset folder, ImageFolder .tar.gz, shard pattern or HF dataset; None: download (where allowed) into cache_dir
     download: bool = True  # allow torchvision downloads when `root` has no copy
     cache_dir: str = "~/.cache/vit-mae"  # decoded uint8 tensors; never written next to the input
-    image_size: int | None = None  # decode size for ImageFolder trees with mixed sizes (shorter side + centre crop)
+    image_size: int | None = None  # memory loader: decode size for images of mixed sizes (shorter side + centre crop)
+    # memory: decode once into one uint8 tensor, augment batches on the device; stream: decode (and crop) each epoch
+    # in DataLoader worker processes; auto: memory when the decoded dataset fits in memory_budget_gb, else stream.
+    loader: Literal["auto", "memory", "stream"] = "auto"
+    memory_budget_gb: float | None = None  # auto's limit for the decoded dataset; None: a quarter of the machine's RAM
+    workers: int | None = None  # stream: decoding processes per training process; None: the cores training leaves free (at least 1)
+    shuffle_buffer: int = 1000  # stream from shards: samples shuffled in each worker's buffer
+    skip_bad_images: bool = False  # an image that does not decode: stop naming it (false), or skip and count it (true)
+    image_column: str = "image"  # hf: the column holding the images
+    label_column: str | None = "label"  # hf: the column holding class labels; null (or a dataset without it): unlabelled
+    val_root: str | None = None  # webdataset: shards of the val split; none: the first val_size samples of the last shards
     val_size: int = 5000  # seeded, class-balanced validation split carved from the training split
     split_seed: int = 0
     train_fraction: float = 1.0  # seeded class-balanced subset of the training split, for quick experiments
@@ -105,7 +118,12 @@ class DataConfig:
         _check(0.0 < lo <= hi <= 1.0, "data.crop_scale", "must satisfy 0 < min <= max <= 1")
         lo, hi = self.crop_ratio
         _check(0.0 < lo <= hi, "data.crop_ratio", "must satisfy 0 < min <= max")
-        _check(self.dataset != "imagefolder" or self.root is not None, "data.root", "is required for data.dataset=imagefolder")
+        for name in ("imagefolder", "folder", "webdataset", "hf"):
+            _check(self.dataset != name or self.root is not None, "data.root", f"is required for data.dataset={name}")
+        _check(self.memory_budget_gb is None or self.memory_budget_gb > 0, "data.memory_budget_gb", "must be positive")
+        _check(self.workers is None or self.workers >= 0, "data.workers", "must be >= 0")
+        _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
+        _check(self.val_root is None or self.dataset == "webdataset", "data.val_root", "is for data.dataset=webdataset")
 
 
 @dataclass

@@ -12,13 +12,22 @@ Sources (`data.dataset`):
 - `imagefolder`: `<root>/{train,val,test}/<class>/<image>` or a `.tar.gz` of that tree
   (read as a stream, never extracted). `train` is required; a `val` folder replaces the
   carved validation split; `test` is optional.
+- `folder`: every image file under `data.root`, at any depth, unlabelled (pretraining only).
+- `webdataset`: tar shards in WebDataset layout (`data.root=shards/train-{000000..000127}.tar`).
+- `hf`: a Hugging Face dataset saved with `save_to_disk` (or a Hub name), `data.image_column`
+  and `data.label_column`.
 - `mnist` / `fashionmnist`: torchvision's idx files (`<root>/MNIST/raw/...`), grayscale
   replicated to 3 channels.
 - `synthetic`: coloured, striped squares on noise, generated from `data.split_seed`.
 
-Image files (ImageFolder trees and archives) are decoded once into
-`<cache_dir>/<dataset>-<hash>.pt`; the hash covers the source's path, size and mtime,
-the decode size and `FORMAT_VERSION`, so a changed source is decoded again. CIFAR
+This module is the memory loader's: `load_splits` decodes everything. The sources that are read
+one file at a time (`vit/sources.py`) are also what the stream loader reads without decoding
+them here, and `vit/loaders.py` picks between the two (`data.loader`).
+
+Image files (ImageFolder trees and archives, folders, shards, Hugging Face datasets) are decoded
+once into `<cache_dir>/<dataset>-<hash>.pt`; the hash covers the source's path, size and mtime,
+the decode size and `FORMAT_VERSION`, so a changed source is decoded again. With
+`data.skip_bad_images` an image that does not decode is left out and listed (`Splits.bad_images`). CIFAR
 pickles and MNIST idx files are already raw uint8 arrays and are read directly.
 
 The validation split is carved from the training split, class-balanced, by a
@@ -38,7 +47,7 @@ import sys
 import tarfile
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
@@ -46,11 +55,11 @@ import numpy as np
 import torch
 
 from vit.config import DataConfig
+from vit.decode import IMAGE_EXTENSIONS, BadImage, decode_image, is_image_name
 from vit.errors import DataError
 from vit.io import atomic_save
 
-FORMAT_VERSION = 1  # bump when the cache layout or the decode changes, so old caches are not reused
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+FORMAT_VERSION = 2  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs)
 SPLIT_NAMES = ("train", "val", "test")
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 
@@ -66,6 +75,9 @@ NORMALIZATION = {  # data.dataset -> the (mean, std) per channel its images are 
     "mnist": (MNIST_MEAN, MNIST_STD),
     "fashionmnist": (FASHIONMNIST_MEAN, FASHIONMNIST_STD),
     "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
+    "folder": (IMAGENET_MEAN, IMAGENET_STD),
+    "webdataset": (IMAGENET_MEAN, IMAGENET_STD),
+    "hf": (IMAGENET_MEAN, IMAGENET_STD),
     "synthetic": (SYNTHETIC_MEAN, SYNTHETIC_STD),
 }
 
@@ -96,6 +108,11 @@ class ImageSet:
     def __len__(self) -> int:
         return self.labels.shape[0]
 
+    @property
+    def labelled(self) -> bool:
+        """False for an unlabelled source (labels all -1, no classes)."""
+        return bool(self.classes)
+
     def subset(self, index: torch.Tensor) -> ImageSet:
         """The images at `index` ((K,) int64), in that order."""
         return ImageSet(self.images[index], self.labels[index], self.classes)
@@ -105,32 +122,49 @@ class ImageSet:
 class SourceIndex:
     """Where `Splits.train` and `Splits.val` sit in the source's training split, and a hash of that split's content."""
 
-    fingerprint: str  # `fingerprint(source training split)`: the same images and labels give the same string, wherever they are read from
+    # The memory loader hashes the decoded images and labels (`fingerprint`): the same images give the same string
+    # wherever they are read from. The stream loader cannot read everything first: it hashes names and sizes.
+    fingerprint: str
     size: int  # images in the source's training split
-    train: torch.Tensor  # (len(Splits.train),) int64 positions
-    val: torch.Tensor | None  # (len(Splits.val),) int64 positions; None when val is a folder of its own
+    train: torch.Tensor | None  # (len(Splits.train),) int64 positions; None for shards (read in order, never indexed)
+    val: torch.Tensor | None  # (len(Splits.val),) int64 positions; None when val is a folder or shards of its own
 
 
 @dataclass
 class Splits:
+    """The splits of a dataset. Each is an `ImageSet` (memory loader) or, for the stream loader, a
+    `vit.sources.FileSet` (train, val, test) or `ShardSet` (train): they share `len`, `labels`, `classes`."""
+
     name: str
-    train: ImageSet
-    val: ImageSet  # carved from the training split (or an ImageFolder's val/); may be empty
-    test: ImageSet | None  # None when the source has no test split
+    train: Any  # ImageSet | FileSet | ShardSet
+    val: Any  # ImageSet | FileSet: carved from the training split (or the source's own val split); may be empty
+    test: Any | None  # None when the source has no test split
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     source: SourceIndex | None = None
+    loader: str = "memory"  # "memory" or "stream"
+    image_size: int | None = None  # stream: the size batches are decoded to; memory: the stored images' size
+    bad_images: list[tuple[str, str]] = field(default_factory=list)  # (name, reason) skipped while decoding (memory loader)
+
+    @property
+    def labelled(self) -> bool:
+        return bool(self.train.classes)
 
     def describe(self) -> dict[str, Any]:
-        """Split sizes for summary.json: {"dataset", "train", "val", "test" (int or None), "num_classes", "image_size"}."""
-        h, w = self.train.images.shape[-2:]
+        """Split sizes for summary.json: {"dataset", "train", "val", "test" (int or None), "num_classes", "image_size", "loader"}."""
+        if isinstance(self.train, ImageSet):
+            h, w = self.train.images.shape[-2:]
+            size = h if h == w else [h, w]
+        else:
+            size = self.image_size
         return {
             "dataset": self.name,
             "train": len(self.train),
             "val": len(self.val),
             "test": None if self.test is None else len(self.test),
             "num_classes": len(self.train.classes),
-            "image_size": h if h == w else [h, w],
+            "image_size": size,
+            "loader": self.loader,
         }
 
 
@@ -140,20 +174,29 @@ class Splits:
 def load_splits(cfg: DataConfig) -> Splits:
     """Read (or decode once and cache) `cfg.dataset`, then carve the seeded validation split and the train fraction."""
     name = cfg.dataset
+    skipped: list[tuple[str, str]] = []
     if name in ("cifar10", "cifar100"):
-        raw = _load_cifar(cfg)
+        raw = _load_cifar(cfg, skipped)
     elif name == "imagefolder":
-        raw = _load_imagefolder_cached(cfg, _existing(cfg.root))
+        raw = _load_imagefolder_cached(cfg, _existing(cfg.root), skipped)
+    elif name in ("folder", "webdataset", "hf"):
+        raw = _load_files_cached(cfg, skipped)
     elif name in ("mnist", "fashionmnist"):
         raw = _load_mnist(cfg)
     elif name == "synthetic":
         raw = make_synthetic(cfg.synthetic_size, cfg.split_seed)
     else:
         raise DataError(f"unknown data.dataset {name!r}")
-    mean, std = NORMALIZATION[name]
+    splits = carve_splits(cfg, raw, fingerprint(raw["train"]))
+    splits.bad_images = skipped
+    return splits
 
+
+def carve_splits(cfg: DataConfig, raw: dict[str, Any], source_fingerprint: str, loader: str = "memory", image_size: int | None = None) -> Splits:
+    """{"train", "val"?, "test"?} sets -> Splits: the seeded val split carved from train unless the source has its own,
+    then `data.train_fraction` of the rest; works on ImageSets and FileSets alike (both have `labels`, `subset`)."""
     train, val = raw["train"], raw.get("val")
-    source = SourceIndex(fingerprint(train), len(train), torch.arange(len(train)), None)
+    source = SourceIndex(source_fingerprint, len(train), torch.arange(len(train)), None)
     if val is None:
         val_index, train_index = carve_val(train.labels, train.classes, cfg.val_size, cfg.split_seed)
         train, val = train.subset(train_index), train.subset(val_index)
@@ -161,7 +204,8 @@ def load_splits(cfg: DataConfig) -> Splits:
     if cfg.train_fraction < 1.0:
         keep = stratified_subset(train.labels, len(train.classes), cfg.train_fraction, cfg.split_seed)
         train, source.train = train.subset(keep), source.train[keep]
-    return Splits(name, train, val, raw.get("test"), mean, std, source)
+    mean, std = NORMALIZATION[cfg.dataset]
+    return Splits(cfg.dataset, train, val, raw.get("test"), mean, std, source, loader, image_size)
 
 
 def fingerprint(images: ImageSet) -> str:
@@ -192,6 +236,14 @@ def carve_val(labels: torch.Tensor, classes: list[str], val_size: int, seed: int
     """
     if val_size == 0:
         return torch.zeros(0, dtype=torch.int64), torch.arange(labels.shape[0])
+    if not classes:  # unlabelled: a seeded sample of the images
+        n = labels.shape[0]
+        if n <= val_size:
+            raise DataError(f"the source has {n} images; data.val_size={val_size} needs at least {val_size + 1}")
+        val_index = torch.randperm(n, generator=seeded_generator("val", seed))[:val_size].sort().values
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[val_index] = False
+        return val_index, keep.nonzero().flatten()
     num_classes = len(classes)
     per_class = val_size // num_classes
     if per_class == 0:
@@ -215,7 +267,8 @@ def stratified_subset(labels: torch.Tensor, num_classes: int, fraction: float, s
     """Sorted indices of a seeded `fraction` of each class (at least one image of each class present): labels (N,) -> (K,)."""
     generator = seeded_generator("train_fraction", seed)  # its own stream, so the subset does not shift when val_size changes
     picked = []
-    for c in range(num_classes):
+    groups = range(num_classes) if num_classes else [-1]  # unlabelled images (label -1) are one group
+    for c in groups:
         members = (labels == c).nonzero().flatten()
         if members.shape[0] == 0:
             continue
@@ -282,7 +335,7 @@ _CIFAR = {
 }  # fmt: skip
 
 
-def _load_cifar(cfg: DataConfig) -> dict[str, ImageSet]:
+def _load_cifar(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
     spec = _CIFAR[cfg.dataset]
     downloads = _cache_dir(cfg) / "downloads"
     looked = []
@@ -292,7 +345,7 @@ def _load_cifar(cfg: DataConfig) -> dict[str, ImageSet]:
             if (folder / spec.meta_file).is_file():
                 return _read_cifar_pickles(folder, spec)
         if _is_archive(root) or (root / "train").is_dir():
-            raw = _load_imagefolder_cached(cfg, root)
+            raw = _load_imagefolder_cached(cfg, root, skipped)
             if len(raw["train"].classes) != spec.num_classes:
                 found = len(raw["train"].classes)
                 raise DataError(f"{root} holds {found} class folders, expected the {spec.num_classes} {spec.title} classes")
@@ -455,15 +508,109 @@ def _download(title: str, torchvision_class: str, downloads: Path, where: str) -
 # --------------------------------------------------------------------------- ImageFolder
 
 
-def _load_imagefolder_cached(cfg: DataConfig, source: Path) -> dict[str, ImageSet]:
-    return _cached(cfg, source, lambda: _read_imagefolder(source, cfg.image_size))
+def _load_imagefolder_cached(cfg: DataConfig, source: Path, skipped: list) -> dict[str, ImageSet]:
+    return _cached(cfg, source, lambda bad: _read_imagefolder(source, cfg.image_size, cfg.skip_bad_images, bad), skipped)
 
 
-def _read_imagefolder(source: Path, image_size: int | None) -> dict[str, ImageSet]:
+def _load_files_cached(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
+    """folder / webdataset / hf sources decoded whole into memory (what `data.loader=memory` asks of them)."""
+    from vit import sources
+
+    if cfg.dataset == "webdataset":
+        urls = sources.expand_shards(cfg.root)
+        stats = [os.stat(u) for u in urls]
+        identity = repr([(os.path.abspath(u), st.st_size, st.st_mtime_ns) for u, st in zip(urls, stats)])
+        return _cached(cfg, identity, lambda bad: _read_shards(urls, cfg, bad), skipped, where=cfg.root)
+    if cfg.dataset == "hf" and not Path(cfg.root).expanduser().exists():
+        identity = repr(("hub", cfg.root, sources.hf_fingerprint(cfg.root, None), cfg.image_column, cfg.label_column))
+        return _cached(cfg, identity, lambda bad: _read_file_sets(cfg, bad), skipped, where=cfg.root)
+    root = _existing(cfg.root)
+    return _cached(cfg, root, lambda bad: _read_file_sets(cfg, bad), skipped, extra=(cfg.image_column, cfg.label_column))
+
+
+def file_sets(cfg: DataConfig) -> dict[str, Any]:
+    """The `FileSet`s of a folder, labelled tree or Hugging Face source: {"train", "val"?, "test"?}."""
+    from vit import sources
+
+    if cfg.dataset == "folder":
+        return {"train": sources.folder_files(_existing(cfg.root))}
+    if cfg.dataset == "hf":
+        return sources.hf_files(cfg.root, cfg.image_column, cfg.label_column)
+    return sources.tree_files(_existing(cfg.root), SPLIT_NAMES)
+
+
+def _read_file_sets(cfg: DataConfig, bad: list) -> dict[str, ImageSet]:
+    return {split: decode_files(files, cfg.image_size, cfg.skip_bad_images, bad) for split, files in file_sets(cfg).items()}
+
+
+def decode_files(files, image_size: int | None, skip_bad: bool, bad: list) -> ImageSet:
+    """Decode every image of a `vit.sources.FileSet` in one process: -> ImageSet (skipped images appended to `bad`)."""
+    check = _SizeCheck()
+    arrays, keep = [], []
+    for i in range(len(files)):
+        try:
+            data, name = files.read(i)
+            arr = decode_image(data, name, image_size)
+        except BadImage as e:
+            if not skip_bad:
+                raise
+            bad.append((files.reader.name(int(files.index[i])), str(e)))
+            continue
+        check(name, arr)
+        arrays.append(arr)
+        keep.append(i)
+    if not arrays:
+        raise DataError("every image of the source failed to decode")
+    stacked = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (N, H, W, 3) -> (N, 3, H, W)
+    return ImageSet(stacked, files.labels[torch.tensor(keep, dtype=torch.int64)].clone(), list(files.classes))
+
+
+def _read_shards(urls: list[str], cfg: DataConfig, bad: list) -> dict[str, ImageSet]:
+    """Every sample of the shards, in order, decoded (`data.loader=memory` for shards small enough)."""
+    from vit import sources
+
+    check = _SizeCheck()
+    arrays, labels = [], []
+    for sample in sources.shard_samples(urls):
+        found = sources.sample_image(sample)
+        name = f"{sample.get('__url__')}:{sample['__key__']}"
+        try:
+            if found is None:
+                raise BadImage(f"sample {name} has no image member (.jpg, .png, ...)")
+            arr = decode_image(found[0], found[1], cfg.image_size)
+        except BadImage as e:
+            if not cfg.skip_bad_images:
+                raise
+            bad.append((name, str(e)))
+            continue
+        check(name, arr)
+        arrays.append(arr)
+        labels.append(sources.sample_label(sample))
+    if not arrays:
+        raise DataError(f"the shards {cfg.root} hold no images")
+    labelled = [v != sources.UNLABELLED for v in labels]
+    if any(labelled) and not all(labelled):
+        raise DataError(f"some samples of {cfg.root} have .cls labels and some do not: label all of them or none")
+    classes = [str(i) for i in range(max(labels) + 1)] if all(labelled) else []
+    stacked = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+    return {"train": ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), classes)}
+
+
+def _read_imagefolder(source: Path, image_size: int | None, skip_bad: bool = False, bad: list | None = None) -> dict[str, ImageSet]:
     """Decode an ImageFolder tree or .tar.gz: {"train": ImageSet, "val"?: ImageSet, "test"?: ImageSet}."""
+    bad = [] if bad is None else bad
     if source.is_file() and not _is_archive(source):
         raise DataError(f"{source} is a file but not a .tar.gz/.tgz; expected an archive or a folder of train/<class>/<image>")
-    entries = _read_archive(source, image_size) if _is_archive(source) else _read_tree(source, image_size)
+    if not _is_archive(source):
+        from vit import sources
+
+        check = _SizeCheck()
+        result = {}
+        for split, files in sources.tree_files(source, SPLIT_NAMES).items():
+            result[split] = decode_files(files, image_size, skip_bad, bad)
+            check(files.reader.name(0), result[split].images[0].permute(1, 2, 0).numpy())
+        return result
+    entries = _read_archive(source, image_size, skip_bad, bad)
     classes = sorted({c for split, c in entries if split == "train"})
     index = {c: i for i, c in enumerate(classes)}
     result = {}
@@ -499,35 +646,7 @@ class _SizeCheck:
             raise DataError(f"{name} is {w}x{h} but {self.first[0]} is {w0}x{h0}; set data.image_size to resize every image")
 
 
-def _read_tree(root: Path, image_size: int | None) -> dict[tuple[str, str], list[tuple[str, np.ndarray]]]:
-    if not (root / "train").is_dir():
-        raise DataError(f"{root} has no train/ folder: expected {root}/train/<class>/<image>")
-    check = _SizeCheck()
-    entries: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
-    for split in SPLIT_NAMES:
-        if not (root / split).is_dir():
-            continue
-        # Hidden entries (macOS ._* twins, .ipynb_checkpoints) are neither images nor classes.
-        for class_dir in sorted(p for p in (root / split).iterdir() if p.is_dir() and not p.name.startswith(".")):
-            files = sorted(p for p in class_dir.iterdir() if p.is_file() and _is_image_name(p.name))
-            if not files:
-                raise DataError(f"empty class folder {class_dir}: expected images ({', '.join(IMAGE_EXTENSIONS)})")
-            decoded = []
-            for path in files:
-                try:
-                    data = path.read_bytes()
-                except OSError as e:
-                    raise DataError(f"cannot read {path}: {e.strerror}") from None
-                arr = decode_image(data, str(path), image_size)
-                check(str(path), arr)
-                decoded.append((path.name, arr))
-            entries[(split, class_dir.name)] = decoded
-    if not any(split == "train" for split, _ in entries):
-        raise DataError(f"{root / 'train'} has no class folders: expected {root}/train/<class>/<image>")
-    return entries
-
-
-def _read_archive(archive: Path, image_size: int | None) -> dict[tuple[str, str], list[tuple[str, np.ndarray]]]:
+def _read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: list) -> dict[tuple[str, str], list[tuple[str, np.ndarray]]]:
     """Stream the members of a .tar.gz (no extraction to disk): `[prefix/]split/class/file` images are decoded."""
     check = _SizeCheck()
     entries: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
@@ -544,11 +663,18 @@ def _read_archive(archive: Path, image_size: int | None) -> dict[tuple[str, str]
                     continue
                 if member.isdir() and len(parts) == 2:
                     class_dirs.add((parts[0], parts[1]))
-                if not member.isfile() or len(parts) != 3 or not _is_image_name(parts[2]):
+                if not member.isfile() or len(parts) != 3 or not is_image_name(parts[2]):
                     continue
                 name = f"{archive}:{member.name}"
                 data = tar.extractfile(member).read()
-                arr = decode_image(data, name, image_size)
+                try:
+                    arr = decode_image(data, name, image_size)
+                except BadImage as e:
+                    if not skip_bad:
+                        raise
+                    bad.append((name, str(e)))
+                    class_dirs.add((parts[0], parts[1]))
+                    continue
                 check(name, arr)
                 entries.setdefault((parts[0], parts[1]), []).append((parts[2], arr))
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
@@ -561,74 +687,77 @@ def _read_archive(archive: Path, image_size: int | None) -> dict[tuple[str, str]
     return entries
 
 
-def decode_image(data: bytes, name: str, image_size: int | None = None) -> np.ndarray:
-    """Encoded image bytes -> (H, W, 3) uint8; with `image_size`, shorter side resized to it, then centre-cropped square."""
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            if image_size is not None and im.format == "JPEG":
-                im.draft("RGB", (image_size, image_size))  # JPEG's DCT scaling: decode big photos at >= the size we keep
-            im = im.convert("RGB")  # grey and palette images are replicated/expanded to 3 channels
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... on damaged files
-        raise DataError(f"cannot decode image {name} ({type(e).__name__}: {e})") from None
-    if image_size is not None and im.size != (image_size, image_size):
-        w, h = im.size
-        scale = image_size / min(w, h)
-        new_w, new_h = max(image_size, round(w * scale)), max(image_size, round(h * scale))
-        im = im.resize((new_w, new_h), Image.BILINEAR)
-        left, top = (new_w - image_size) // 2, (new_h - image_size) // 2
-        im = im.crop((left, top, left + image_size, top + image_size))
-    return np.asarray(im, dtype=np.uint8)
-
-
 # --------------------------------------------------------------------------- cache
 
 
-def cache_path(cfg: DataConfig, source: Path) -> Path:
-    """`<cache_dir>/<dataset>-<hash>.pt`, the hash over the source's identity and the decode settings."""
-    size, mtime = _fingerprint(source)
-    key = repr((FORMAT_VERSION, cfg.dataset, str(source.resolve()), size, mtime, cfg.image_size))
+def cache_path(cfg: DataConfig, source: Path | str, extra: tuple = ()) -> Path:
+    """`<cache_dir>/<dataset>-<hash>.pt`, the hash over the source's identity and the decode settings.
+
+    `source` is a file or folder (identified by its path, total size and newest mtime) or an identity
+    string that already says all that (shard lists, Hub datasets).
+    """
+    if isinstance(source, Path):
+        size, mtime = _fingerprint(source)
+        identity = (str(source.resolve()), size, mtime)
+    else:
+        identity = (source,)
+    key = repr((FORMAT_VERSION, cfg.dataset, *identity, cfg.image_size, *extra))
     return _cache_dir(cfg) / f"{cfg.dataset}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
-def _cached(cfg: DataConfig, source: Path, decode: Callable[[], dict[str, ImageSet]]) -> dict[str, ImageSet]:
-    """Load `decode()`'s result from the cache, or decode and write it atomically; a broken cache file is rebuilt."""
-    path = cache_path(cfg, source)
-    _refuse_next_to(path.parent, source)
+def _cached(cfg: DataConfig, source: Path | str, decode: Callable[[list], dict[str, ImageSet]], skipped: list,
+            where: str | None = None, extra: tuple = ()) -> dict[str, ImageSet]:  # fmt: skip
+    """Load `decode(bad)`'s result from the cache, or decode and write it atomically; a broken cache file is rebuilt.
+
+    Images skipped by `data.skip_bad_images` are recorded in the cache too and appended to `skipped` on every load.
+    """
+    path = cache_path(cfg, source, extra)
+    if isinstance(source, Path):
+        _refuse_next_to(path.parent, source)
     if path.is_file():
         loaded = _read_cache(path)
         if loaded is not None:
-            return loaded
+            result, bad = loaded
+            if bad and not cfg.skip_bad_images:
+                raise BadImage(f"{bad[0][1]}; data.skip_bad_images=true skips such files")
+            skipped.extend(bad)
+            return result
     start = time.perf_counter()
-    result = decode()
+    bad: list[tuple[str, str]] = []
+    result = decode(bad)
     seconds = time.perf_counter() - start
-    _write_cache(path, result)
+    _write_cache(path, result, bad)
     count = sum(len(s) for s in result.values())
     sizes = ", ".join(f"{k} {len(v)}" for k, v in result.items())
-    print(f"data: decoded {count} images ({sizes}) from {source} in {seconds:.1f}s; cached at {path}", flush=True)
+    left_out = f", {len(bad)} that do not decode left out (data.skip_bad_images)" if bad else ""
+    print(f"data: decoded {count} images ({sizes}) from {where or source} in {seconds:.1f}s{left_out}; cached at {path}", flush=True)
+    for name, reason in bad[:20]:
+        print(f"warning: skipped: {reason}", file=sys.stderr, flush=True)
+    skipped.extend(bad)
     return result
 
 
-def _read_cache(path: Path) -> dict[str, ImageSet] | None:
+def _read_cache(path: Path) -> tuple[dict[str, ImageSet], list[tuple[str, str]]] | None:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
         if payload.get("format") != FORMAT_VERSION:
             raise ValueError(f"format {payload.get('format')}, expected {FORMAT_VERSION}")
         classes = list(payload["classes"])
-        return {split: ImageSet(v["images"], v["labels"], classes) for split, v in payload["splits"].items()}
+        splits = {split: ImageSet(v["images"], v["labels"], classes) for split, v in payload["splits"].items()}
+        return splits, [tuple(b) for b in payload.get("skipped", [])]
     except Exception as e:  # truncated, foreign or stale files are all rebuilt the same way
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"warning: data cache {path} is unreadable ({type(e).__name__}: {reason}); decoding again", file=sys.stderr, flush=True)
         return None
 
 
-def _write_cache(path: Path, result: dict[str, ImageSet]) -> None:
+def _write_cache(path: Path, result: dict[str, ImageSet], skipped: list[tuple[str, str]] = ()) -> None:
     """Write the decoded splits atomically: readers see the old file or the whole new one, never a torn one."""
     payload = {
         "format": FORMAT_VERSION,
         "classes": list(result["train"].classes),
         "splits": {split: {"images": s.images, "labels": s.labels} for split, s in result.items()},
+        "skipped": [list(b) for b in skipped],
     }
     try:
         atomic_save(payload, path)
@@ -674,10 +803,6 @@ def _existing(root: str | None) -> Path:
     if not path.exists():
         raise DataError(f"data.root {path} does not exist")
     return path
-
-
-def _is_image_name(name: str) -> bool:
-    return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
 def _is_archive(path: Path) -> bool:

@@ -264,6 +264,11 @@ class Run:
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
+    @property
+    def local_processes(self) -> int:
+        """Processes of this run on this machine (they share its cores)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
+
     def print(self, *args) -> None:
         if self.is_main:
             print(*args, flush=True)
@@ -338,7 +343,8 @@ class Run:
         """Write summary.json (with the run's facts) and close the trackers, which get the same final values."""
         summary = {"stage": self.stage, "job_type": self.job_type, **summary, "processes": self.accelerator.num_processes,
                    "device": str(self.accelerator.device), "threads_per_process": self.threads, "precision": self.cfg.run.precision,
-                   "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir)}  # fmt: skip
+                   "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir),
+                   "memory": peak_memory()}  # fmt: skip
         schedule = getattr(self.cfg, "schedule", None)
         if schedule is not None and schedule.budget_minutes is not None:
             # The plan beside what the stage took, so an estimate that missed shows.
@@ -355,6 +361,19 @@ class Run:
             except Exception as e:
                 self.warn(f"tracker did not close cleanly ({type(e).__name__})")
         return summary
+
+
+def peak_memory() -> dict[str, float] | None:
+    """Peak resident memory of this (main) process and of its largest finished child (data workers), in MiB; None where
+    the OS does not report it. What a run needed, for summary.json and for planning the next one."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    unit = 1.0 if sys.platform == "darwin" else 1024.0  # ru_maxrss: bytes on macOS, KiB on Linux
+    this = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit / 2**20
+    return {"peak_rss_mib": round(this, 1), "children_peak_rss_mib": round(children, 1)}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -769,14 +788,6 @@ class TrainLoop:
         if not is_complete_state(state_path(self.run.dir, p.step)):
             save_state(self.run, p)
         return p
-
-
-def _non_finite_on_any_rank(acc, loss: torch.Tensor) -> float | None:
-    """The first non-finite loss of any rank (the same on every rank), else None: all ranks skip or stop together,
-    where a per-rank decision would let one rank step while another skips, and desynchronise them."""
-    losses = acc.gather(loss.detach().float().reshape(1)) if acc.num_processes > 1 else loss.detach().reshape(1)
-    bad = losses[~torch.isfinite(losses)]
-    return bad[0].item() if bad.numel() else None
 
 
 def _non_finite_on_any_rank(acc, loss: torch.Tensor) -> float | None:

@@ -373,6 +373,15 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def preset_image_size(name: str, img_size: int | None = None) -> int:
+    """The input size of preset `name`, or `img_size` when it overrides it."""
+    if img_size is not None:
+        return img_size
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]["img_size"]
+
+
 def create_model(name: str, **overrides) -> VisionTransformer:
     """A preset encoder with any constructor argument overridden, e.g. `create_model('vit_tiny', img_size=32, patch_size=4)`."""
     if name not in PRESETS:

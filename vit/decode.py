@@ -1,0 +1,169 @@
+"""Encoded image bytes -> uint8 RGB arrays: the one place that calls PIL on training data.
+
+    decode_image(data, name, image_size=32)        # (S, S, 3): shorter side resized to S, centre-cropped (caches, evaluation)
+    decode_crop(data, name, out_size, box)         # (out, out, 3): a crop box of the original, resized (streamed training)
+
+Every mode PIL opens is turned into 8-bit RGB: grey and grey+alpha are replicated, palette
+images expanded (through RGBA when they carry transparency), CMYK converted, alpha dropped,
+and 16-bit images (PNG's `I;16`, `I`) scaled to 8 bits by their top byte rather than clipped
+(PIL's own `convert("RGB")` clips them, turning most 16-bit photos white).
+
+For JPEG both decoders ask libjpeg to decode at a reduced scale first (`Image.draft`: 1/2, 1/4
+or 1/8, whichever keeps at least the pixels the output needs), so a 4000 px photo cropped to
+224 px is never decoded at full size. A JPEG crop that no DCT scale can shrink is decoded by
+torchvision's `decode_jpeg` instead (the same libjpeg-turbo, without PIL's image object).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from typing import Callable
+
+import numpy as np
+
+from vit.errors import DataError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+
+Box = tuple[float, float, float, float]  # (x0, y0, w, h) in pixels of the original image
+
+
+class BadImage(DataError):
+    """An image file that does not decode; its message names the file."""
+
+
+def is_image_name(name: str) -> bool:
+    """An image file by its name: a known extension, not hidden (macOS `._*` twins are not images)."""
+    base = name.rsplit("/", 1)[-1]
+    return not base.startswith(".") and base.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def _open(data: bytes, name: str):
+    from PIL import Image
+
+    try:
+        im = Image.open(io.BytesIO(data))
+        im.size  # noqa: B018 - the header is parsed here; a file that is not an image fails now
+        return im
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... on damaged files
+        raise BadImage(f"cannot decode image {name} ({type(e).__name__}: {e})") from None
+
+
+def to_rgb(im):
+    """Any PIL image -> 8-bit RGB (see the module docstring for what each mode becomes)."""
+    from PIL import Image
+
+    if im.mode == "RGB":
+        return im
+    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # 16-bit grey (PNG) or 32-bit integer: the top byte of a 16-bit value, the usual 16 -> 8 bit reduction.
+        grey = np.asarray(im, dtype=np.uint32) >> 8 if im.mode != "I" else np.asarray(im).clip(0, 65535).astype(np.uint32) >> 8
+        return Image.fromarray(grey.astype(np.uint8), mode="L").convert("RGB")
+    if im.mode == "F":
+        # Floats: 0..1 images are common, anything else is scaled by its own range.
+        arr = np.asarray(im, dtype=np.float32)
+        hi = float(arr.max()) if arr.size else 1.0
+        scale = 255.0 if hi <= 1.0 else 255.0 / hi
+        return Image.fromarray((arr.clip(0, None) * scale).round().clip(0, 255).astype(np.uint8), mode="L").convert("RGB")
+    if im.mode == "P" and "transparency" in im.info:
+        im = im.convert("RGBA")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PIL's notes about palette transparency: the conversion is what we want
+        return im.convert("RGB")
+
+
+def _draft(im, need_w: float, need_h: float) -> None:
+    """For a JPEG, decode at the smallest DCT scale that keeps at least (need_w, need_h) pixels of the whole image."""
+    if im.format != "JPEG":
+        return
+    # PIL picks the largest reduction in 1, 2, 4, 8 that keeps the image >= the requested size.
+    im.draft("RGB", (max(1, math.ceil(need_w)), max(1, math.ceil(need_h))))
+
+
+def _load(im, name: str):
+    try:
+        im.load()
+    except Exception as e:
+        raise BadImage(f"cannot decode image {name} ({type(e).__name__}: {e})") from None
+    return im
+
+
+def decode_image(data: bytes, name: str, image_size: int | None = None) -> np.ndarray:
+    """Encoded bytes -> (H, W, 3) uint8; with `image_size`, the shorter side resized to it (bilinear, antialiased),
+    then centre-cropped square: (image_size, image_size, 3)."""
+    from PIL import Image
+
+    im = _open(data, name)
+    with im:
+        if image_size is not None:
+            w, h = im.size
+            short = min(w, h)
+            _draft(im, w * image_size / short, h * image_size / short)  # JPEG's DCT scaling: decode big photos at >= the size we keep
+        rgb = to_rgb(_load(im, name))
+        if image_size is not None and rgb.size != (image_size, image_size):
+            w, h = rgb.size
+            scale = image_size / min(w, h)
+            new_w, new_h = max(image_size, round(w * scale)), max(image_size, round(h * scale))
+            rgb = rgb.resize((new_w, new_h), Image.BILINEAR)
+            left, top = (new_w - image_size) // 2, (new_h - image_size) // 2
+            rgb = rgb.crop((left, top, left + image_size, top + image_size))
+        return np.asarray(rgb, dtype=np.uint8)
+
+
+def decode_crop(data: bytes, name: str, out_size: int, box: Callable[[int, int], Box]) -> np.ndarray:
+    """Decode only what a crop needs and resize it: -> (out_size, out_size, 3) uint8.
+
+    `box(width, height)` is called with the original size (read from the header, before decoding)
+    and returns the crop (x0, y0, w, h) in its pixels. A JPEG is decoded at the largest DCT
+    reduction that leaves the box at least `out_size` pixels on its shorter side; the box is then
+    resampled to `out_size` in one bilinear, antialiased `resize(box=...)`, PIL's equivalent of
+    torchvision's `resized_crop`.
+    """
+    from PIL import Image
+
+    im = _open(data, name)
+    with im:
+        w, h = im.size
+        x0, y0, bw, bh = _pixel_box(box(w, h), w, h)
+        reduce = min(bw, bh) / out_size  # how much smaller the output is than the box
+        if im.format == "JPEG" and reduce < 2 and im.mode in ("RGB", "L"):
+            out = _crop_jpeg_torch(data, (x0, y0, bw, bh), out_size)
+            if out is not None:
+                return out
+        if reduce >= 2:
+            _draft(im, w / reduce, h / reduce)
+        _load(im, name)
+        sx, sy = im.size[0] / w, im.size[1] / h  # the draft's actual reduction (1 when none)
+        region = (x0 * sx, y0 * sy, (x0 + bw) * sx, (y0 + bh) * sy)
+        out = to_rgb(im).resize((out_size, out_size), Image.BILINEAR, box=region)
+        return np.asarray(out, dtype=np.uint8)
+
+
+def _pixel_box(box: Box, width: int, height: int) -> tuple[int, int, int, int]:
+    """A crop box rounded to whole pixels inside the image, as torchvision's crops are."""
+    x0, y0 = min(width - 1, max(0, round(box[0]))), min(height - 1, max(0, round(box[1])))
+    return x0, y0, max(1, min(width - x0, round(box[2]))), max(1, min(height - y0, round(box[3])))
+
+
+def _crop_jpeg_torch(data: bytes, box: tuple[int, int, int, int], out_size: int) -> np.ndarray | None:
+    """A JPEG the DCT cannot shrink, decoded by torchvision (libjpeg-turbo straight into a tensor, about half of PIL's
+    time for a 500x375 photo) and resized by torch's antialiased bilinear (PIL's filter, the same pixels within 1 level).
+    None when torchvision cannot read it; PIL then decodes it and names it if it is damaged."""
+    import torch
+    import torch.nn.functional as F
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer note: the bytes are not written
+            image = decode_jpeg(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)  # (3, H, W) uint8
+    except Exception:
+        return None
+    x0, y0, bw, bh = box
+    crop = image[:, y0 : y0 + bh, x0 : x0 + bw].unsqueeze(0)  # (1, 3, h, w)
+    if crop.shape[-2:] != (bh, bw):
+        return None  # the decoder's size disagrees with the header's: let PIL judge the file
+    out = F.interpolate(crop, size=(out_size, out_size), mode="bilinear", antialias=True, align_corners=False)[0]
+    return out.permute(1, 2, 0).numpy()

@@ -1,0 +1,400 @@
+"""Batches decoded each epoch in DataLoader worker processes: the loader for data that does not fit in memory.
+
+    loader = StreamLoader(files, 256, device=acc.device, mean=..., std=..., out_size=224, train=True, seed=0,
+                          rank=acc.process_index, world_size=acc.num_processes, workers=4)
+    for images, labels in loader.epoch(epoch, start_batch=progress.batch):   # (B, 3, S, S) float32 normalised, (B,)
+        ...
+
+It has `vit.augment.BatchLoader`'s interface, so the training loop cannot tell them apart. What
+differs is where the work happens: a worker reads an image, draws its random-resized crop from
+the image's size (torchvision's recipe), decodes only what the crop needs (`vit.decode.decode_crop`:
+JPEGs at a reduced DCT scale) and resizes it to the training size; batches travel to the
+training process as uint8 (B, 3, S, S), a quarter of the bytes of float32. Flip, the batched
+augmentation ops and normalisation then run on the device, shared with the memory path
+(`vit.augment.finish_batch`).
+
+Order and randomness are pure functions of their coordinates, as in the memory path:
+- files (folders, Hugging Face rows): the epoch's order is `vit.augment.epoch_order` (one seeded
+  permutation, rank r takes every world_size-th sample), each image's crop is seeded by
+  (seed, epoch, its position); so `run.resume=auto` continues at the next unseen batch exactly.
+- shards: each epoch the shards are permuted by (seed, epoch); rank r reads every world_size-th
+  shard and worker w of its `workers` every workers-th of those, in order, through a shuffle buffer
+  seeded by (seed, epoch, rank, worker), repeating its shards if the epoch asks for more samples
+  than they hold. Every rank yields exactly `len(loader)` batches, so ranks stay in step. Batch b
+  comes from worker b % workers; a resume skips, without decoding, the samples of the batches
+  already trained, so it is exact when the process count and `data.workers` are unchanged.
+
+Images that do not decode stop the epoch with one line naming the file, unless `skip_bad`:
+then they are left out of their batch, counted and reported by `BadImageLog`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from vit.augment import BatchOp, epoch_order, eval_shard, finish_batch
+from vit.data import seeded_generator
+from vit.decode import BadImage, Box, decode_crop, decode_image
+from vit.errors import DataError
+from vit.sources import FileSet, ShardSet, sample_image, sample_label, shard_samples
+
+WARN_LIMIT = 20  # bad images named in warnings per process; the rest are only counted
+
+
+def seed_of(*parts: Any) -> int:
+    """A 63-bit seed hashed from its parts (ints and strings): a pure function of them."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+def crop_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random, attempts: int = 10) -> Box:
+    """torchvision's random-resized-crop box for one image of (width, height): (x0, y0, w, h) in its pixels.
+
+    Up to `attempts` draws of an area fraction in `scale` and a log-uniform aspect in `ratio`; the first
+    box that fits is placed uniformly. Otherwise the whole image with its aspect clamped to `ratio`, centred
+    (the same fallback as `vit.augment.sample_crop_params`, its batched twin on the device).
+    """
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(attempts):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w, h = math.sqrt(target * aspect), math.sqrt(target / aspect)
+        if w <= width and h <= height:
+            return rng.random() * (width - w), rng.random() * (height - h), w, h
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, width / ratio[0]
+    elif in_ratio > ratio[1]:
+        w, h = height * ratio[1], height
+    else:
+        w, h = width, height
+    return (width - w) / 2, (height - h) / 2, w, h
+
+
+@dataclass
+class Decoder:
+    """What a worker does to one image: the training crop (seeded per image) or the evaluation resize + centre crop."""
+
+    out_size: int
+    train: bool
+    seed: int = 0
+    crop_scale: tuple[float, float] = (0.35, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+    def __call__(self, data: bytes, name: str, *seed_parts: Any) -> np.ndarray:
+        """-> (out_size, out_size, 3) uint8."""
+        if not self.train:
+            return decode_image(data, name, self.out_size)
+        rng = random.Random(seed_of("crop", self.seed, *seed_parts))
+        return decode_crop(data, name, self.out_size, lambda w, h: crop_box(w, h, self.crop_scale, self.crop_ratio, rng))
+
+
+@dataclass
+class BatchBuilder:
+    """Collects decoded images into one uint8 (B, 3, S, S) array with labels, sample ids and what failed."""
+
+    size: int
+    out_size: int
+    skip_bad: bool
+    images: np.ndarray = field(init=False)
+    labels: list[int] = field(default_factory=list)
+    ids: list[Any] = field(default_factory=list)
+    bad: list[tuple[str, str]] = field(default_factory=list)
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.images = np.empty((self.size, 3, self.out_size, self.out_size), dtype=np.uint8)
+
+    def add(self, decode, data: bytes, name: str, label: int, sample_id: Any, *seed_parts: Any) -> None:
+        try:
+            self.images[len(self.labels)] = decode(data, name, *seed_parts).transpose(2, 0, 1)  # (S, S, 3) -> (3, S, S)
+        except BadImage as e:
+            self.fail(name, str(e))
+            return
+        self.labels.append(label)
+        self.ids.append(sample_id)
+
+    def fail(self, name: str, reason: str) -> None:
+        """An image that cannot be read or decoded: the batch's error, or (skip_bad) a note that it was left out."""
+        if not self.skip_bad:
+            self.error = self.error or reason
+        self.bad.append((name, reason))
+
+    def done(self) -> dict[str, Any]:
+        n = len(self.labels)
+        return {"images": torch.from_numpy(self.images[:n]), "labels": torch.tensor(self.labels, dtype=torch.int64),
+                "ids": list(self.ids), "bad": self.bad, "error": self.error}  # fmt: skip
+
+
+def _identity(batch):
+    return batch
+
+
+class _FileBatches(torch.utils.data.Dataset):
+    """Map-style: the DataLoader hands a whole batch of (epoch, position) pairs to one worker, which decodes it."""
+
+    def __init__(self, files: FileSet, decoder: Decoder, skip_bad: bool):
+        self.files, self.decoder, self.skip_bad = files, decoder, skip_bad
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitems__(self, items: list[tuple[int, int]]) -> dict[str, Any]:
+        batch = BatchBuilder(len(items), self.decoder.out_size, self.skip_bad)
+        for epoch, pos in items:
+            try:
+                data, name = self.files.read(pos)
+            except BadImage as e:
+                batch.fail(self.files.reader.name(int(self.files.index[pos])), str(e))
+                continue
+            batch.add(self.decoder, data, name, int(self.files.labels[pos]), pos, epoch, pos)
+        return batch.done()
+
+
+class _EpochBatches(torch.utils.data.Sampler):
+    """The (epoch, position) batches of one rank's epoch from `start` on."""
+
+    def __init__(self, batches: list[list[tuple[int, int]]]):
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+class _ShardBatches(torch.utils.data.IterableDataset):
+    """Iterable: worker w of rank r reads its shards of the epoch (see the module docstring) and yields full batches forever."""
+
+    def __init__(self, shards: ShardSet, decoder: Decoder, skip_bad: bool, batch_size: int, epoch: int, start_batch: int,
+                 rank: int, world_size: int, workers: int, shuffle_buffer: int):  # fmt: skip
+        self.shards, self.decoder, self.skip_bad, self.batch_size = shards, decoder, skip_bad, batch_size
+        self.epoch, self.start_batch, self.rank, self.world_size = epoch, start_batch, rank, world_size
+        self.workers, self.shuffle_buffer = workers, shuffle_buffer
+
+    def shards_of(self, worker: int) -> list[int]:
+        order = torch.randperm(len(self.shards.urls), generator=seeded_generator("shards", self.decoder.seed, self.epoch)).tolist()
+        return order[self.rank :: self.world_size][worker :: self.workers]
+
+    def shuffled(self, worker: int) -> Iterator[tuple[int, dict]]:
+        """(cycle, sample) of this worker's shards (the val keys left out) through a seeded shuffle buffer, drained at the
+        end of every pass, so each pass yields exactly the shards' samples; the passes repeat forever."""
+        mine = [self.shards.urls[i] for i in self.shards_of(worker)]
+        rng = random.Random(seed_of("shuffle", self.decoder.seed, self.epoch, self.rank, worker))
+        cycle = 0
+        while True:
+            buffer: list[dict] = []
+            for sample in shard_samples(mine):
+                if sample["__key__"] in self.shards.exclude:
+                    continue
+                if len(buffer) < self.shuffle_buffer:
+                    buffer.append(sample)
+                    continue
+                i = rng.randrange(len(buffer))
+                buffer[i], sample = sample, buffer[i]
+                yield cycle, sample
+            if not buffer:
+                raise DataError(f"shards {', '.join(mine)} hold no training samples")
+            rng.shuffle(buffer)
+            for sample in buffer:
+                yield cycle, sample
+            cycle += 1
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        # The DataLoader takes batches from its workers in turn, starting with worker 0; batch b belongs to the worker of
+        # role b % workers, so worker 0 plays the role of start_batch's worker and the others follow.
+        worker = ((info.id if info is not None else 0) + self.start_batch) % self.workers
+        stream = self.shuffled(worker)
+        # This worker makes batches worker, worker + workers, ...: skip those before start_batch without decoding them.
+        skip = max(0, math.ceil((self.start_batch - worker) / self.workers)) * self.batch_size
+        for _ in range(skip):
+            next(stream)
+        while True:
+            batch = BatchBuilder(self.batch_size, self.decoder.out_size, self.skip_bad)
+            for _ in range(self.batch_size):
+                cycle, sample = next(stream)
+                found = sample_image(sample)
+                if found is None:
+                    name = f"{sample.get('__url__')}:{sample['__key__']}"
+                    batch.fail(name, f"sample {name} has no image member (.jpg, .png, ...)")
+                    continue
+                data, name = found
+                batch.add(self.decoder, data, name, sample_label(sample), sample["__key__"], self.epoch, cycle, sample["__key__"])
+            yield batch.done()
+
+
+class BadImageLog:
+    """Images that failed to decode and were skipped (`data.skip_bad_images`): counted once each, named up to WARN_LIMIT."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.names: dict[str, str] = {}
+
+    def add(self, bad: list[tuple[str, str]]) -> None:
+        for name, reason in bad:
+            if name in self.names:
+                continue
+            self.names[name] = reason
+            if len(self.names) <= WARN_LIMIT:
+                more = " (further ones are counted in summary.json, not named)" if len(self.names) == WARN_LIMIT else ""
+                print(f"warning: skipped an image that does not decode (data.skip_bad_images): {reason}{more}", file=sys.stderr, flush=True)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass
+class RawBatch:
+    images: torch.Tensor  # (B, 3, S, S) uint8 on the CPU
+    labels: torch.Tensor  # (B,) int64
+    ids: list  # positions in the set (files) or keys (shards)
+
+
+class StreamLoader:
+    """Serves a `FileSet` or `ShardSet` in batches decoded by `workers` DataLoader processes; `BatchLoader`'s interface.
+
+    train=True: the epoch order described in the module docstring, `len(self)` full batches per rank
+    (drop_last), each random-resized-cropped at decode time, then flipped, augmented by `ops` and
+    normalised on `device`. train=False (files only): every sample once in order, resized (shorter side)
+    and centre-cropped to `out_size`; rank r holds the contiguous slice `eval_shard(N, r, world_size)`.
+
+    epoch(e, start_batch) yields (images (B, 3, out_size, out_size) float32, labels (B,) int64) on `device`;
+    raw_epoch(e, start_batch) yields the uint8 `RawBatch`es before the device-side steps, with sample ids.
+    """
+
+    def __init__(
+        self,
+        data: FileSet | ShardSet,
+        batch_size: int,
+        *,
+        device: torch.device | str,
+        mean: Sequence[float],
+        std: Sequence[float],
+        out_size: int,
+        train: bool,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        crop_scale: tuple[float, float] = (0.35, 1.0),
+        crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        hflip: bool = True,
+        ops: Sequence[BatchOp] = (),
+        workers: int = 1,
+        skip_bad: bool = False,
+        bad_log: BadImageLog | None = None,
+        shuffle_buffer: int = 1000,
+    ) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.data, self.batch_size, self.train = data, batch_size, train
+        self.device = torch.device(device)
+        self.mean, self.std = tuple(mean), tuple(std)
+        self._mean_t = torch.tensor(self.mean, dtype=torch.float32, device=self.device)
+        self._std_t = torch.tensor(self.std, dtype=torch.float32, device=self.device)
+        self.out_size, self.seed, self.rank, self.world_size = out_size, seed, rank, world_size
+        self.hflip, self.ops = hflip, list(ops)
+        self.skip_bad, self.bad_log, self.shuffle_buffer = skip_bad, bad_log if bad_log is not None else BadImageLog(rank), shuffle_buffer
+        self.decoder = Decoder(out_size, train, seed, tuple(crop_scale), tuple(crop_ratio))
+        self.classes = list(data.classes)
+        self.workers = workers
+        self._files_loader = None  # training on files: one DataLoader whose workers live as long as this loader
+        n = len(data)
+        if isinstance(data, ShardSet):
+            if not train:
+                raise ValueError("shards are read for training only; evaluation sets are decoded into memory")
+            if len(data.urls) < world_size:
+                raise DataError(f"{len(data.urls)} shard(s) cannot be split among {world_size} processes: write at least one shard per process")
+            # A worker without a shard would end the epoch early: at most as many workers as each rank has shards.
+            self.workers = max(1, min(workers, len(data.urls) // world_size))
+        if train:
+            self.num_batches = (n // world_size) // batch_size
+            if self.num_batches == 0:
+                raise DataError(f"the training split has {n} images, fewer than a batch of {batch_size} for each of {world_size} processes")
+            self.shard = None
+        else:
+            self.shard = eval_shard(n, rank, world_size)
+            self.num_batches = math.ceil((self.shard[1] - self.shard[0]) / batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    @property
+    def num_samples(self) -> int:
+        return self.num_batches * self.batch_size if self.train else self.shard[1] - self.shard[0]
+
+    def _data_loader(self, dataset, persistent: bool = False, **kwargs) -> torch.utils.data.DataLoader:
+        workers = self.workers
+        return torch.utils.data.DataLoader(
+            dataset, num_workers=workers, collate_fn=_identity, pin_memory=self.device.type == "cuda",
+            prefetch_factor=2 if workers > 0 else None, persistent_workers=persistent and workers > 0, **kwargs,
+        )  # fmt: skip
+
+    def _batches(self, epoch: int, start_batch: int) -> Iterator[dict[str, Any]]:
+        if isinstance(self.data, ShardSet):
+            dataset = _ShardBatches(self.data, self.decoder, self.skip_bad, self.batch_size, epoch, start_batch, self.rank,
+                                    self.world_size, max(1, self.workers), self.shuffle_buffer)  # fmt: skip
+            loader = self._data_loader(dataset, batch_size=None)
+            it = iter(loader)
+            try:
+                for _ in range(start_batch, self.num_batches):
+                    yield next(it)
+            finally:
+                del it  # shuts the workers down
+            return
+        bs = self.batch_size
+        if self.train:
+            order = epoch_order(len(self.data), bs, self.seed, epoch, self.rank, self.world_size).tolist()
+            batches = [[(epoch, p) for p in order[b * bs : (b + 1) * bs]] for b in range(start_batch, self.num_batches)]
+        else:
+            start, stop = self.shard
+            batches = [[(epoch, p) for p in range(start + b * bs, min(start + (b + 1) * bs, stop))] for b in range(start_batch, self.num_batches)]
+        if not self.train:
+            yield from self._data_loader(_FileBatches(self.data, self.decoder, self.skip_bad), batch_sampler=_EpochBatches(batches))
+            return
+        # Training keeps its workers from epoch to epoch (no new processes per epoch): the batches are handed to them by
+        # the sampler, in this process, so changing its list changes the epoch.
+        if self._files_loader is None:
+            self._sampler = _EpochBatches([])
+            self._files_loader = self._data_loader(_FileBatches(self.data, self.decoder, self.skip_bad), persistent=True,
+                                                   batch_sampler=self._sampler)  # fmt: skip
+        self._sampler.batches = batches
+        yield from self._files_loader
+
+    def raw_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[RawBatch]:
+        """The uint8 batches of `epoch` from `start_batch` on, as the workers made them (bad images reported here)."""
+        for batch in self._batches(epoch, start_batch):
+            if batch["error"] is not None:
+                raise BadImage(f"{batch['error']}; data.skip_bad_images=true skips such files")
+            self.bad_log.add(batch["bad"])
+            if self.train and batch["labels"].numel() == 0:
+                raise DataError(f"every image of a batch failed to decode (first: {batch['bad'][0][1]})")
+            yield RawBatch(batch["images"], batch["labels"], batch["ids"])
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of `epoch` from `start_batch` on: the tail of the same sequence a full epoch yields."""
+        for b, raw in enumerate(self.raw_epoch(epoch, start_batch), start=start_batch):
+            if raw.labels.numel() == 0:
+                continue  # an evaluation batch whose every image was skipped
+            images = raw.images.to(self.device, non_blocking=True)  # (B, 3, S, S) uint8
+            labels = raw.labels.to(self.device, non_blocking=True)
+            if not self.train:
+                yield finish_batch(images.float().div_(255), None, (), self._mean_t, self._std_t), labels
+                continue
+            generator = seeded_generator("batch", self.seed, epoch, b, self.rank)
+            flips = torch.rand(images.shape[0], generator=generator) < 0.5  # drawn even without hflip, as in the memory path
+            if self.hflip:
+                index = flips.nonzero().flatten().to(self.device)
+                images[index] = images[index].flip(-1)  # in uint8: a quarter of the bytes of flipping floats
+            yield finish_batch(images.float().div_(255), generator, self.ops, self._mean_t, self._std_t), labels

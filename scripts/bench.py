@@ -17,7 +17,11 @@ Sections (each a list of `Case`s, every case a pair of step builders, ours and t
    fine-tuning, at the same precision.
 4. probe: wall time and val accuracy of the cached-features linear probe against the uncached
    probe on the same images, same head initialisation and same batch order.
-5. utilisation: the machine's GEMM peak per precision, measured in the same run, and the
+5. stream: reading image files that do not fit in memory: JPEG decode + random-resized crop to
+   224 + batching (flipped and normalised, ready for the model), our `vit.stream.StreamLoader`
+   against torchvision `ImageFolder` + `RandomResizedCrop` + `DataLoader`, with the same number of
+   workers (`--workers`), on generated photo-like JPEGs of ImageNet's typical size and of a camera's.
+6. utilisation: the machine's GEMM peak per precision, measured in the same run, and the
    model FLOP/s each side reaches as a share of it. Peak memory of each side's training steps:
    the allocator's peak on CUDA; on a Linux CPU the rise of the resident set during the steps
    of that side alone in a child process (encoder and MAE cases).
@@ -57,7 +61,7 @@ def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
     precisions = bench.case_precisions(device)
     images = functools.cache(lambda: bench.bench_images(s))  # decoded once, shared by the two e2e cases
     e2e = [pretrain_bench.e2e_case(s, device, precisions[-1], images), finetune_bench.e2e_case(s, device, precisions[-1], images)]
-    return bench.encoder_cases(s, device, precisions) + pretrain_bench.mae_cases(s, device, precisions) + e2e
+    return bench.encoder_cases(s, device, precisions) + pretrain_bench.mae_cases(s, device, precisions) + e2e + bench.stream_cases(s, device)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
@@ -80,6 +84,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
     p.add_argument("--e2e-batch", type=int, help="batch of the e2e and probe sections (default 256; quick 32)")
     p.add_argument("--probe-images", type=int, help="training images of the probe section (default 2000; quick 128)")
     p.add_argument("--probe-epochs", type=int, help="head epochs of the probe section (default 30; quick 2)")
+    p.add_argument("--stream-images", type=int, help="JPEG files per image size of the stream section, an epoch per timed step (default 1024; quick 24)")
+    p.add_argument("--stream-batch", type=int, help="batch of the stream section (default 64; quick 8)")
+    p.add_argument("--stream-dir", help="where the stream section writes its JPEGs once (default: a temporary folder)")
     p.add_argument("--memory-of", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)  # internal: one side's CPU memory, in a child
     args = p.parse_args(argv)
     s = bench.settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(bench.Settings)})

@@ -24,14 +24,15 @@ LINUX = Path("/proc/self/status").exists()
 def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--device", "cpu", "--json", str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--device", "cpu", "--json", str(out),
+                           "--stream-dir", str(tmp_path / "stream")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip  (about 70 s alone on 2 cores)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     s, cpu = bench.settings(quick=True), torch.device("cpu")
     precisions = bench.case_precisions(cpu)
     expected = [c.name for c in bench.encoder_cases(s, cpu, precisions) + pretrain_bench.mae_cases(s, cpu, precisions)]
-    expected += [f"e2e/pretrain/{precisions[-1]}", f"e2e/finetune/{precisions[-1]}"]
+    expected += [f"e2e/pretrain/{precisions[-1]}", f"e2e/finetune/{precisions[-1]}", "stream/500x375/fp32", "stream/1600x1200/fp32"]
     assert {"encoder/vit_cifar_tiny/fp32", "encoder/vit_tiny_p4/fp32", "mae/vit_cifar_tiny/fp32"} <= set(expected)
     assert [c["name"] for c in report["cases"]] == expected
     for case in report["cases"]:

@@ -67,9 +67,12 @@ class Settings:
     e2e_batch: int = 256  # batch of the e2e and probe sections
     probe_images: int = 2000  # training images of the probe section
     probe_epochs: int = 30  # head epochs of the probe section
+    stream_images: int = 1024  # JPEG files per size of the stream section (one epoch is one timed step)
+    stream_batch: int = 64  # batch of the stream section
+    stream_dir: str | None = None  # where the stream section writes its JPEGs (default: a temporary folder)
 
 
-QUICK = dict(batch=16, warmup=1, rounds=2, steps=1, gemm=1024, e2e_batch=32, probe_images=128, probe_epochs=2)
+QUICK = dict(batch=16, warmup=1, rounds=2, steps=1, gemm=1024, e2e_batch=32, probe_images=128, probe_epochs=2, stream_images=24, stream_batch=8)
 
 
 def settings(quick: bool = False, **given) -> Settings:
@@ -182,6 +185,86 @@ def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> l
                 ref_name="timm VisionTransformer", flops_per_image=flops_per_image(cfg),
             ))  # fmt: skip
     return cases
+
+
+# --------------------------------------------------------------------------- streaming image files
+
+# (label, width, height) of the stream section's JPEGs: ImageNet's typical photo (about 500x375, 110 kB), and a
+# camera-sized one where decoding at a reduced DCT scale pays most.
+STREAM_SIZES = (("500x375", 500, 375), ("1600x1200", 1600, 1200))
+STREAM_OUT = 224  # the training crop
+STREAM_SCALE = (0.2, 1.0)  # MAE's crop scale
+
+
+def stream_tree(s: Settings, width: int, height: int) -> Path:
+    """`<dir>/<W>x<H>/train/<class>/*.jpg`: `s.stream_images` photo-like JPEGs (quality 90), written once and reused."""
+    import tempfile
+
+    from PIL import Image
+
+    base = Path(s.stream_dir).expanduser() if s.stream_dir else Path(tempfile.gettempdir()) / "vit-mae-bench-stream"
+    root = base / f"{width}x{height}-{s.stream_images}"
+    done = root / ".complete"
+    if done.is_file():
+        return root
+    g = torch.Generator().manual_seed(s.seed)
+    for i in range(s.stream_images):
+        # Smooth colour fields plus fine noise: JPEG sizes like a photo's (not a flat image that compresses to nothing).
+        y = torch.linspace(0, 1, height).view(-1, 1, 1)
+        x = torch.linspace(0, 1, width).view(1, -1, 1)
+        phase = torch.rand(1, 1, 3, generator=g) * 6.28
+        field = 0.5 + 0.35 * torch.sin(6 * x + 4 * y + phase) * torch.cos(3 * y - 5 * x + phase)
+        noise = 0.08 * torch.rand(height, width, 3, generator=g)
+        arr = ((field + noise).clamp(0, 1) * 255).to(torch.uint8).numpy()
+        path = root / "train" / f"c{i % 4}" / f"{i:05d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(arr).save(path, quality=90)
+    done.write_text("ok")
+    return root
+
+
+def stream_cases(s: Settings, device: torch.device) -> list[Case]:
+    """Decoding + random-resized crop to 224 + batching of JPEG files, ready for the model (flipped, normalised, on `device`):
+    our `StreamLoader` against torchvision `ImageFolder` + `RandomResizedCrop` + `DataLoader`, with the same workers.
+
+    A step is one whole epoch of `s.stream_images`: a loader's workers prefetch in the background, and a step that left
+    batches in flight would hand that work to the other side's timed block.
+    """
+    from vit.data import IMAGENET_MEAN, IMAGENET_STD
+    from vit.reference import usual_folder_loader
+    from vit.sources import tree_files
+    from vit.stream import StreamLoader
+
+    cases = []
+    per_epoch = (s.stream_images // s.stream_batch) * s.stream_batch
+    for label, width, height in STREAM_SIZES:
+        tree = partial(stream_tree, s, width, height)
+
+        def ours(tree=tree) -> Step:
+            files = tree_files(tree(), ("train",))["train"]
+            loader = StreamLoader(files, s.stream_batch, device=device, mean=IMAGENET_MEAN, std=IMAGENET_STD, out_size=STREAM_OUT,
+                                  train=True, seed=s.seed, crop_scale=STREAM_SCALE, workers=s.workers)  # fmt: skip
+            return epoch_step(loader.epoch, device)
+
+        def ref(tree=tree) -> Step:
+            loader = usual_folder_loader(str(tree() / "train"), s.stream_batch, s.workers, STREAM_OUT, STREAM_SCALE, IMAGENET_MEAN, IMAGENET_STD)
+            return epoch_step(lambda epoch: iter(loader), device)
+
+        cases.append(Case(f"stream/{label}/fp32", "stream", "fp32", per_epoch, ours=ours, ref=ref,
+                          ref_name=f"torchvision ImageFolder + RandomResizedCrop + DataLoader({s.workers} workers)"))  # fmt: skip
+    return cases
+
+
+def epoch_step(epoch_batches: Callable[[int], Iterator], device: torch.device) -> Step:
+    """A 'step' that takes every batch of the next epoch onto the device: the loader alone is timed."""
+    epochs = itertools.count()
+
+    def step() -> None:
+        for images, labels in epoch_batches(next(epochs)):
+            images.to(device, non_blocking=True)
+            labels.to(device, non_blocking=True)
+
+    return step
 
 
 # --------------------------------------------------------------------------- timing and memory

@@ -175,3 +175,15 @@ def usual_loader(data: ImageSet, batch: int, finetune: bool, workers: int, mean,
             yield from loader
 
     return forever()
+
+
+def usual_folder_loader(root: str, batch: int, workers: int, size: int, scale: tuple[float, float], mean, std) -> torch.utils.data.DataLoader:
+    """(images (B, 3, size, size) normalised, labels (B,)) batches of an ImageFolder tree, the way most training code reads
+    image files: torchvision's `ImageFolder` (PIL decode of the whole image, RGB), `RandomResizedCrop`,
+    `RandomHorizontalFlip`, `ToTensor`, `Normalize`, in a shuffling `DataLoader` with `workers` persistent processes."""
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    transform = T.Compose([T.RandomResizedCrop(size, scale=scale), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
+    return torch.utils.data.DataLoader(datasets.ImageFolder(root, transform), batch_size=batch, shuffle=True, drop_last=True,
+                                       num_workers=workers, persistent_workers=workers > 0)  # fmt: skip

@@ -243,11 +243,12 @@ def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | s
     device = torch.device(device)
     kind, why = choose_loader(cfg, out_size or cfg.image_size or 32)
     bad = BadImageLog(rank)
-    workers = 0
+    workers = default_workers(cfg, device, threads, local_processes) if kind == "stream" else 0
+    how = f"{workers} decoding worker(s) per process (data.workers)" if kind == "stream" else "decoded once, augmented on the device"
+    say(f"data: {kind} loader ({why}) | {how}")  # before any decoding, so the first data line says what happens and why
     if kind == "memory":
         splits = load_splits(cfg)
     else:
-        workers = default_workers(cfg, device, threads, local_processes)
         if cfg.dataset == "webdataset":
             splits = _shard_splits(cfg, out_size, bad)
         else:
@@ -257,8 +258,6 @@ def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | s
         if kind == "stream":
             raise DataError("streamed images are decoded to the model's size: set data.image_size for this model")
         out_size = splits.train.images.shape[-1]
-    how = f"{workers} decoding worker(s) per process (data.workers)" if kind == "stream" else "decoded once, augmented on the device"
-    say(f"data: {kind} loader ({why}) | {how}")
     if need_labels and not splits.labelled:
         raise DataError(f"data.dataset={cfg.dataset} at {cfg.root} has no labels: fine-tuning, probing and kNN need labelled images "
                         "(imagefolder trees, webdataset shards with .cls, hf with data.label_column); pretraining reads unlabelled ones")

@@ -1,0 +1,61 @@
+"""vit/results.py: the equal-compute table's choices (made on val, seed 0) and numbers, from run folders the test writes."""
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+from vit.results import budget_table, markdown, read_budget_runs
+from vit.runs import write_config, write_summary
+
+
+def run(folder, name, val, test, seconds, **extra):
+    path = folder / name
+    path.mkdir(parents=True)
+    write_config(path, "meta: {stage: finetune}\n")
+    write_summary(path, {"val_top1": val, "test_top1": test, "budget": {"stage_seconds": seconds}, **extra})
+
+
+@pytest.fixture
+def budget_runs(tmp_path):
+    f = tmp_path / "budget"
+    for s, (v, t) in enumerate([(0.60, 0.61), (0.62, 0.63), (0.58, 0.59)]):
+        run(f, f"scratch_m30_s{s}", v, t, 1790)
+        run(f, f"random_probe_s{s}", 0.30, 0.31 + s / 100, 180)
+    # Pretraining 25% / 50% / 75% of 30 minutes; the 50% split fine-tunes best on val, though 25% has the best *test*.
+    for share, pt_min, ft_val, ft_test, probe_val in [(25, 7.5, 0.70, 0.90, 0.40), (50, 15, 0.72, 0.71, 0.45), (75, 22.5, 0.69, 0.68, 0.48)]:
+        run(f, f"pt_m30_f{share}_s0", None, None, pt_min * 60, final_knn_top1=0.3, epochs=3)
+        run(f, f"ft_m30_f{share}_s0", ft_val, ft_test, (30 - pt_min) * 60, epochs=5)
+        # The 75% encoder probes best on val, but its pretraining and probe together (22.5 + 9 min) exceed 30 minutes.
+        run(f, f"probe_m30_f{share}_s0", probe_val, probe_val + 0.01, 9 * 60 if share == 75 else 3 * 60)
+    for s in (1, 2):
+        run(f, f"pt_m30_f50_s{s}", None, None, 900)
+        run(f, f"ft_m30_f50_s{s}", 0.70, 0.70 + s / 100, 900)
+        run(f, f"probe_m30_f50_s{s}", 0.44, 0.44, 180)
+    (f / "notes").mkdir()  # not a run of the sweeps: ignored
+    return f
+
+
+def test_choices_are_made_on_val_and_the_test_of_the_chosen_runs_is_reported(budget_runs):
+    rows, random = budget_table(read_budget_runs(budget_runs))
+    (row,) = rows
+    assert row.minutes == 30
+    assert row.scratch.test == {0: 0.61, 1: 0.63, 2: 0.59}
+    assert row.mae.share == 50 and row.mae.test == {0: 0.71, 1: 0.71, 2: 0.72}  # not the 25% split's better test number
+    assert row.mae.minutes[0] == pytest.approx(30)
+    assert row.probe.share == 50 and row.probe.test[0] == pytest.approx(0.46)  # 75% probes best on val but does not fit
+    assert random.mean() == pytest.approx(0.32)
+    text = markdown(rows, random)
+    assert "| 30 min | 61.0% (59.0-63.0, 3 seeds) | 71.3% (71.0-72.0, 3 seeds); pretraining 0.50 of the budget |" in text
+    assert "+10.3 points (3 seeds; largest seed spread 4.0)" in text
+    assert "| 30 min | 0.25 | 7.5 min (3 ep) | 22.5 min (5 ep) | 3.0 min | 70.0% | 40.0% | 30.0% |" in text
+
+
+def test_command_line_prints_the_table_and_draws_the_plot(budget_runs, tmp_path):
+    out = subprocess.run([sys.executable, "scripts/results_table.py", str(budget_runs), "--plot", str(tmp_path / "p.png")],
+                         cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "| 30 min |" in out.stdout and (tmp_path / "p.png").stat().st_size > 1000
+    empty = subprocess.run([sys.executable, "scripts/results_table.py", str(tmp_path / "nothing")], cwd=ROOT, capture_output=True, text=True)
+    assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "not a folder" in empty.stderr

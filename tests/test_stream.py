@@ -345,6 +345,25 @@ def test_file_ranks_are_disjoint_cover_the_epoch_and_follow_seed_and_epoch(tmp_p
     assert ids(0, 2, workers=0) == r0  # the order does not depend on the worker count
 
 
+def test_batches_finished_in_the_workers_equal_those_finished_in_the_training_process(tmp_path):
+    """On the CPU the workers flip, augment and normalise (no core to spare in training); with no worker the training
+    process does: the same batches either way, a function of (seed, epoch, batch, rank) alone."""
+    from vit.randaug import RandomErasing, TrivialAugment
+
+    data = stream_files(tmp_path)
+    files = data.splits.train
+
+    def batches(workers):
+        loader = StreamLoader(files, 4, device="cpu", mean=(0.5,) * 3, std=(0.25,) * 3, out_size=16, train=True, seed=2,
+                              workers=workers, ops=[TrivialAugment(), RandomErasing(0.5)])  # fmt: skip
+        raws = list(loader.raw_epoch(1))
+        assert all(r.finished == (workers > 0) for r in raws)
+        return list(loader.epoch(1))
+
+    for (a, y), (b, z) in zip(batches(0), batches(2), strict=True):
+        assert torch.equal(a, b) and torch.equal(y, z)
+
+
 def test_file_resume_yields_the_tail_of_the_epoch_bit_for_bit(tmp_path):
     data = stream_files(tmp_path)
     loader = data.loader(data.splits.train, 4, train=True, seed=1)

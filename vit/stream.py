@@ -8,10 +8,11 @@
 It has `vit.augment.BatchLoader`'s interface, so the training loop cannot tell them apart. What
 differs is where the work happens: a worker reads an image, draws its random-resized crop from
 the image's size (torchvision's recipe), decodes only what the crop needs (`vit.decode.decode_crop`:
-JPEGs at a reduced DCT scale) and resizes it to the training size; batches travel to the
-training process as uint8 (B, 3, S, S), a quarter of the bytes of float32. Flip, the batched
-augmentation ops and normalisation then run on the device, shared with the memory path
-(`vit.augment.finish_batch`).
+JPEGs at a reduced DCT scale) and resizes it to the training size. The seeded flip, the batched
+augmentation ops and normalisation, shared with the memory path (`Finisher`, `vit.augment.finish_batch`),
+then run on the device when it is an accelerator (batches travel as uint8 (B, 3, S, S), a quarter
+of the bytes of float32), and in the workers when training on the CPU, whose training process has
+no core to spare. Either way a batch is the same function of (seed, epoch, batch index, rank).
 
 Order and randomness are pure functions of their coordinates, as in the memory path:
 - files (folders, Hugging Face rows): the epoch's order is `vit.augment.epoch_order` (one seeded
@@ -31,6 +32,7 @@ then they are left out of their batch, counted and reported by `BadImageLog`.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 import sys
@@ -98,6 +100,34 @@ class Decoder:
 
 
 @dataclass
+class Finisher:
+    """The batch-level steps after decoding, shared with the memory path: the seeded flip, the batched `ops` and the
+    normalisation (`vit.augment.finish_batch`). They run where the cores are: in the training process on a GPU
+    (the device does them), in the workers when training on the CPU (the training process's cores are busy training).
+
+    (B, 3, S, S) uint8 -> (B, 3, S, S) float32 normalised; training batches draw from seeded_generator("batch", seed, epoch, b, rank).
+    """
+
+    train: bool
+    seed: int
+    rank: int
+    hflip: bool
+    ops: list
+    mean: torch.Tensor
+    std: torch.Tensor
+
+    def __call__(self, images: torch.Tensor, epoch: int, b: int) -> torch.Tensor:
+        if not self.train:
+            return finish_batch(images.float().div_(255), None, (), self.mean, self.std)
+        generator = seeded_generator("batch", self.seed, epoch, b, self.rank)
+        flips = torch.rand(images.shape[0], generator=generator) < 0.5  # drawn even without hflip, as in the memory path
+        if self.hflip:
+            index = flips.nonzero().flatten().to(images.device)
+            images[index] = images[index].flip(-1)  # in uint8: a quarter of the bytes of flipping floats
+        return finish_batch(images.float().div_(255), generator, self.ops, self.mean, self.std)
+
+
+@dataclass
 class BatchBuilder:
     """Collects decoded images into one uint8 (B, 3, S, S) array with labels, sample ids and what failed."""
 
@@ -128,9 +158,14 @@ class BatchBuilder:
             self.error = self.error or reason
         self.bad.append((name, reason))
 
-    def done(self) -> dict[str, Any]:
+    def done(self, finish: Finisher | None = None, epoch: int = 0, b: int = 0) -> dict[str, Any]:
+        """The batch: uint8 images, or with `finish` (and no error) the finished float ones (`finished` says which)."""
         n = len(self.labels)
-        return {"images": torch.from_numpy(self.images[:n]), "labels": torch.tensor(self.labels, dtype=torch.int64),
+        images = torch.from_numpy(self.images[:n])
+        finished = finish is not None and self.error is None and n > 0
+        if finished:
+            images = finish(images, epoch, b)
+        return {"images": images, "finished": finished, "labels": torch.tensor(self.labels, dtype=torch.int64),
                 "ids": list(self.ids), "bad": self.bad, "error": self.error}  # fmt: skip
 
 
@@ -139,24 +174,25 @@ def _identity(batch):
 
 
 class _FileBatches(torch.utils.data.Dataset):
-    """Map-style: the DataLoader hands a whole batch of (epoch, position) pairs to one worker, which decodes it."""
+    """Map-style: the DataLoader hands a whole batch of (epoch, position, batch index) items to one worker, which decodes it."""
 
-    def __init__(self, files: FileSet, decoder: Decoder, skip_bad: bool):
-        self.files, self.decoder, self.skip_bad = files, decoder, skip_bad
+    def __init__(self, files: FileSet, decoder: Decoder, skip_bad: bool, finish: Finisher | None):
+        self.files, self.decoder, self.skip_bad, self.finish = files, decoder, skip_bad, finish
 
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitems__(self, items: list[tuple[int, int]]) -> dict[str, Any]:
+    def __getitems__(self, items: list[tuple[int, int, int]]) -> dict[str, Any]:
         batch = BatchBuilder(len(items), self.decoder.out_size, self.skip_bad)
-        for epoch, pos in items:
+        for epoch, pos, _ in items:
             try:
                 data, name = self.files.read(pos)
             except BadImage as e:
                 batch.fail(self.files.reader.name(int(self.files.index[pos])), str(e))
                 continue
             batch.add(self.decoder, data, name, int(self.files.labels[pos]), pos, epoch, pos)
-        return batch.done()
+        epoch, _, b = items[0]
+        return batch.done(self.finish, epoch, b)
 
 
 class _EpochBatches(torch.utils.data.Sampler):
@@ -176,8 +212,8 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     """Iterable: worker w of rank r reads its shards of the epoch (see the module docstring) and yields full batches forever."""
 
     def __init__(self, shards: ShardSet, decoder: Decoder, skip_bad: bool, batch_size: int, epoch: int, start_batch: int,
-                 rank: int, world_size: int, workers: int, shuffle_buffer: int):  # fmt: skip
-        self.shards, self.decoder, self.skip_bad, self.batch_size = shards, decoder, skip_bad, batch_size
+                 rank: int, world_size: int, workers: int, shuffle_buffer: int, finish: Finisher | None):  # fmt: skip
+        self.shards, self.decoder, self.skip_bad, self.batch_size, self.finish = shards, decoder, skip_bad, batch_size, finish
         self.epoch, self.start_batch, self.rank, self.world_size = epoch, start_batch, rank, world_size
         self.workers, self.shuffle_buffer = workers, shuffle_buffer
 
@@ -216,10 +252,10 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         worker = ((info.id if info is not None else 0) + self.start_batch) % self.workers
         stream = self.shuffled(worker)
         # This worker makes batches worker, worker + workers, ...: skip those before start_batch without decoding them.
-        skip = max(0, math.ceil((self.start_batch - worker) / self.workers)) * self.batch_size
-        for _ in range(skip):
+        skipped = max(0, math.ceil((self.start_batch - worker) / self.workers))
+        for _ in range(skipped * self.batch_size):
             next(stream)
-        while True:
+        for k in itertools.count(skipped):  # this worker's k-th batch is the rank's batch worker + k * workers
             batch = BatchBuilder(self.batch_size, self.decoder.out_size, self.skip_bad)
             for _ in range(self.batch_size):
                 cycle, sample = next(stream)
@@ -230,7 +266,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
                     continue
                 data, name = found
                 batch.add(self.decoder, data, name, sample_label(sample), sample["__key__"], self.epoch, cycle, sample["__key__"])
-            yield batch.done()
+            yield batch.done(self.finish, self.epoch, worker + k * self.workers)
 
 
 class BadImageLog:
@@ -255,9 +291,10 @@ class BadImageLog:
 
 @dataclass
 class RawBatch:
-    images: torch.Tensor  # (B, 3, S, S) uint8 on the CPU
+    images: torch.Tensor  # (B, 3, S, S) on the CPU: uint8, or float32 when the workers finished the batch
     labels: torch.Tensor  # (B,) int64
     ids: list  # positions in the set (files) or keys (shards)
+    finished: bool = False  # flipped, augmented and normalised already (training on the CPU)
 
 
 class StreamLoader:
@@ -307,6 +344,7 @@ class StreamLoader:
         self.hflip, self.ops = hflip, list(ops)
         self.skip_bad, self.bad_log, self.shuffle_buffer = skip_bad, bad_log if bad_log is not None else BadImageLog(rank), shuffle_buffer
         self.decoder = Decoder(out_size, train, seed, tuple(crop_scale), tuple(crop_ratio))
+        self.finisher = Finisher(train, seed, rank, hflip, list(ops), self._mean_t, self._std_t)
         self.classes = list(data.classes)
         self.workers = workers
         self._files_loader = None  # training on files: one DataLoader whose workers live as long as this loader
@@ -344,7 +382,7 @@ class StreamLoader:
     def _batches(self, epoch: int, start_batch: int) -> Iterator[dict[str, Any]]:
         if isinstance(self.data, ShardSet):
             dataset = _ShardBatches(self.data, self.decoder, self.skip_bad, self.batch_size, epoch, start_batch, self.rank,
-                                    self.world_size, max(1, self.workers), self.shuffle_buffer)  # fmt: skip
+                                    self.world_size, max(1, self.workers), self.shuffle_buffer, self._worker_finish())  # fmt: skip
             loader = self._data_loader(dataset, batch_size=None)
             it = iter(loader)
             try:
@@ -356,19 +394,20 @@ class StreamLoader:
         bs = self.batch_size
         if self.train:
             order = epoch_order(len(self.data), bs, self.seed, epoch, self.rank, self.world_size).tolist()
-            batches = [[(epoch, p) for p in order[b * bs : (b + 1) * bs]] for b in range(start_batch, self.num_batches)]
+            batches = [[(epoch, p, b) for p in order[b * bs : (b + 1) * bs]] for b in range(start_batch, self.num_batches)]
         else:
             start, stop = self.shard
-            batches = [[(epoch, p) for p in range(start + b * bs, min(start + (b + 1) * bs, stop))] for b in range(start_batch, self.num_batches)]
+            batches = [[(epoch, p, b) for p in range(start + b * bs, min(start + (b + 1) * bs, stop))] for b in range(start_batch, self.num_batches)]
         if not self.train:
-            yield from self._data_loader(_FileBatches(self.data, self.decoder, self.skip_bad), batch_sampler=_EpochBatches(batches))
+            dataset = _FileBatches(self.data, self.decoder, self.skip_bad, self._worker_finish())
+            yield from self._data_loader(dataset, batch_sampler=_EpochBatches(batches))
             return
         # Training keeps its workers from epoch to epoch (no new processes per epoch): the batches are handed to them by
         # the sampler, in this process, so changing its list changes the epoch.
         if self._files_loader is None:
             self._sampler = _EpochBatches([])
-            self._files_loader = self._data_loader(_FileBatches(self.data, self.decoder, self.skip_bad), persistent=True,
-                                                   batch_sampler=self._sampler)  # fmt: skip
+            self._files_loader = self._data_loader(_FileBatches(self.data, self.decoder, self.skip_bad, self._worker_finish()),
+                                                   persistent=True, batch_sampler=self._sampler)  # fmt: skip
         self._sampler.batches = batches
         yield from self._files_loader
 
@@ -380,21 +419,19 @@ class StreamLoader:
             self.bad_log.add(batch["bad"])
             if self.train and batch["labels"].numel() == 0:
                 raise DataError(f"every image of a batch failed to decode (first: {batch['bad'][0][1]})")
-            yield RawBatch(batch["images"], batch["labels"], batch["ids"])
+            yield RawBatch(batch["images"], batch["labels"], batch["ids"], batch["finished"])
+
+    def _worker_finish(self) -> Finisher | None:
+        """The workers finish batches when training on the CPU (see `Finisher`); on an accelerator the device does."""
+        return self.finisher if self.device.type == "cpu" and self.workers > 0 else None
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of `epoch` from `start_batch` on: the tail of the same sequence a full epoch yields."""
         for b, raw in enumerate(self.raw_epoch(epoch, start_batch), start=start_batch):
             if raw.labels.numel() == 0:
                 continue  # an evaluation batch whose every image was skipped
-            images = raw.images.to(self.device, non_blocking=True)  # (B, 3, S, S) uint8
             labels = raw.labels.to(self.device, non_blocking=True)
-            if not self.train:
-                yield finish_batch(images.float().div_(255), None, (), self._mean_t, self._std_t), labels
-                continue
-            generator = seeded_generator("batch", self.seed, epoch, b, self.rank)
-            flips = torch.rand(images.shape[0], generator=generator) < 0.5  # drawn even without hflip, as in the memory path
-            if self.hflip:
-                index = flips.nonzero().flatten().to(self.device)
-                images[index] = images[index].flip(-1)  # in uint8: a quarter of the bytes of flipping floats
-            yield finish_batch(images.float().div_(255), generator, self.ops, self._mean_t, self._std_t), labels
+            if raw.finished:
+                yield raw.images.to(self.device, non_blocking=True), labels
+            else:
+                yield self.finisher(raw.images.to(self.device, non_blocking=True), epoch, b), labels

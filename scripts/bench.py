@@ -67,7 +67,7 @@ def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
     """The options, with the defaults of the full or the quick run filled in, and the `bench.Settings` they make."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="CI smoke: batch 16, 1 warm-up step, 2 rounds of 1 step, small GEMM, no vit_tiny MAE")
+    p.add_argument("--quick", action="store_true", help="CI smoke: batch 16, 1 warm-up step, 2 rounds of 1 step, small GEMM, vit_cifar_tiny alone, the small stream photos alone")
     p.add_argument("--json", type=Path, help="write machine description and every measurement here")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: every usable core)")

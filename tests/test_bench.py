@@ -32,8 +32,8 @@ def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
     s, cpu = bench.settings(quick=True), torch.device("cpu")
     precisions = bench.case_precisions(cpu)
     expected = [c.name for c in bench.encoder_cases(s, cpu, precisions) + pretrain_bench.mae_cases(s, cpu, precisions)]
-    expected += [f"e2e/pretrain/{precisions[-1]}", f"e2e/finetune/{precisions[-1]}", "stream/500x375/fp32", "stream/1600x1200/fp32"]
-    assert {"encoder/vit_cifar_tiny/fp32", "encoder/vit_tiny_p4/fp32", "mae/vit_cifar_tiny/fp32"} <= set(expected)
+    expected += [f"e2e/pretrain/{precisions[-1]}", f"e2e/finetune/{precisions[-1]}", "stream/500x375/fp32"]
+    assert {"encoder/vit_cifar_tiny/fp32", "mae/vit_cifar_tiny/fp32"} <= set(expected)  # the smoke run: the small model alone
     assert [c["name"] for c in report["cases"]] == expected
     for case in report["cases"]:
         for side in ("ours", "ref"):

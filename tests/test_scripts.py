@@ -355,14 +355,13 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_visualize_on_a_pretraining_encoder_writes_every_figure_without_resume_states(quickstart_out, tmp_path):
+def test_visualize_on_a_pretraining_encoder_writes_every_figure_without_resume_states(quickstart_out, tmp_path, capsys):
     out, _, _ = quickstart_out
     run = shutil.copytree(out / "mae", tmp_path / "mae")
     shutil.rmtree(run / "states")  # pruned: the whole MAE comes from mae.pt
     figures = tmp_path / "figures"
-    proc = run_script("visualize", "--checkpoint", run / "encoder.pt", "--out", figures, "--num-images", "4")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    stdout = proc.stdout
+    visualize(str(run / "encoder.pt"), [], figures, 4)  # what scripts/visualize.py --num-images 4 calls
+    stdout = capsys.readouterr().out
     assert "4 images of the synthetic val split" in stdout and "skipped" not in stdout
     # The MAE came back from mae.pt: 5 labelled rows (views, norm_pix_loss) of 4 images, 100 dpi.
     assert png_size(figures / "reconstruction.png") == (round(100 * (2.4 + 0.75 * 4)), round(100 * 0.85 * 5))
@@ -372,24 +371,22 @@ def test_visualize_on_a_pretraining_encoder_writes_every_figure_without_resume_s
     # A run pretrained before mae.pt was written: one line says why there is no reconstruction; the other figures follow.
     (run / "mae.pt").unlink()
     older = tmp_path / "figures_older"
-    proc = run_script("visualize", "--checkpoint", run, "--out", older, "--num-images", "2")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    stdout = proc.stdout
+    visualize(str(run), [], older, 2)
+    stdout = capsys.readouterr().out
     assert f"reconstruction: skipped (no mae.pt beside {run / 'encoder.pt'}, which holds the encoder alone" in stdout
     assert not (older / "reconstruction.png").exists() and png_size(older / "attention_rollout.png")[0] > 100
 
 
 @pytest.mark.slow
-def test_visualize_on_a_classifier_with_an_image_folder(quickstart_out, tmp_path):
+def test_visualize_on_a_classifier_with_an_image_folder(quickstart_out, tmp_path, capsys):
     out, _, _ = quickstart_out
     folder = tmp_path / "photos"
     folder.mkdir()
     for i in range(3):
         Image.new("RGB", (48, 40), (80 * i, 120, 200)).save(folder / f"p{i}.png")
     figures = tmp_path / "figures"
-    proc = run_script("visualize", "--checkpoint", out / "finetune", "--images", folder, "--out", figures)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    stdout = proc.stdout
+    visualize(str(out / "finetune"), [str(folder)], figures)
+    stdout = capsys.readouterr().out
     assert "classifier" in stdout and f"3 images from {folder}" in stdout
     assert "reconstruction: skipped (" in stdout and not (figures / "reconstruction.png").exists()
     for name in ("attention_heads", "attention_rollout", "pos_embed_similarity", "patch_grid", "sincos_table"):

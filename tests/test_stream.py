@@ -473,43 +473,39 @@ def test_streamed_pretraining_memory_does_not_grow_with_the_images(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_stream_disjoint_samples_that_cover_the_epoch(tmp_path):
-    """Two CPU processes (gloo) under `accelerate launch`: each rank's stream loader reads its own samples of every
-    epoch, together all of them; then a real streamed pretraining runs on the same two processes."""
+    """Two CPU processes (gloo) under `accelerate launch` pretrain on the stream path; then each rank lists the samples its
+    stream loader reads in two epochs: disjoint between the ranks, all of them together."""
     write_folder(tmp_path / "p", 32, size=(30, 30))
+    overrides = tiny_overrides(tmp_path, "ddp", **{"data.dataset": "folder", "data.root": str(tmp_path / "p"), "data.val_size": 0,
+                                                  "data.loader": "stream", "data.workers": 1, "optim.batch_size": 4, "schedule.epochs": 1})
     script = tmp_path / "ranks.py"
     script.write_text(f"""
-import json, sys
-from accelerate import Accelerator
+import json, os, sys
+from pretrain.train import main
 from vit.config import DataConfig
 from vit.loaders import open_data
-acc = Accelerator(cpu=True)
+assert main({overrides!r}) == 0
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 cfg = DataConfig(dataset="folder", root={str(tmp_path / 'p')!r}, cache_dir={str(tmp_path / 'cache')!r}, val_size=0, loader="stream", workers=1)
-data = open_data(cfg, out_size=16, rank=acc.process_index, world_size=acc.num_processes, say=lambda s: None)
+data = open_data(cfg, out_size=16, rank=rank, world_size=world, say=lambda s: None)
 ids = {{e: [i for raw in data.loader(data.splits.train, 4, train=True, seed=0).raw_epoch(e) for i in raw.ids] for e in (0, 1)}}
-json.dump({{"rank": acc.process_index, "world": acc.num_processes, "ids": ids}}, open(sys.argv[1] + f"/rank{{acc.process_index}}.json", "w"))
+json.dump({{"rank": rank, "world": world, "ids": ids}}, open(sys.argv[1] + f"/rank{{rank}}.json", "w"))
 """)
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
     proc = subprocess.run([*launch, str(script), str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "runs" / "ddp" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 4 and summary["data"]["loader"] == "stream"
+    assert summary["ranks"][0]["first_batch_sum"] != summary["ranks"][1]["first_batch_sum"]  # different images on each rank
+    assert summary["ranks"][0]["param_checksum"] == summary["ranks"][1]["param_checksum"]  # the same weights
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2]
     for epoch in ("0", "1"):
         a, b = ranks[0]["ids"][epoch], ranks[1]["ids"][epoch]
         assert len(a) == len(b) == 16 and not set(a) & set(b) and set(a) | set(b) == set(range(32))
     assert ranks[0]["ids"]["0"] != ranks[0]["ids"]["1"]
-
-    overrides = tiny_overrides(tmp_path, "ddp", **{"data.dataset": "folder", "data.root": str(tmp_path / "p"), "data.val_size": 0,
-                                                  "data.loader": "stream", "optim.batch_size": 4, "schedule.epochs": 1})
-    launch[-1] = str(free_port())
-    proc = subprocess.run([*launch, "-m", "pretrain", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads((tmp_path / "runs" / "ddp" / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["steps"] == 4 and summary["data"]["loader"] == "stream"
-    ranks = summary["ranks"]
-    assert ranks[0]["first_batch_sum"] != ranks[1]["first_batch_sum"]  # different images on each rank
-    assert ranks[0]["param_checksum"] == ranks[1]["param_checksum"]  # the same weights
 
 
 def imagenet_like_tree(root: Path, per_class: int = 4) -> None:

@@ -159,48 +159,20 @@ def eval_shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------- loader
 
 
-class BatchLoader:
-    """Serves an ImageSet from one uint8 tensor on `device` in batches, augmented with tensor ops.
+class Loader:
+    """What the two loaders share (`BatchLoader` here, `vit.stream.StreamLoader`): their settings, the rank's share
+    of an epoch and `len`. train=True: `num_batches` full batches per rank (drop_last); train=False: rank r serves
+    the contiguous slice `self.shard = eval_shard(n, r, world_size)`, the last batch possibly short."""
 
-    train=True: a seeded permutation per epoch, shared by all ranks; rank r takes perm[r::world_size],
-    cut so that every rank has the same number of full batches (drop_last); each batch is
-    randomly cropped, flipped, resized to `out_size` and normalised.
-    train=False: every sample once, in order, unaugmented (resized only if the stored size is not
-    `out_size`), normalised; the last batch may be smaller. Rank r holds the contiguous slice
-    `eval_shard(N, r, world_size)` (`self.shard`), without padding, so sums over ranks
-    (`accelerator.reduce(..., "sum")`) count every sample exactly once. To collect per-sample outputs
-    in dataset order, pad each rank's rows to the largest shard (`accelerator.pad_across_processes`),
-    gather, keep the first `stop - start` rows of each rank and concatenate in rank order.
-
-    epoch(e, start_batch) yields (images (B, 3, out_size, out_size) float32, labels (B,) int64), both on `device`.
-    """
-
-    def __init__(
-        self,
-        data: ImageSet,
-        batch_size: int,
-        *,
-        device: torch.device | str,
-        mean: Sequence[float],
-        std: Sequence[float],
-        out_size: int,
-        train: bool,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        crop_scale: tuple[float, float] = (0.35, 1.0),
-        crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
-        hflip: bool = True,
-        ops: Sequence[BatchOp] = (),
-    ) -> None:
+    def __init__(self, n: int, batch_size: int, *, device: torch.device | str, mean: Sequence[float], std: Sequence[float],
+                 out_size: int, train: bool, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 crop_scale: tuple[float, float] = (0.35, 1.0), crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
+                 hflip: bool = True, ops: Sequence[BatchOp] = ()) -> None:  # fmt: skip
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.device = torch.device(device)
-        self.images = data.images.to(self.device)  # (N, 3, H, W) uint8, moved once
-        self.labels = data.labels.to(self.device)  # (N,)
-        self.classes = list(data.classes)
         self.batch_size = batch_size
         self.mean, self.std = tuple(mean), tuple(std)
         # On the device once: a fresh tensor from a list each batch would be a blocking host-to-device copy each time.
@@ -211,7 +183,6 @@ class BatchLoader:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.crop_scale, self.crop_ratio, self.hflip = tuple(crop_scale), tuple(crop_ratio), hflip
         self.ops = list(ops)
-        n = self.labels.shape[0]
         if train:
             self.num_batches = (n // world_size) // batch_size
             if self.num_batches == 0:
@@ -231,6 +202,29 @@ class BatchLoader:
         if self.train:
             return self.num_batches * self.batch_size
         return self.shard[1] - self.shard[0]
+
+
+class BatchLoader(Loader):
+    """Serves an ImageSet from one uint8 tensor on `device` in batches, augmented with tensor ops.
+
+    train=True: a seeded permutation per epoch, shared by all ranks; rank r takes perm[r::world_size],
+    cut so that every rank has the same number of full batches (drop_last); each batch is
+    randomly cropped, flipped, resized to `out_size` and normalised.
+    train=False: every sample once, in order, unaugmented (resized only if the stored size is not
+    `out_size`), normalised; the last batch may be smaller. Rank r holds the contiguous slice
+    `eval_shard(N, r, world_size)` (`self.shard`), without padding, so sums over ranks
+    (`accelerator.reduce(..., "sum")`) count every sample exactly once. To collect per-sample outputs
+    in dataset order, pad each rank's rows to the largest shard (`accelerator.pad_across_processes`),
+    gather, keep the first `stop - start` rows of each rank and concatenate in rank order.
+
+    epoch(e, start_batch) yields (images (B, 3, out_size, out_size) float32, labels (B,) int64), both on `device`.
+    """
+
+    def __init__(self, data: ImageSet, batch_size: int, **settings) -> None:
+        super().__init__(len(data), batch_size, **settings)
+        self.images = data.images.to(self.device)  # (N, 3, H, W) uint8, moved once
+        self.labels = data.labels.to(self.device)  # (N,)
+        self.classes = list(data.classes)
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of `epoch` from `start_batch` on: the tail of the same sequence a full epoch yields."""

@@ -95,23 +95,24 @@ def _first_image_size(files) -> tuple[int, int]:
         raise BadImage(f"cannot decode image {name} ({type(e).__name__}: {e})") from None
 
 
-def decoded_bytes(cfg: DataConfig, out_size: int) -> tuple[int, int, int]:
-    """(images, side, bytes) the memory loader would hold: every image at `data.image_size` (else the first image's size)."""
+def decoded_bytes(cfg: DataConfig, out_size: int, sets: dict[str, Any] | None = None) -> tuple[int, str, int]:
+    """(images, "HxW", bytes) the memory loader would hold: every image at `data.image_size` (else the first image's size).
+    `sets`: the source's file sets when the caller listed them already (a large tree is listed once)."""
     if cfg.dataset == "webdataset":
         shards = sources.open_shards(cfg.root, Path(cfg.cache_dir).expanduser())
         side = cfg.image_size or out_size
-        return len(shards), side, len(shards) * 3 * side * side
-    sets = file_sets(cfg)
+        return len(shards), f"{side}x{side}", len(shards) * 3 * side * side
+    sets = sets if sets is not None else file_sets(cfg)
     count = sum(len(s) for s in sets.values())
     if cfg.image_size is not None:
         side = cfg.image_size
-        return count, side, count * 3 * side * side
+        return count, f"{side}x{side}", count * 3 * side * side
     w, h = _first_image_size(sets["train"])
-    return count, max(w, h), count * 3 * w * h
+    return count, f"{h}x{w}", count * 3 * w * h
 
 
-def choose_loader(cfg: DataConfig, out_size: int) -> tuple[str, str]:
-    """("memory" | "stream", why) for `data.loader`."""
+def choose_loader(cfg: DataConfig, out_size: int, sets: dict[str, Any] | None = None) -> tuple[str, str]:
+    """("memory" | "stream", why) for `data.loader`; `sets` as for `decoded_bytes`."""
     why_not = streamable(cfg)
     if cfg.loader == "memory":
         return "memory", "data.loader=memory"
@@ -121,9 +122,9 @@ def choose_loader(cfg: DataConfig, out_size: int) -> tuple[str, str]:
         return "stream", "data.loader=stream"
     if why_not:
         return "memory", f"auto: {why_not}"
-    count, side, size = decoded_bytes(cfg, out_size)
+    count, hw, size = decoded_bytes(cfg, out_size, sets)
     budget, how = memory_budget(cfg)
-    what = f"{count:,} images x 3x{side}x{side} = {size / GB:.2f} GB decoded"
+    what = f"{count:,} images x 3x{hw} = {size / GB:.2f} GB decoded"
     if size <= budget:
         return "memory", f"auto: {what} <= memory budget {budget / GB:.2f} GB ({how})"
     return "stream", f"auto: {what} > memory budget {budget / GB:.2f} GB ({how})"
@@ -241,7 +242,9 @@ def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | s
     """Open `cfg`'s data for a stage whose model takes `out_size` images (None: as stored; memory loader only);
     `need_labels` refuses an unlabelled source with one line."""
     device = torch.device(device)
-    kind, why = choose_loader(cfg, out_size or cfg.image_size or 32)
+    listed = file_sets(cfg) if cfg.loader != "memory" and cfg.dataset in ("folder", "hf", "imagefolder", "cifar10", "cifar100") \
+        and streamable(cfg) is None else None  # fmt: skip
+    kind, why = choose_loader(cfg, out_size or cfg.image_size or 32, listed)
     bad = BadImageLog(rank)
     workers = default_workers(cfg, device, threads, local_processes) if kind == "stream" else 0
     how = f"{workers} decoding worker(s) per process (data.workers)" if kind == "stream" else "decoded once, augmented on the device"
@@ -252,7 +255,7 @@ def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | s
         if cfg.dataset == "webdataset":
             splits = _shard_splits(cfg, out_size, bad)
         else:
-            raw = file_sets(cfg)
+            raw = listed if listed is not None else file_sets(cfg)
             splits = carve_splits(cfg, raw, sources.files_fingerprint(raw["train"]), "stream", out_size)
     if out_size is None:  # a model that takes the images as they are stored (ResNet-18)
         if kind == "stream":

@@ -37,12 +37,12 @@ import math
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from vit.augment import BatchOp, epoch_order, eval_shard, finish_batch
+from vit.augment import Loader, epoch_order, finish_batch
 from vit.data import seeded_generator
 from vit.decode import BadImage, Box, decode_crop, decode_image
 from vit.errors import DataError
@@ -297,7 +297,7 @@ class RawBatch:
     finished: bool = False  # flipped, augmented and normalised already (training on the CPU)
 
 
-class StreamLoader:
+class StreamLoader(Loader):
     """Serves a `FileSet` or `ShardSet` in batches decoded by `workers` DataLoader processes; `BatchLoader`'s interface.
 
     train=True: the epoch order described in the module docstring, `len(self)` full batches per rank
@@ -309,68 +309,24 @@ class StreamLoader:
     raw_epoch(e, start_batch) yields the uint8 `RawBatch`es before the device-side steps, with sample ids.
     """
 
-    def __init__(
-        self,
-        data: FileSet | ShardSet,
-        batch_size: int,
-        *,
-        device: torch.device | str,
-        mean: Sequence[float],
-        std: Sequence[float],
-        out_size: int,
-        train: bool,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        crop_scale: tuple[float, float] = (0.35, 1.0),
-        crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
-        hflip: bool = True,
-        ops: Sequence[BatchOp] = (),
-        workers: int = 1,
-        skip_bad: bool = False,
-        bad_log: BadImageLog | None = None,
-        shuffle_buffer: int = 1000,
-    ) -> None:
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.data, self.batch_size, self.train = data, batch_size, train
-        self.device = torch.device(device)
-        self.mean, self.std = tuple(mean), tuple(std)
-        self._mean_t = torch.tensor(self.mean, dtype=torch.float32, device=self.device)
-        self._std_t = torch.tensor(self.std, dtype=torch.float32, device=self.device)
-        self.out_size, self.seed, self.rank, self.world_size = out_size, seed, rank, world_size
-        self.hflip, self.ops = hflip, list(ops)
-        self.skip_bad, self.bad_log, self.shuffle_buffer = skip_bad, bad_log if bad_log is not None else BadImageLog(rank), shuffle_buffer
-        self.decoder = Decoder(out_size, train, seed, tuple(crop_scale), tuple(crop_ratio))
-        self.finisher = Finisher(train, seed, rank, hflip, list(ops), self._mean_t, self._std_t)
-        self.classes = list(data.classes)
-        self.workers = workers
-        self._files_loader = None  # training on files: one DataLoader whose workers live as long as this loader
-        n = len(data)
+    def __init__(self, data: FileSet | ShardSet, batch_size: int, *, workers: int = 1, skip_bad: bool = False,
+                 bad_log: BadImageLog | None = None, shuffle_buffer: int = 1000, **settings) -> None:  # fmt: skip
+        """`settings`: those of `vit.augment.Loader` (device, mean, std, out_size, train, seed, rank, world_size, crop, ops)."""
+        train, world_size = settings.get("train"), settings.get("world_size", 1)
         if isinstance(data, ShardSet):
             if not train:
                 raise ValueError("shards are read for training only; evaluation sets are decoded into memory")
             if len(data.urls) < world_size:
                 raise DataError(f"{len(data.urls)} shard(s) cannot be split among {world_size} processes: write at least one shard per process")
             # A worker without a shard would end the epoch early: at most as many workers as each rank has shards.
-            self.workers = max(1, min(workers, len(data.urls) // world_size))
-        if train:
-            self.num_batches = (n // world_size) // batch_size
-            if self.num_batches == 0:
-                raise DataError(f"the training split has {n} images, fewer than a batch of {batch_size} for each of {world_size} processes")
-            self.shard = None
-        else:
-            self.shard = eval_shard(n, rank, world_size)
-            self.num_batches = math.ceil((self.shard[1] - self.shard[0]) / batch_size)
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    @property
-    def num_samples(self) -> int:
-        return self.num_batches * self.batch_size if self.train else self.shard[1] - self.shard[0]
+            workers = max(1, min(workers, len(data.urls) // world_size))
+        super().__init__(len(data), batch_size, **settings)
+        self.data, self.classes, self.workers = data, list(data.classes), workers
+        self.skip_bad, self.shuffle_buffer = skip_bad, shuffle_buffer
+        self.bad_log = bad_log if bad_log is not None else BadImageLog(self.rank)
+        self.decoder = Decoder(self.out_size, self.train, self.seed, self.crop_scale, self.crop_ratio)
+        self.finisher = Finisher(self.train, self.seed, self.rank, self.hflip, self.ops, self._mean_t, self._std_t)
+        self._files_loader = None  # training on files: one DataLoader whose workers live as long as this loader
 
     def _data_loader(self, dataset, persistent: bool = False, **kwargs) -> torch.utils.data.DataLoader:
         workers = self.workers

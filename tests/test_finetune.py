@@ -108,8 +108,9 @@ def test_cached_and_uncached_probes_agree_and_encoder_stays_frozen(mae_run, tmp_
     uncached = probe(tmp_path, "uncached", mae_run, False)
     assert cached["cached_features"] and not uncached["cached_features"]
     # A cached probe has two rates, named for what they count; `images_per_sec`, the stage's rate in every summary, is the
-    # encoder's (what its images cost). An uncached one has the one.
-    assert cached["feature_images_per_sec"] > 0 and cached["head_images_per_sec"] > cached["feature_images_per_sec"]
+    # encoder's (what its images cost). An uncached one has the one. (Which is faster is a timing, not asserted: a
+    # loaded machine can slow the head's few tiny steps more than the feature pass.)
+    assert cached["feature_images_per_sec"] > 0 and cached["head_images_per_sec"] > 0
     assert cached["images_per_sec"] == cached["feature_images_per_sec"]
     assert uncached["images_per_sec"] > 0 and "feature_images_per_sec" not in uncached
     assert cached["final_val_top1"] == uncached["final_val_top1"]

@@ -1,6 +1,7 @@
 """`run.precision`: `auto` picks bf16 only where the device computes it natively; what ran is recorded."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -40,8 +41,11 @@ def test_a_run_records_the_precision_auto_chose(tmp_path, monkeypatch, native):
     assert main(overrides) == 0
     chosen = "bf16" if native else "no"
     run = tmp_path / "runs" / "run"
-    assert json.loads((run / "summary.json").read_text())["precision"] == chosen
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["precision"] == chosen
     assert yaml.safe_load((run / "config.yaml").read_text())["run"]["precision"] == chosen
+    # Minutes compare only on the same kind of machine: the summary says which one ran.
+    assert summary["host"]["cores"] == os.cpu_count() and summary["host"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_the_run_holds_the_resolved_precision_and_the_callers_config_is_left_as_asked(tmp_path, monkeypatch):

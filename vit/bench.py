@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from vit.config import DataConfig, ModelConfig, OptimConfig
 from vit.data import ImageSet, load_splits
-from vit.device import synchronize
+from vit.device import cpu_model_and_flags, synchronize
 from vit.engine import make_optimizer, native_bf16, param_groups
 from vit.model import create_model, flops_per_image
 from vit.reference import timm_vit
@@ -426,17 +426,7 @@ def run_cases(cases: list[Case], s: Settings, device: torch.device, precisions: 
 def machine(device: torch.device, threads: int) -> dict:
     import timm
 
-    cpu, flags = None, []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu is None:
-                cpu = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = sorted(f for f in value.split() if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2")))
-    except OSError:
-        pass  # not Linux: platform's description below
-    cpu = cpu or platform.processor() or platform.machine()
+    cpu, flags = cpu_model_and_flags()
     info = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "usable_cores": usable_cores(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "timm": timm.__version__, "threads": threads,
             "device": device.type, "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip

@@ -1,6 +1,11 @@
-"""Which torch device a command runs on, and waiting for it: `pick_device("auto")`, `synchronize(device)`."""
+"""Which torch device a command runs on, waiting for it, and what the machine is: `pick_device("auto")`,
+`synchronize(device)`, `host(device)`."""
 
 from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -32,3 +37,44 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+# The CPU flags that decide a training step's speed: AVX2 (fp32 only), AVX-512, native bf16 (AVX512-BF16, AMX).
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_model_and_flags(cpuinfo: str | None = None) -> tuple[str, list[str]]:
+    """The CPU's model name and which of SPEED_FLAGS it has, from /proc/cpuinfo (or `cpuinfo`'s text);
+    platform's description and no flags where there is none (macOS, Windows)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model, flags = None, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model is None:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return model or platform.processor() or platform.machine(), [f for f in SPEED_FLAGS if f in flags]
+
+
+def host(device: torch.device) -> dict:
+    """What a run's speed depends on, for its summary: CPU model and speed flags, torch's CPU kernels, cores, GPU name.
+    Minutes (a time budget) only compare between runs whose `host_label` is the same."""
+    cpu, flags = cpu_model_and_flags()
+    info = {"cpu": cpu, "cpu_flags": flags, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def host_label(info: dict | None, precision: str | None = None) -> str:
+    """'AMD EPYC (avx2 avx512f avx512_bf16), 2 cores, bf16': the machine class a time-budgeted result belongs to."""
+    if not info:
+        return "host not recorded"
+    text = info.get("gpu") or f"{info.get('cpu', '?')} ({' '.join(info.get('cpu_flags') or []) or 'no AVX2'}), {info.get('cores', '?')} cores"
+    return text + (f", {'fp32' if precision in (None, 'no') else precision}" if precision is not None else "")

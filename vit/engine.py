@@ -34,6 +34,7 @@ import torch.nn as nn
 from vit import tracking
 from vit.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, plan_steps
 from vit.config import RunConfig, dump_config, to_dict
+from vit.device import host
 from vit.errors import ConfigError, UserError
 from vit.runs import (
     METRICS_FILE,
@@ -344,7 +345,7 @@ class Run:
         summary = {"stage": self.stage, "job_type": self.job_type, **summary, "processes": self.accelerator.num_processes,
                    "device": str(self.accelerator.device), "threads_per_process": self.threads, "precision": self.cfg.run.precision,
                    "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir),
-                   "memory": peak_memory()}  # fmt: skip
+                   "host": host(self.accelerator.device), "memory": peak_memory()}  # fmt: skip
         schedule = getattr(self.cfg, "schedule", None)
         if schedule is not None and schedule.budget_minutes is not None:
             # The plan beside what the stage took, so an estimate that missed shows.

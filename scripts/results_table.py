@@ -2,6 +2,10 @@
 
     python scripts/results_table.py runs/budget                                  # the table and the val search, on stdout
     python scripts/results_table.py runs/budget --plot docs/figures/equal_compute.png
+    python scripts/results_table.py runs/budget --archive docs/results/budget      # keep the runs' records (KBs) in git
+    python scripts/results_table.py docs/results/budget                            # the same tables from the records
+
+Minutes compare only on one kind of machine: one table per host that the runs' summaries record.
 
 The runs come from `configs/sweeps/budget_*.yaml` (`python scripts/sweep.py ... --out runs/budget`). Every choice is
 made on val with seed 0 (the split of each budget, the probe's pretraining); test is read for the chosen runs only.
@@ -15,24 +19,29 @@ import sys
 from pathlib import Path
 
 from vit.errors import UserError, exit_on_user_error
-from vit.results import budget_table, markdown, plot, read_budget_runs
+from vit.results import archive, budget_table, markdown, plot, read_budget_runs
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="results_table.py", description="The equal-compute table of RESULTS.md from run folders")
-    parser.add_argument("folder", type=Path, help="the --out folder of the budget sweeps")
+    parser.add_argument("folder", type=Path, help="the --out folder of the budget sweeps, or an archive of their records")
+    parser.add_argument("--archive", type=Path, help="also copy the runs' records (config, summary, budget) under this folder")
     parser.add_argument("--plot", type=Path, help="also draw test top-1 against the budget into this PNG")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         raise UserError(f"{args.folder} is not a folder of run folders")
-    runs = read_budget_runs(args.folder)
-    if not runs:
+    hosts = read_budget_runs(args.folder)
+    if not hosts:
         raise UserError(f"{args.folder} holds no finished run of the budget sweeps (scratch_m*, pt_m*, ft_m*, probe_m*, random_probe_s*)")
-    rows, random = budget_table(runs)
-    print(markdown(rows, random))
+    tables = {host: budget_table(runs) for host, runs in hosts.items()}
+    for host, (rows, random) in tables.items():
+        print(f"Host: {host}\n\n{markdown(rows, random)}\n")
     if args.plot:
-        print(f"plot: {plot(rows, random, args.plot)}")
+        print(f"plot: {plot(tables, args.plot)}")
+    if args.archive:
+        written = archive(hosts, args.archive)
+        print(f"archive: {len(written)} new record(s) under {args.archive}")
     return 0
 
 

@@ -6,8 +6,13 @@ import sys
 import pytest
 
 from helpers import ROOT
-from vit.results import budget_table, markdown, read_budget_runs
+from vit.device import cpu_model_and_flags, host_label
+from vit.errors import UserError
+from vit.results import archive, budget_table, markdown, read_budget_runs
 from vit.runs import write_config, write_summary
+
+AVX2 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2}
+BF16 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"], "cores": 2}
 
 
 def run(folder, name, val, test, seconds, **extra):
@@ -38,7 +43,9 @@ def budget_runs(tmp_path):
 
 
 def test_choices_are_made_on_val_and_the_test_of_the_chosen_runs_is_reported(budget_runs):
-    rows, random = budget_table(read_budget_runs(budget_runs))
+    hosts = read_budget_runs(budget_runs)
+    assert list(hosts) == ["host not recorded"]  # summaries written before runs recorded their host
+    rows, random = budget_table(hosts["host not recorded"])
     (row,) = rows
     assert row.minutes == 30
     assert row.scratch.test == {0: 0.61, 1: 0.63, 2: 0.59}
@@ -59,3 +66,42 @@ def test_command_line_prints_the_table_and_draws_the_plot(budget_runs, tmp_path)
     assert "| 30 min |" in out.stdout and (tmp_path / "p.png").stat().st_size > 1000
     empty = subprocess.run([sys.executable, "scripts/results_table.py", str(tmp_path / "nothing")], cwd=ROOT, capture_output=True, text=True)
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "not a folder" in empty.stderr
+
+
+def test_minutes_of_different_machines_are_never_mixed_in_one_table(tmp_path):
+    f = tmp_path / "records"
+    run(f / "slow", "scratch_m15_s0", 0.60, 0.59, 900, host=AVX2, precision="no")
+    run(f / "fast", "scratch_m15_s0", 0.70, 0.69, 900, host=BF16, precision="bf16")
+    run(f / "fast", "random_probe_s0", 0.30, 0.31, 60, host=BF16, precision="bf16")
+    hosts = read_budget_runs(f)
+    slow, fast = host_label(AVX2, "no"), host_label(BF16, "bf16")
+    assert slow == "AMD EPYC (avx2), 2 cores, fp32" and fast == "AMD EPYC (avx2 avx512f avx512_bf16), 2 cores, bf16"
+    assert set(hosts) == {slow, fast} and set(hosts[slow]) == {"scratch_m15_s0"}
+    assert budget_table(hosts[slow])[0][0].scratch.test == {0: 0.59} and budget_table(hosts[fast])[0][0].scratch.test == {0: 0.69}
+    run(f / "again", "scratch_m15_s0", 0.71, 0.70, 900, host=BF16, precision="bf16")  # one run twice on one machine: which?
+    with pytest.raises(UserError, match="are both scratch_m15_s0 on AMD EPYC"):
+        read_budget_runs(f)
+
+
+def test_an_archive_of_records_gives_the_same_tables_and_never_overwrites(budget_runs, tmp_path):
+    dest = tmp_path / "archive"
+    hosts = read_budget_runs(budget_runs)
+    written = archive(hosts, dest)
+    assert len(written) == 21 and all(sorted(p.name for p in w.iterdir()) == ["config.yaml", "summary.json"] for w in written)
+    again = read_budget_runs(dest)
+    assert markdown(*budget_table(again["host not recorded"])) == markdown(*budget_table(hosts["host not recorded"]))
+    assert archive(hosts, dest) == []  # the same records: nothing written
+    record = dest / "host-not-recorded" / "scratch_m30_s0" / "summary.json"
+    kept = record.read_text()
+    (budget_runs / "scratch_m30_s0" / "summary.json").write_text('{"val_top1": 0.5, "test_top1": 0.5}')
+    with pytest.raises(UserError, match="already holds a different record of a run named scratch_m30_s0"):
+        archive(read_budget_runs(budget_runs), dest)
+    assert record.read_text() == kept
+
+
+def test_cpu_model_and_flags_read_cpuinfo():
+    text = "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx avx2 avx512f avx512_bf16 sha_ni\nprocessor\t: 1\n"
+    assert cpu_model_and_flags(text) == ("AMD EPYC 9R14", ["avx2", "avx512f", "avx512_bf16"])
+    assert cpu_model_and_flags("model name : Intel Xeon\nflags : sse avx amx_tile amx_bf16 avx512f avx2\n")[1] == [
+        "avx2", "avx512f", "amx_bf16", "amx_tile"]  # fmt: skip
+    assert host_label({"gpu": "NVIDIA H100 80GB HBM3", "cpu": "x"}, "bf16") == "NVIDIA H100 80GB HBM3, bf16"

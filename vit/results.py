@@ -1,11 +1,13 @@
 """The equal-compute table of RESULTS.md, computed from the run folders of the budget sweeps (`configs/sweeps/budget_*.yaml`).
 
-    table = budget_table(read_budget_runs(Path("runs/budget")))
-    print(markdown(table))
+    for host, runs in read_budget_runs(Path("runs/budget")).items():    # one table per kind of machine
+        print(host, markdown(*budget_table(runs)))
+    archive(hosts, Path("docs/results/budget"))                         # the runs' records, to compute it again later
 
 Run names follow the sweeps: `scratch_m{M}_s{S}` (a ViT from scratch for M minutes), `pt_m{M}_f{F}_s{S}`
 (MAE pretraining for F% of M), `ft_m{M}_f{F}_s{S}` (its fine-tuning for the rest), `probe_m{M}_f{F}_s{S}`
-(its linear probe), `random_probe_s{S}`. Every choice is made on val, with seed 0: the split F of each row
+(its linear probe), `random_probe_s{S}`. Minutes buy four times the steps on a CPU with native bf16 that they buy on
+an AVX2-only one, so runs are grouped by the host their summary records and never mixed in one table. Every choice is made on val, with seed 0: the split F of each row
 is the one whose fine-tune has the best val top-1; the probe column takes, among the pretraining runs of the
 row whose pretraining and probe together fit in M minutes, the one whose probe has the best val top-1.
 Test numbers are read only for what was chosen. `scripts/results_table.py` is the command line.
@@ -19,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vit.runs import RunFolder, is_run_folder, read_run
+from vit.device import host_label
+from vit.errors import UserError
+from vit.runs import RunFolder, copy_record, is_run_folder, read_run
 
 NAME = re.compile(r"^(scratch|pt|ft|probe)_m(\d+)(?:_f(\d+))?_s(\d+)$|^random_probe_s(\d+)$")
 
@@ -49,15 +53,45 @@ class Row:
     search: list[dict[str, Any]]  # per share, seed 0: minutes, fine-tune val, probe val, last kNN top-1
 
 
-def read_budget_runs(folder: Path) -> dict[str, RunFolder]:
-    """The finished runs of `folder` whose names follow the budget sweeps."""
-    runs = {}
-    for path in sorted(Path(folder).iterdir()):
-        if NAME.match(path.name) and is_run_folder(path):
-            run = read_run(path)
-            if run.finished:
-                runs[path.name] = run
-    return runs
+def host_of(run: RunFolder) -> str:
+    """The kind of machine a run's minutes were spent on, from its summary ('host not recorded' for older runs)."""
+    s = run.summary or {}
+    return host_label(s.get("host"), s.get("precision")) if s.get("host") else host_label(None)
+
+
+def read_budget_runs(folder: Path) -> dict[str, dict[str, RunFolder]]:
+    """The finished runs under `folder`, at any depth (a sweep's --out, or an archive of records from several machines),
+    whose names follow the budget sweeps: {host label: {run name: run}}. The same name twice on one host is a UserError."""
+    hosts: dict[str, dict[str, RunFolder]] = {}
+    for path in sorted(p for p in Path(folder).rglob("*") if NAME.match(p.name)):
+        if not is_run_folder(path):
+            continue
+        run = read_run(path)
+        if not run.finished:
+            continue
+        host = host_of(run)
+        runs = hosts.setdefault(host, {})
+        if path.name in runs:
+            raise UserError(f"{runs[path.name].path} and {path} are both {path.name} on {host}: keep one of them")
+        runs[path.name] = run
+    return hosts
+
+
+def host_slug(host: str) -> str:
+    """A folder name for a host label: 'amd-epyc-avx2-avx512f-avx512-bf16-2-cores-bf16'."""
+    return re.sub(r"[^a-z0-9]+", "-", host.lower()).strip("-")
+
+
+def archive(hosts: dict[str, dict[str, RunFolder]], dest: Path) -> list[Path]:
+    """Copy each run's record (config, summary, budget) to dest/<host slug>/<name>, where `read_budget_runs(dest)` finds it
+    once the run folders are gone; returns the records written (the same record already there is kept)."""
+    written = []
+    for host, runs in hosts.items():
+        for name, run in runs.items():
+            target = Path(dest) / host_slug(host) / name
+            if copy_record(run.path, target):
+                written.append(target)
+    return written
 
 
 def stage_minutes(run: RunFolder) -> float:
@@ -179,30 +213,35 @@ def markdown(rows: list[Row], random: Arm) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[Row], random: Arm, path: Path) -> Path:
-    """Test top-1 against the budget for each arm (mean over seeds, min-max bars)."""
+def plot(tables: dict[str, tuple[list[Row], Arm]], path: Path) -> Path:
+    """Test top-1 against the budget for each arm (mean over seeds, min-max bars), one line style per host."""
     from vit.plots import pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for label, pick, style in (("ViT from scratch", lambda r: r.scratch, "o-"), ("MAE then fine-tune", lambda r: r.mae, "s-"),
-                               ("MAE linear probe", lambda r: r.probe, "^--")):  # fmt: skip
-        pts = [(r.minutes, pick(r)) for r in rows if pick(r).test]
-        if not pts:
-            continue
-        xs = [m for m, _ in pts]
-        ys = [100 * a.mean() for _, a in pts]
-        lo = [100 * (a.mean() - a.spread()[0]) for _, a in pts]
-        hi = [100 * (a.spread()[1] - a.mean()) for _, a in pts]
-        ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, capsize=3, label=label)
-    if random.test:
-        ax.axhline(100 * random.mean(), color="grey", ls=":", label=f"random-encoder probe ({len(random.test)} seeds)")
+    arms = (("ViT from scratch", lambda r: r.scratch, "o", "C0"), ("MAE then fine-tune", lambda r: r.mae, "s", "C1"),
+            ("MAE linear probe", lambda r: r.probe, "^", "C2"))  # fmt: skip
+    ticks = set()
+    for (host, (rows, random)), line in zip(tables.items(), ("-", "--", ":", "-.")):
+        suffix = f" ({host})" if len(tables) > 1 else ""
+        for label, pick, marker, color in arms:
+            pts = [(r.minutes, pick(r)) for r in rows if pick(r).test]
+            if not pts:
+                continue
+            xs = [m for m, _ in pts]
+            ys = [100 * a.mean() for _, a in pts]
+            lo = [100 * (a.mean() - a.spread()[0]) for _, a in pts]
+            hi = [100 * (a.spread()[1] - a.mean()) for _, a in pts]
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker + line, color=color, capsize=3, label=label + suffix)
+            ticks.update(xs)
+        if random.test:
+            ax.axhline(100 * random.mean(), color="grey", ls=line, label=f"random-encoder probe ({len(random.test)} seeds){suffix}")
     ax.set_xscale("log", base=2)
-    ticks = [r.minutes for r in rows]
-    ax.set_xticks(ticks, [str(t) for t in ticks])
-    ax.set_xlabel("minutes for all stages (2 CPU cores)")
+    ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+    ax.set_xlabel("minutes for all stages")
     ax.set_ylabel("CIFAR-10 test top-1 (%)")
-    ax.set_title("Equal compute: MAE against training from scratch")
+    title = "Equal compute: MAE against training from scratch"
+    ax.set_title(title + (f"\n{next(iter(tables))}" if len(tables) == 1 else ""), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     return save(fig, path)

@@ -45,6 +45,7 @@ STATE_FILE = "trainer.json"  # written last: its presence marks a complete state
 
 RUN_OUTPUTS = (METRICS_FILE, SUMMARY_FILE, ENCODER_FILE, MAE_FILE, CLASSIFIER_FILE, STATE_DIR)  # what makes a folder hold a run
 RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)  # what makes a folder a run folder to read
+RECORD_FILES = (CONFIG_FILE, SUMMARY_FILE, BUDGET_FILE)  # a finished run's record: kilobytes that a results table reads
 CLASSIFICATION = "classification"  # RunFolder.group of every run that is not pretraining
 
 
@@ -236,6 +237,25 @@ def complete_state(partial: Path, final: Path, progress: dict[str, Any]) -> Path
 def read_state_progress(path: Path) -> dict[str, Any]:
     """What the training loop saved beside a state (its marker's contents)."""
     return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def copy_record(run_dir: Path, dest: Path) -> bool:
+    """Copy a finished run's record (RECORD_FILES: config, summary, budget; no weights, states or metrics) into `dest`, so
+    that a table computed from it can be computed again after the run folder is gone. False when `dest` already holds
+    the same record; a different one there is a UserError, never overwritten."""
+    run_dir, dest = Path(run_dir), Path(dest)
+    if not (run_dir / SUMMARY_FILE).is_file():
+        raise UserError(f"{run_dir} is not a finished run (no {SUMMARY_FILE})")
+    files = [name for name in RECORD_FILES if (run_dir / name).is_file()]
+    if dest.exists():
+        same = all((dest / name).is_file() and (dest / name).read_bytes() == (run_dir / name).read_bytes() for name in files)
+        if same:
+            return False
+        raise UserError(f"{dest} already holds a different record of a run named {run_dir.name}; move it away or archive elsewhere")
+    dest.mkdir(parents=True)
+    for name in files:
+        shutil.copyfile(run_dir / name, dest / name)
+    return True
 
 
 def trim_states(run_dir: Path, keep: int) -> list[Path]:

@@ -102,6 +102,9 @@ def test_an_archive_of_records_gives_the_same_tables_and_never_overwrites(budget
 def test_cpu_model_and_flags_read_cpuinfo():
     text = "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx avx2 avx512f avx512_bf16 sha_ni\nprocessor\t: 1\n"
     assert cpu_model_and_flags(text) == ("AMD EPYC 9R14", ["avx2", "avx512f", "avx512_bf16"])
+    # One name for two generations: the family and model tell a Zen 4 from a Zen 5
+    zen5 = "processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: avx2\nprocessor\t: 1\ncpu family\t: 25\n"
+    assert cpu_model_and_flags(zen5) == ("AMD EPYC (family 26 model 2)", ["avx2"])
     assert cpu_model_and_flags("model name : Intel Xeon\nflags : sse avx amx_tile amx_bf16 avx512f avx2\n")[1] == [
         "avx2", "avx512f", "amx_bf16", "amx_tile"]  # fmt: skip
     assert host_label({"gpu": "NVIDIA H100 80GB HBM3", "cpu": "x"}, "bf16") == "NVIDIA H100 80GB HBM3, bf16"

@@ -51,14 +51,16 @@ def cpu_model_and_flags(cpuinfo: str | None = None) -> tuple[str, list[str]]:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             cpuinfo = ""
-    model, flags = None, set()
+    first: dict[str, str] = {}  # the first processor's lines
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and model is None:
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return model or platform.processor() or platform.machine(), [f for f in SPEED_FLAGS if f in flags]
+        first.setdefault(key.strip(), value.strip())
+    model = first.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in first and "model" in first:
+        # A hypervisor may show one name ("AMD EPYC") for CPU generations whose speed differs: the family and model tell them apart
+        model += f" (family {first['cpu family']} model {first['model']})"
+    flags = set(first.get("flags", "").split())
+    return model, [f for f in SPEED_FLAGS if f in flags]
 
 
 def host(device: torch.device) -> dict:

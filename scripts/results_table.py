@@ -7,7 +7,7 @@
 
 Minutes compare only on one kind of machine: one table per host that the runs' summaries record.
 
-The runs come from `configs/sweeps/budget_*.yaml` (`python scripts/sweep.py ... --out runs/budget`). Every choice is
+The runs come from `configs/sweeps/budget_table.yaml` (`python scripts/sweep.py ... --out runs/budget`). Every choice is
 made on val with seed 0 (the split of each budget, the probe's pretraining); test is read for the chosen runs only.
 The reading and the choices are `vit.results`.
 """
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{args.folder} is not a folder of run folders")
     hosts = read_budget_runs(args.folder)
     if not hosts:
-        raise UserError(f"{args.folder} holds no finished run of the budget sweeps (scratch_m*, pt_m*, ft_m*, probe_m*, random_probe_s*)")
+        raise UserError(f"{args.folder} holds no finished run of the budget sweeps (scratch_m*, mae_*min_s*, ft_m*, random_probe_s*)")
     tables = {host: budget_table(runs) for host, runs in hosts.items()}
     for host, (rows, random) in tables.items():
         print(f"Host: {host}\n\n{markdown(rows, random)}\n")

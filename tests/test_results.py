@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from helpers import ROOT
 from vit.device import cpu_model_and_flags, host_label
@@ -15,10 +16,10 @@ AVX2 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2}
 BF16 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"], "cores": 2}
 
 
-def run(folder, name, val, test, seconds, **extra):
+def run(folder, name, val, test, seconds, budget=None, init=None, **extra):
     path = folder / name
     path.mkdir(parents=True)
-    write_config(path, "meta: {stage: finetune}\n")
+    write_config(path, yaml.safe_dump({"schedule": {"budget_minutes": budget}, "finetune": {"init": init}, "meta": {"stage": "finetune"}}))
     write_summary(path, {"val_top1": val, "test_top1": test, "budget": {"stage_seconds": seconds}, **extra})
 
 
@@ -26,18 +27,24 @@ def run(folder, name, val, test, seconds, **extra):
 def budget_runs(tmp_path):
     f = tmp_path / "budget"
     for s, (v, t) in enumerate([(0.60, 0.61), (0.62, 0.63), (0.58, 0.59)]):
-        run(f, f"scratch_m30_s{s}", v, t, 1790)
+        run(f, f"scratch_m30_s{s}", v, t, 1790, budget=30)
         run(f, f"random_probe_s{s}", 0.30, 0.31 + s / 100, 180)
+    run(f, "scratch_m30_aug_s0", 0.59, 0.99, 1790, budget=30)  # worse on val, better on test: not chosen
     # Pretraining 25% / 50% / 75% of 30 minutes; the 50% split fine-tunes best on val, though 25% has the best *test*.
     for share, pt_min, ft_val, ft_test, probe_val in [(25, 7.5, 0.70, 0.90, 0.40), (50, 15, 0.72, 0.71, 0.45), (75, 22.5, 0.69, 0.68, 0.48)]:
-        run(f, f"pt_m30_f{share}_s0", None, None, pt_min * 60, final_knn_top1=0.3, epochs=3)
-        run(f, f"ft_m30_f{share}_s0", ft_val, ft_test, (30 - pt_min) * 60, epochs=5)
+        pt = f"mae_{pt_min:g}min_s0"
+        run(f, pt, None, None, pt_min * 60, budget=pt_min, final_knn_top1=0.3, epochs=3)
+        run(f, f"ft_m30_f{share}_s0", ft_val, ft_test, (30 - pt_min) * 60, budget=30 - pt_min, init=f"runs/budget/{pt}", epochs=5)
         # The 75% encoder probes best on val, but its pretraining and probe together (22.5 + 9 min) exceed 30 minutes.
-        run(f, f"probe_m30_f{share}_s0", probe_val, probe_val + 0.01, 9 * 60 if share == 75 else 3 * 60)
+        run(f, pt + "_probe", probe_val, probe_val + 0.01, 9 * 60 if share == 75 else 3 * 60, init=f"runs/budget/{pt}")
+    run(f, "ft_m30_f50_aug_s0", 0.715, 0.99, 900, budget=15, init="runs/budget/mae_15min_s0")  # the same pretraining, another recipe
     for s in (1, 2):
-        run(f, f"pt_m30_f50_s{s}", None, None, 900)
-        run(f, f"ft_m30_f50_s{s}", 0.70, 0.70 + s / 100, 900)
-        run(f, f"probe_m30_f50_s{s}", 0.44, 0.44, 180)
+        run(f, f"mae_15min_s{s}", None, None, 900, budget=15)
+        run(f, f"ft_m30_f50_s{s}", 0.70, 0.70 + s / 100, 900, budget=15, init=f"runs/budget/mae_15min_s{s}")
+        run(f, f"mae_15min_s{s}_probe", 0.44, 0.44, 180)
+    # A 60-minute row whose 0.25 share is the 15-minute pretraining above: one run serves both rows
+    run(f, "ft_m60_f25_s0", 0.75, 0.74, 45 * 60, budget=45, init="runs/budget/mae_15min_s0")
+    run(f, "scratch_m60_s0", 0.73, 0.72, 3600, budget=60)
     (f / "notes").mkdir()  # not a run of the sweeps: ignored
     return f
 
@@ -46,39 +53,58 @@ def test_choices_are_made_on_val_and_the_test_of_the_chosen_runs_is_reported(bud
     hosts = read_budget_runs(budget_runs)
     assert list(hosts) == ["host not recorded"]  # summaries written before runs recorded their host
     rows, random = budget_table(hosts["host not recorded"])
-    (row,) = rows
+    row, row60 = rows
     assert row.minutes == 30
-    assert row.scratch.test == {0: 0.61, 1: 0.63, 2: 0.59}
-    assert row.mae.share == 50 and row.mae.test == {0: 0.71, 1: 0.71, 2: 0.72}  # not the 25% split's better test number
+    assert row.scratch.variant is None and row.scratch.test == {0: 0.61, 1: 0.63, 2: 0.59}  # not the aug variant's test
+    assert row.mae.share == 50 and row.mae.variant is None and row.mae.test == {0: 0.71, 1: 0.71, 2: 0.72}
     assert row.mae.minutes[0] == pytest.approx(30)
     assert row.probe.share == 50 and row.probe.test[0] == pytest.approx(0.46)  # 75% probes best on val but does not fit
+    assert sorted(row.probe.test) == [0, 1, 2]
     assert random.mean() == pytest.approx(0.32)
+    assert row60.mae.share == 25 and row60.mae.test == {0: 0.74} and row60.mae.minutes[0] == pytest.approx(60)
+    assert row60.probe.share == 25 and row60.probe.test == {0: pytest.approx(0.46), 1: 0.44, 2: 0.44}
     text = markdown(rows, random)
-    assert "| 30 min | 61.0% (59.0-63.0, 3 seeds) | 71.3% (71.0-72.0, 3 seeds); pretraining 0.50 of the budget |" in text
+    assert ("| 30 min | 61.0% (59.0-63.0, 3 seeds); light augmentation | 71.3% (71.0-72.0, 3 seeds); pretraining 0.50 of the budget, "
+            "light augmentation | 44.7% (44.0-46.0, 3 seeds); pretraining 0.50 of the budget |") in text  # fmt: skip
     assert "+10.3 points (3 seeds; largest seed spread 4.0)" in text
-    assert "| 30 min | 0.25 | 7.5 min (3 ep) | 22.5 min (5 ep) | 3.0 min | 70.0% | 40.0% | 30.0% |" in text
+    assert "| 30 min | MAE; pretraining 0.25 of the budget, light augmentation | 7.5 min (3 ep) | 22.5 min (5 ep) | 3.0 min | 70.0% | 40.0% | 30.0% |" in text
+    assert "| 30 min | scratch; strong augmentation | - | 29.8 min | - | 59.0% | - | - |" in text
+    assert "| 60 min | 72.0%; light augmentation | 74.0%; pretraining 0.25 of the budget, light augmentation |" in text
+
+
+def test_a_run_whose_config_contradicts_its_name_is_refused(budget_runs):
+    (budget_runs / "ft_m60_f25_s0" / "config.yaml").write_text(yaml.safe_dump({"schedule": {"budget_minutes": 45}, "finetune": {"init": "mae_7.5min_s0"}}))
+    with pytest.raises(UserError, match=r"mae_7.5min_s0 has schedule.budget_minutes=7.5, but ft_m60_f25_s0 needs 15"):
+        budget_table(read_budget_runs(budget_runs)["host not recorded"])
+    (budget_runs / "ft_m60_f25_s0" / "config.yaml").write_text(yaml.safe_dump({"schedule": {"budget_minutes": 45}, "finetune": {"init": "scratch"}}))
+    with pytest.raises(UserError, match="started from 'scratch', not from a finished pretraining"):
+        budget_table(read_budget_runs(budget_runs)["host not recorded"])
+    (budget_runs / "scratch_m60_s0" / "config.yaml").write_text(yaml.safe_dump({"schedule": {"budget_minutes": 30}}))
+    (budget_runs / "ft_m60_f25_s0").rename(budget_runs.parent / "elsewhere")
+    with pytest.raises(UserError, match="scratch_m60_s0 has schedule.budget_minutes=30, but scratch_m60_s0 needs 60"):
+        budget_table(read_budget_runs(budget_runs)["host not recorded"])
 
 
 def test_command_line_prints_the_table_and_draws_the_plot(budget_runs, tmp_path):
     out = subprocess.run([sys.executable, "scripts/results_table.py", str(budget_runs), "--plot", str(tmp_path / "p.png")],
                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "| 30 min |" in out.stdout and (tmp_path / "p.png").stat().st_size > 1000
+    assert "| 30 min |" in out.stdout and "| 60 min |" in out.stdout and (tmp_path / "p.png").stat().st_size > 1000
     empty = subprocess.run([sys.executable, "scripts/results_table.py", str(tmp_path / "nothing")], cwd=ROOT, capture_output=True, text=True)
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "not a folder" in empty.stderr
 
 
 def test_minutes_of_different_machines_are_never_mixed_in_one_table(tmp_path):
     f = tmp_path / "records"
-    run(f / "slow", "scratch_m15_s0", 0.60, 0.59, 900, host=AVX2, precision="no")
-    run(f / "fast", "scratch_m15_s0", 0.70, 0.69, 900, host=BF16, precision="bf16")
+    run(f / "slow", "scratch_m15_s0", 0.60, 0.59, 900, budget=15, host=AVX2, precision="no")
+    run(f / "fast", "scratch_m15_s0", 0.70, 0.69, 900, budget=15, host=BF16, precision="bf16")
     run(f / "fast", "random_probe_s0", 0.30, 0.31, 60, host=BF16, precision="bf16")
     hosts = read_budget_runs(f)
     slow, fast = host_label(AVX2, "no"), host_label(BF16, "bf16")
     assert slow == "AMD EPYC (avx2), 2 cores, fp32" and fast == "AMD EPYC (avx2 avx512f avx512_bf16), 2 cores, bf16"
     assert set(hosts) == {slow, fast} and set(hosts[slow]) == {"scratch_m15_s0"}
     assert budget_table(hosts[slow])[0][0].scratch.test == {0: 0.59} and budget_table(hosts[fast])[0][0].scratch.test == {0: 0.69}
-    run(f / "again", "scratch_m15_s0", 0.71, 0.70, 900, host=BF16, precision="bf16")  # one run twice on one machine: which?
+    run(f / "again", "scratch_m15_s0", 0.71, 0.70, 900, budget=15, host=BF16, precision="bf16")  # one run twice on one machine: which?
     with pytest.raises(UserError, match="are both scratch_m15_s0 on AMD EPYC"):
         read_budget_runs(f)
 
@@ -87,7 +113,7 @@ def test_an_archive_of_records_gives_the_same_tables_and_never_overwrites(budget
     dest = tmp_path / "archive"
     hosts = read_budget_runs(budget_runs)
     written = archive(hosts, dest)
-    assert len(written) == 21 and all(sorted(p.name for p in w.iterdir()) == ["config.yaml", "summary.json"] for w in written)
+    assert len(written) == 25 and all(sorted(p.name for p in w.iterdir()) == ["config.yaml", "summary.json"] for w in written)
     again = read_budget_runs(dest)
     assert markdown(*budget_table(again["host not recorded"])) == markdown(*budget_table(hosts["host not recorded"]))
     assert archive(hosts, dest) == []  # the same records: nothing written

@@ -1,16 +1,20 @@
-"""The equal-compute table of RESULTS.md, computed from the run folders of the budget sweeps (`configs/sweeps/budget_*.yaml`).
+"""The equal-compute table of RESULTS.md, computed from the run folders of the budget sweep (`configs/sweeps/budget_table.yaml`).
 
     for host, runs in read_budget_runs(Path("runs/budget")).items():    # one table per kind of machine
         print(host, markdown(*budget_table(runs)))
     archive(hosts, Path("docs/results/budget"))                         # the runs' records, to compute it again later
 
-Run names follow the sweeps: `scratch_m{M}_s{S}` (a ViT from scratch for M minutes), `pt_m{M}_f{F}_s{S}`
-(MAE pretraining for F% of M), `ft_m{M}_f{F}_s{S}` (its fine-tuning for the rest), `probe_m{M}_f{F}_s{S}`
-(its linear probe), `random_probe_s{S}`. Minutes buy four times the steps on a CPU with native bf16 that they buy on
-an AVX2-only one, so runs are grouped by the host their summary records and never mixed in one table. Every choice is made on val, with seed 0: the split F of each row
-is the one whose fine-tune has the best val top-1; the probe column takes, among the pretraining runs of the
-row whose pretraining and probe together fit in M minutes, the one whose probe has the best val top-1.
-Test numbers are read only for what was chosen. `scripts/results_table.py` is the command line.
+Run names follow the sweep: `scratch_m{M}[_{V}]_s{S}` (a ViT from scratch for M minutes, recipe variant V),
+`mae_{X}min_s{S}` (MAE pretraining for X minutes) and `mae_{X}min_s{S}_probe` (its linear probe), `ft_m{M}_f{F}[_{V}]_s{S}`
+(fine-tuning for the rest of M after a pretraining of F% of M, the one its config names as `finetune.init`: one
+pretraining serves every row whose share of it is the same number of minutes), `random_probe_s{S}`. Minutes buy four
+times the steps on a CPU with native bf16 that they buy on an AVX2-only one, so runs are grouped by the host their
+summary records and never mixed in one table.
+
+Every choice is made on val, with seed 0: the scratch column takes the variant with the best val top-1; the MAE
+column the (share, variant) whose fine-tune has the best val top-1; the probe column, among the row's pretrainings
+whose pretraining and probe together fit in M minutes, the one whose probe has the best val top-1. The other seeds
+repeat what was chosen, and test numbers are read only for it. `scripts/results_table.py` is the command line.
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ from vit.device import host_label
 from vit.errors import UserError
 from vit.runs import RunFolder, copy_record, is_run_folder, read_run
 
-NAME = re.compile(r"^(scratch|pt|ft|probe)_m(\d+)(?:_f(\d+))?_s(\d+)$|^random_probe_s(\d+)$")
+SCRATCH = re.compile(r"^scratch_m(\d+)(?:_([a-z]+))?_s(\d+)$")
+FINETUNE = re.compile(r"^ft_m(\d+)_f(\d+)(?:_([a-z]+))?_s(\d+)$")
+PRETRAIN = re.compile(r"^mae_(\d+(?:\.\d+)?)min_s(\d+)$")
+PROBE = re.compile(r"^(mae_\d+(?:\.\d+)?min_s\d+)_probe$")
+RANDOM = re.compile(r"^random_probe_s(\d+)$")
+PATTERNS = (SCRATCH, FINETUNE, PRETRAIN, PROBE, RANDOM)
+VARIANTS = {None: "light augmentation", "aug": "strong augmentation"}  # the sweep's recipe variants
 
 
 @dataclass
@@ -36,6 +46,10 @@ class Arm:
     val: dict[int, float] = field(default_factory=dict)
     minutes: dict[int, float] = field(default_factory=dict)
     share: int | None = None  # the pretraining share (%) chosen on val
+    variant: str | None = None  # the recipe variant chosen on val (a key of VARIANTS)
+
+    def add(self, seed: int, run: RunFolder, minutes: float) -> None:
+        self.test[seed], self.val[seed], self.minutes[seed] = top1(run, "test"), top1(run, "val"), minutes
 
     def mean(self) -> float | None:
         return statistics.mean(self.test.values()) if self.test else None
@@ -50,7 +64,7 @@ class Row:
     scratch: Arm
     mae: Arm
     probe: Arm
-    search: list[dict[str, Any]]  # per share, seed 0: minutes, fine-tune val, probe val, last kNN top-1
+    search: list[dict[str, Any]]  # per candidate recipe, seed 0: its arm, share, variant, stages' minutes and epochs, val top-1
 
 
 def host_of(run: RunFolder) -> str:
@@ -59,11 +73,15 @@ def host_of(run: RunFolder) -> str:
     return host_label(s.get("host"), s.get("precision")) if s.get("host") else host_label(None)
 
 
+def is_sweep_name(name: str) -> bool:
+    return any(p.match(name) for p in PATTERNS)
+
+
 def read_budget_runs(folder: Path) -> dict[str, dict[str, RunFolder]]:
     """The finished runs under `folder`, at any depth (a sweep's --out, or an archive of records from several machines),
-    whose names follow the budget sweeps: {host label: {run name: run}}. The same name twice on one host is a UserError."""
+    whose names follow the budget sweep: {host label: {run name: run}}. The same name twice on one host is a UserError."""
     hosts: dict[str, dict[str, RunFolder]] = {}
-    for path in sorted(p for p in Path(folder).rglob("*") if NAME.match(p.name)):
+    for path in sorted(p for p in Path(folder).rglob("*") if is_sweep_name(p.name)):
         if not is_run_folder(path):
             continue
         run = read_run(path)
@@ -101,65 +119,92 @@ def stage_minutes(run: RunFolder) -> float:
     return seconds / 60
 
 
+def budget_minutes(run: RunFolder) -> float | None:
+    return (run.config.get("schedule") or {}).get("budget_minutes")
+
+
 def top1(run: RunFolder, split: str) -> float | None:
     return run.summary.get(f"{split}_top1")
+
+
+def pretraining_of(runs: dict[str, RunFolder], name: str, budget: int, share: int) -> RunFolder:
+    """The pretraining fine-tune `name` started from (its `finetune.init`), checked to be a run of this sweep whose time
+    budget is `share`% of `budget` minutes and the fine-tune's the rest: the names promise it, the configs must say it."""
+    ft = runs[name]
+    init = (ft.config.get("finetune") or {}).get("init")
+    parent = runs.get(Path(str(init)).name) if init else None
+    if parent is None or not PRETRAIN.match(parent.name):
+        raise UserError(f"{ft.path} started from {init!r}, not from a finished pretraining (mae_<X>min_s<S>) beside it")
+    check_budget(parent, budget * share / 100, name)
+    check_budget(ft, budget * (100 - share) / 100, name)
+    return parent
+
+
+def check_budget(run: RunFolder, minutes: float, name: str) -> None:
+    """A UserError unless `run` was given a time budget of `minutes`, as run `name` of the table needs."""
+    if budget_minutes(run) is None or abs(budget_minutes(run) - minutes) > 1e-6:
+        raise UserError(f"{run.path} has schedule.budget_minutes={budget_minutes(run)}, but {name} needs {minutes:g}")
 
 
 def budget_table(runs: dict[str, RunFolder]) -> tuple[list[Row], Arm]:
     """The rows (one per budget, ascending) and the random-encoder probe (budget-free)."""
     random = Arm()
     for name, run in runs.items():
-        m = NAME.match(name)
-        if m.group(5) is not None:
-            seed = int(m.group(5))
-            random.test[seed], random.val[seed], random.minutes[seed] = top1(run, "test"), top1(run, "val"), stage_minutes(run)
-    budgets = sorted({int(NAME.match(n).group(2)) for n in runs if NAME.match(n).group(2)})
-    rows = [budget_row(runs, minutes) for minutes in budgets]
-    return rows, random
+        if m := RANDOM.match(name):
+            random.add(int(m.group(1)), run, stage_minutes(run))
+    budgets = {int(m.group(1)) for n in runs if (m := SCRATCH.match(n) or FINETUNE.match(n))}
+    return [budget_row(runs, minutes) for minutes in sorted(budgets)], random
+
+
+def choose(candidates: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """The candidate with the best val top-1 under `key` (None when none has one)."""
+    done = [c for c in candidates if c.get(key) is not None]
+    return max(done, key=lambda c: c[key]) if done else None
 
 
 def budget_row(runs: dict[str, RunFolder], budget: int) -> Row:
-    def get(kind: str, share: int | None, seed: int) -> RunFolder | None:
-        return runs.get(f"{kind}_m{budget}_s{seed}" if share is None else f"{kind}_m{budget}_f{share}_s{seed}")
-
-    seeds = sorted({int(NAME.match(n).group(4)) for n in runs if NAME.match(n).group(2) == str(budget)})
-    shares = sorted({int(NAME.match(n).group(3)) for n in runs if NAME.match(n).group(2) == str(budget) and NAME.match(n).group(3)})
-    scratch = Arm()
-    for seed in seeds:
-        run = get("scratch", None, seed)
-        if run is not None:
-            scratch.test[seed], scratch.val[seed], scratch.minutes[seed] = top1(run, "test"), top1(run, "val"), stage_minutes(run)
+    scratch_runs = {(m.group(2), int(m.group(3))): r for n, r in runs.items() if (m := SCRATCH.match(n)) and int(m.group(1)) == budget}
+    for run in scratch_runs.values():
+        check_budget(run, budget, run.name)
+    ft_runs = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in runs if (m := FINETUNE.match(n)) and int(m.group(1)) == budget}
     search = []
-    for share in shares:
-        pt, ft, probe = get("pt", share, 0), get("ft", share, 0), get("probe", share, 0)
+    for variant in sorted({v for v, _ in scratch_runs}, key=str):
+        if (run := scratch_runs.get((variant, 0))) is not None:
+            search.append({"arm": "scratch", "share": None, "variant": variant, "finetune_min": stage_minutes(run),
+                           "finetune_epochs": run.summary.get("epochs"), "finetune_val": top1(run, "val")})  # fmt: skip
+    for share, variant in sorted({(f, v) for f, v, _ in ft_runs}, key=lambda k: (k[0], str(k[1]))):
+        if (name := ft_runs.get((share, variant, 0))) is None:
+            continue
+        ft, pt = runs[name], pretraining_of(runs, name, budget, share)
+        probe = runs.get(pt.name + "_probe")
         search.append({
-            "share": share,
-            "pretrain_min": stage_minutes(pt) if pt else None,
-            "finetune_min": stage_minutes(ft) if ft else None,
-            "probe_min": stage_minutes(probe) if probe else None,
-            "finetune_val": top1(ft, "val") if ft else None,
-            "probe_val": top1(probe, "val") if probe else None,
-            "knn_top1": pt.summary.get("final_knn_top1") if pt else None,
-            "pretrain_epochs": pt.summary.get("epochs") if pt else None,
-            "finetune_epochs": ft.summary.get("epochs") if ft else None,
+            "arm": "mae", "share": share, "variant": variant, "pretraining": pt.name,
+            "pretrain_min": stage_minutes(pt), "pretrain_epochs": pt.summary.get("epochs"), "knn_top1": pt.summary.get("final_knn_top1"),
+            "finetune_min": stage_minutes(ft), "finetune_epochs": ft.summary.get("epochs"), "finetune_val": top1(ft, "val"),
+            "probe_min": stage_minutes(probe) if probe else None, "probe_val": top1(probe, "val") if probe else None,
         })  # fmt: skip
-    mae, probe = Arm(), Arm()
-    done = [s for s in search if s["finetune_val"] is not None]
-    if done:
-        mae.share = max(done, key=lambda s: s["finetune_val"])["share"]
-        for seed in seeds:
-            pt, ft = get("pt", mae.share, seed), get("ft", mae.share, seed)
-            if pt is not None and ft is not None:
-                mae.test[seed], mae.val[seed] = top1(ft, "test"), top1(ft, "val")
-                mae.minutes[seed] = stage_minutes(pt) + stage_minutes(ft)
-    fits = [s for s in search if s["probe_val"] is not None and s["pretrain_min"] + s["probe_min"] <= budget]
-    if fits:
-        probe.share = max(fits, key=lambda s: s["probe_val"])["share"]
-        for seed in seeds:
-            pt, run = get("pt", probe.share, seed), get("probe", probe.share, seed)
-            if pt is not None and run is not None:
-                probe.test[seed], probe.val[seed] = top1(run, "test"), top1(run, "val")
-                probe.minutes[seed] = stage_minutes(pt) + stage_minutes(run)
+    scratch, mae, probe = Arm(), Arm(), Arm()
+    if best := choose([c for c in search if c["arm"] == "scratch"], "finetune_val"):
+        scratch.variant = best["variant"]
+        for (variant, seed), run in sorted(scratch_runs.items(), key=lambda kv: kv[0][1]):
+            if variant == best["variant"]:
+                scratch.add(seed, run, stage_minutes(run))
+    if best := choose([c for c in search if c["arm"] == "mae"], "finetune_val"):
+        mae.share, mae.variant = best["share"], best["variant"]
+        for (share, variant, seed), name in sorted(ft_runs.items(), key=lambda kv: kv[0][2]):
+            if (share, variant) == (mae.share, mae.variant):
+                pt = pretraining_of(runs, name, budget, share)
+                mae.add(seed, runs[name], stage_minutes(pt) + stage_minutes(runs[name]))
+    # One probe per pretraining: the (share, variant) candidates of one share share it
+    pretrainings = {c["pretraining"]: c for c in search if c["arm"] == "mae"}.values()
+    fits = [c for c in pretrainings if c["probe_val"] is not None and c["pretrain_min"] + c["probe_min"] <= budget]
+    if best := choose(fits, "probe_val"):
+        probe.share = best["share"]
+        minutes = PRETRAIN.match(best["pretraining"]).group(1)
+        for name, run in runs.items():
+            m = PRETRAIN.match(name)
+            if m and m.group(1) == minutes and (probe_run := runs.get(name + "_probe")) is not None:
+                probe.add(int(m.group(2)), probe_run, stage_minutes(run) + stage_minutes(probe_run))
     return Row(budget, scratch, mae, probe, search)
 
 
@@ -167,8 +212,14 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def cell(arm: Arm, share: bool = False) -> str:
-    """'74.1% (73.5-74.6, 3 seeds; f 0.50)' or '-'."""
+def recipe(share: int | None, variant: str | None, with_variant: bool = True) -> str:
+    """'pretraining 0.25 of the budget, strong augmentation' (either part may be absent)."""
+    parts = ([f"pretraining {share / 100:.2f} of the budget"] if share is not None else []) + ([VARIANTS[variant]] if with_variant else [])
+    return ", ".join(parts)
+
+
+def cell(arm: Arm, with_variant: bool = True) -> str:
+    """'74.1% (73.5-74.6, 3 seeds); pretraining 0.50 of the budget, light augmentation' or '-'."""
     if not arm.test:
         return "-"
     n = len(arm.test)
@@ -176,9 +227,8 @@ def cell(arm: Arm, share: bool = False) -> str:
     if n > 1:
         lo, hi = arm.spread()
         text += f" ({100 * lo:.1f}-{100 * hi:.1f}, {n} seeds)"
-    if share and arm.share is not None:
-        text += f"; pretraining {arm.share / 100:.2f} of the budget"
-    return text
+    chosen = recipe(arm.share, arm.variant, with_variant)
+    return text + (f"; {chosen}" if chosen else "")
 
 
 def difference(row: Row) -> str:
@@ -198,18 +248,21 @@ def markdown(rows: list[Row], random: Arm) -> str:
     lines = ["| budget (all stages) | scratch ViT | MAE then fine-tune | MAE linear probe | random-encoder probe | MAE - scratch |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r.minutes} min | {cell(r.scratch)} | {cell(r.mae, True)} | {cell(r.probe, True)} | {cell(random)} | {difference(r)} |")
-    lines += ["", "The search, on val (seed 0): for each split of the budget, the minutes each stage took, the fine-tune's and the probe's val top-1, the last kNN top-1 of the pretraining.", "",
-              "| budget | pretraining share | pretraining | fine-tuning | probe | fine-tune val | probe val | kNN val (last) |",
-              "|---|---:|---|---|---|---:|---:|---:|"]  # fmt: skip
+        lines.append(f"| {r.minutes} min | {cell(r.scratch)} | {cell(r.mae)} | {cell(r.probe, with_variant=False)} | {cell(random)} | {difference(r)} |")
+    lines += ["", "The search, on val (seed 0): every recipe tried in each row, the minutes (and epochs) each stage took, the val top-1 "
+              "of the fine-tune (or of the training from scratch) and of the pretraining's probe, and the pretraining's last kNN top-1.", "",
+              "| budget | recipe | pretraining | fine-tuning or training | probe | val top-1 | probe val | kNN val (last) |",
+              "|---|---|---|---|---|---:|---:|---:|"]  # fmt: skip
+
+    def mins(x, epochs=None):
+        return "-" if x is None else f"{x:.1f} min" + (f" ({epochs} ep)" if epochs is not None else "")
+
     for r in rows:
         for s in r.search:
-            def mins(x, epochs=None):
-                return "-" if x is None else f"{x:.1f} min" + (f" ({epochs} ep)" if epochs is not None else "")
-
-            lines.append(f"| {r.minutes} min | {s['share'] / 100:.2f} | {mins(s['pretrain_min'], s['pretrain_epochs'])} | "
-                         f"{mins(s['finetune_min'], s['finetune_epochs'])} | {mins(s['probe_min'])} | {pct(s['finetune_val'])} | "
-                         f"{pct(s['probe_val'])} | {pct(s['knn_top1'])} |")  # fmt: skip
+            arm = "scratch" if s["arm"] == "scratch" else "MAE"
+            lines.append(f"| {r.minutes} min | {arm}; {recipe(s['share'], s['variant'])} | {mins(s.get('pretrain_min'), s.get('pretrain_epochs'))} | "
+                         f"{mins(s['finetune_min'], s['finetune_epochs'])} | {mins(s.get('probe_min'))} | {pct(s['finetune_val'])} | "
+                         f"{pct(s.get('probe_val'))} | {pct(s.get('knn_top1'))} |")  # fmt: skip
     return "\n".join(lines)
 
 

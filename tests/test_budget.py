@@ -2,7 +2,7 @@
 
 import pytest
 
-from vit.budget import StepMeter, eval_seconds_estimate, plan_steps
+from vit.budget import StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
 
 
 def test_plan_fills_the_budget_with_steps_and_evaluations():
@@ -53,6 +53,26 @@ def test_meter_skips_warmup_and_waits_for_steps_and_seconds():
         now[0] += 1.0
         meter.tick()
     assert meter.done and meter.seconds_per_step == pytest.approx(1.0)
+
+
+def test_meter_leaves_out_the_work_between_steps_after_a_pause():
+    now = [0.0]
+    meter = StepMeter(warmup=1, min_steps=4, min_seconds=4.0, clock=lambda: now[0])
+    for dt in (5.0, 1.0, 1.0):
+        now[0] += dt
+        meter.tick()
+    meter.pause()
+    now[0] += 30.0  # an evaluation
+    meter.tick()  # the step after it starts a new interval
+    assert meter.steps == 2 and not meter.done
+    for _ in range(2):
+        now[0] += 1.0
+        meter.tick()
+    assert meter.done and meter.steps == 4 and meter.seconds_per_step == pytest.approx(1.0)
+
+
+def test_the_measuring_window_grows_with_the_budget_within_bounds():
+    assert measure_seconds(0.2) == 5.0 and measure_seconds(30) == pytest.approx(36.0) and measure_seconds(120) == 60.0
 
 
 @pytest.mark.slow

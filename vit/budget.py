@@ -71,13 +71,21 @@ def eval_seconds_estimate(images: int, train_images_per_sec: float, cost_per_ima
     return images * cost_per_image / train_images_per_sec
 
 
+def measure_seconds(budget_minutes: float) -> float:
+    """How long a budget run measures its step time: 2% of the budget, at least 5 s and at most a minute. A few seconds
+    read the first, often faster or slower, steps of a machine (10-15% off the sustained rate was seen on a shared CPU);
+    a longer window averages them out at a cost of 2% of the budget spent before the schedule is fixed."""
+    return min(60.0, max(5.0, 0.02 * budget_minutes * 60))
+
+
 class StepMeter:
-    """Seconds per optimiser step, measured after `warmup` steps over at least `min_steps` and `min_seconds`."""
+    """Seconds per optimiser step, measured after `warmup` steps over at least `min_steps` and `min_seconds`. Only the
+    time from one step to the next counts: `pause()` before other work (an evaluation) leaves that interval out."""
 
     def __init__(self, warmup: int = 3, min_steps: int = 8, min_seconds: float = 5.0, clock=time.perf_counter):
         self.warmup, self.min_steps, self.min_seconds, self.clock = warmup, min_steps, min_seconds, clock
         self.seen = 0
-        self.start: float | None = None
+        self.last: float | None = None  # the clock at the previous step, None after a pause
         self.steps = 0
         self.elapsed = 0.0
 
@@ -85,11 +93,14 @@ class StepMeter:
         """Call once after each optimiser step."""
         self.seen += 1
         now = self.clock()
-        if self.seen == self.warmup:
-            self.start = now
-        elif self.start is not None and self.seen > self.warmup:
-            self.steps = self.seen - self.warmup
-            self.elapsed = now - self.start
+        if self.seen > self.warmup and self.last is not None:
+            self.steps += 1
+            self.elapsed += now - self.last
+        self.last = now
+
+    def pause(self) -> None:
+        """What runs until the next step is not a step (an evaluation, a figure): its time is not measured."""
+        self.last = None
 
     @property
     def done(self) -> bool:

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from vit import tracking
-from vit.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, plan_steps
+from vit.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
 from vit.config import RunConfig, dump_config, to_dict
 from vit.device import host
 from vit.errors import ConfigError, UserError
@@ -636,7 +636,7 @@ class TrainLoop:
         self.window = MetricWindow()
         self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here
         spec.planned_steps = progress.planned_steps  # a resumed budget run keeps its plan
-        self.meter = StepMeter() if spec.budget is not None and spec.planned_steps is None else None
+        self.meter = StepMeter(min_seconds=measure_seconds(spec.budget.minutes)) if spec.budget is not None and spec.planned_steps is None else None
         self.bar = make_bar(run, spec.stop_step if spec.stop_step < sys.maxsize else None, progress.step)
 
     def train_epoch(self, signals: SignalGuard) -> bool:
@@ -766,6 +766,8 @@ class TrainLoop:
         elif extra:
             self.run.log({"step": p.step, "epoch": p.epoch, **extra})
         self.save()
+        if self.meter is not None:
+            self.meter.pause()  # the evaluation and the state are not a training step's time (the plan estimates evaluations apart)
 
     def save(self) -> None:
         self.count_time()

@@ -252,7 +252,7 @@ def markdown(rows: list[Row], random: Arm) -> str:
     lines = ["| budget (all stages) | scratch ViT | MAE then fine-tune | MAE linear probe | random-encoder probe | MAE - scratch | minutes used: scratch, MAE then fine-tune |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r.minutes} min | {cell(r.scratch)} | {cell(r.mae)} | {cell(r.probe, with_variant=False)} | {cell(random)} | {difference(r)} | "
+        lines.append(f"| {r.minutes} min | {cell(r.scratch)} | {cell(r.mae)} | {cell(r.probe, with_variant=False)} | {cell(random, with_variant=False)} | {difference(r)} | "
                      f"{r.scratch.used()}, {r.mae.used()} |")  # fmt: skip
     lines += ["", "The search, on val (seed 0): every recipe tried in each row, the minutes (and epochs) each stage took, the val top-1 "
               "of the fine-tune (or of the training from scratch) and of the pretraining's probe, and the pretraining's last kNN top-1.", "",

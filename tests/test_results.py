@@ -9,7 +9,7 @@ import yaml
 from helpers import ROOT
 from vit.device import cpu_model_and_flags, host_label
 from vit.errors import UserError
-from vit.results import archive, budget_table, markdown, read_budget_runs
+from vit.results import REPO, archive, budget_table, markdown, read_budget_runs
 from vit.runs import write_config, write_summary
 
 AVX2 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2}
@@ -19,7 +19,10 @@ BF16 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"], "cor
 def run(folder, name, val, test, seconds, budget=None, init=None, **extra):
     path = folder / name
     path.mkdir(parents=True)
-    write_config(path, yaml.safe_dump({"schedule": {"budget_minutes": budget}, "finetune": {"init": init}, "meta": {"stage": "finetune"}}))
+    data = folder.parent / "cifar10"  # where the machine keeps the data: an absolute path, as a user passes it
+    command = f"{REPO}/finetune/__main__.py --config configs/finetune/cpu.yaml data.root={data}"
+    write_config(path, yaml.safe_dump({"schedule": {"budget_minutes": budget}, "finetune": {"init": init}, "data": {"root": str(data)},
+                                       "meta": {"stage": "finetune", "command": command}}))  # fmt: skip
     write_summary(path, {"val_top1": val, "test_top1": test, "budget": {"stage_seconds": seconds}, **extra})
 
 
@@ -115,6 +118,11 @@ def test_an_archive_of_records_gives_the_same_tables_and_never_overwrites(budget
     hosts = read_budget_runs(budget_runs)
     written = archive(hosts, dest)
     assert len(written) == 25 and all(sorted(p.name for p in w.iterdir()) == ["config.yaml", "summary.json"] for w in written)
+    for record in written:  # the machine's paths stay on the machine
+        config = (record / "config.yaml").read_text()
+        assert str(budget_runs.parent) not in config and str(REPO) not in config
+        assert yaml.safe_load(config)["data"]["root"] == "PATH"
+        assert yaml.safe_load(config)["meta"]["command"] == "finetune/__main__.py --config configs/finetune/cpu.yaml data.root=PATH"
     again = read_budget_runs(dest)
     assert markdown(*budget_table(again["host not recorded"])) == markdown(*budget_table(hosts["host not recorded"]))
     assert archive(hosts, dest) == []  # the same records: nothing written

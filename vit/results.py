@@ -29,6 +29,8 @@ from vit.device import host_label
 from vit.errors import UserError
 from vit.runs import RunFolder, copy_record, is_run_folder, read_run
 
+REPO = Path(__file__).resolve().parents[1]  # the checkout, whose path a run's recorded command starts with
+
 SCRATCH = re.compile(r"^scratch_m(\d+)(?:_([a-z]+))?_s(\d+)$")
 FINETUNE = re.compile(r"^ft_m(\d+)_f(\d+)(?:_([a-z]+))?_s(\d+)$")
 PRETRAIN = re.compile(r"^mae_(\d+(?:\.\d+)?)min_s(\d+)$")
@@ -104,14 +106,22 @@ def host_slug(host: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", host.lower()).strip("-")
 
 
+def machine_paths(run: RunFolder) -> dict[str, str]:
+    """The paths of the machine a run's record names, and what an archive writes instead: the data folder given as an
+    absolute path becomes 'PATH' (as RESULTS.md writes it) and the checkout's folder is left out of the command."""
+    root = (run.config.get("data") or {}).get("root")
+    paths = {str(root): "PATH"} if root and Path(str(root)).is_absolute() else {}
+    return {**paths, str(REPO) + "/": ""}
+
+
 def archive(hosts: dict[str, dict[str, RunFolder]], dest: Path) -> list[Path]:
     """Copy each run's record (config, summary, budget) to dest/<host slug>/<name>, where `read_budget_runs(dest)` finds it
-    once the run folders are gone; returns the records written (the same record already there is kept)."""
+    once the run folders are gone, without the machine's paths; returns the records written (the same one is kept)."""
     written = []
     for host, runs in hosts.items():
         for name, run in runs.items():
             target = Path(dest) / host_slug(host) / name
-            if copy_record(run.path, target):
+            if copy_record(run.path, target, replace=machine_paths(run)):
                 written.append(target)
     return written
 

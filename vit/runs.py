@@ -239,22 +239,28 @@ def read_state_progress(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
-def copy_record(run_dir: Path, dest: Path) -> bool:
+def copy_record(run_dir: Path, dest: Path, replace: dict[str, str] | None = None) -> bool:
     """Copy a finished run's record (RECORD_FILES: config, summary, budget; no weights, states or metrics) into `dest`, so
-    that a table computed from it can be computed again after the run folder is gone. False when `dest` already holds
-    the same record; a different one there is a UserError, never overwritten."""
+    that a table computed from it can be computed again after the run folder is gone. `replace` rewrites strings in the
+    copy (a machine's paths, say). False when `dest` already holds the same record; a different one there is a
+    UserError, never overwritten."""
     run_dir, dest = Path(run_dir), Path(dest)
     if not (run_dir / SUMMARY_FILE).is_file():
         raise UserError(f"{run_dir} is not a finished run (no {SUMMARY_FILE})")
-    files = [name for name in RECORD_FILES if (run_dir / name).is_file()]
+    record = {}
+    for name in RECORD_FILES:
+        if (run_dir / name).is_file():
+            text = (run_dir / name).read_text()
+            for old, new in (replace or {}).items():
+                text = text.replace(old, new)
+            record[name] = text
     if dest.exists():
-        same = all((dest / name).is_file() and (dest / name).read_bytes() == (run_dir / name).read_bytes() for name in files)
-        if same:
+        if all((dest / name).is_file() and (dest / name).read_text() == text for name, text in record.items()):
             return False
         raise UserError(f"{dest} already holds a different record of a run named {run_dir.name}; move it away or archive elsewhere")
     dest.mkdir(parents=True)
-    for name in files:
-        shutil.copyfile(run_dir / name, dest / name)
+    for name, text in record.items():
+        (dest / name).write_text(text)
     return True
 
 

@@ -79,6 +79,7 @@ def test_the_measuring_window_grows_with_the_budget_within_bounds():
 def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(tmp_path):
     """Pretraining with `schedule.budget_minutes`: the plan is written, the schedule spans it, the stage fits the budget."""
     import json
+    import shutil
 
     from helpers import reset_accelerate, tiny_overrides
     from pretrain.train import main
@@ -100,3 +101,18 @@ def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(
     assert records[-1]["lr"] < 0.05 * peak
     # The resume state carries the plan, so a resumed run keeps the same schedule.
     assert read_state_progress(state_dirs(run_dir)[-1])["planned_steps"] == plan["total_steps"]
+
+    # Interrupted after its first state, resumed: the same plan, and the stage's seconds include the training before.
+    cut = tmp_path / "runs" / "cut"
+    shutil.copytree(run_dir, cut)
+    (cut / "summary.json").unlink()
+    first, *later = state_dirs(cut)
+    for state in later:
+        shutil.rmtree(state)
+    before = read_state_progress(first)
+    reset_accelerate()
+    assert main(tiny_overrides(tmp_path, name="cut", **{"schedule.budget_minutes": budget_minutes, "optim.min_lr": 0.0, "run.resume": "auto"})) == 0
+    again = json.loads((cut / "summary.json").read_text())
+    assert again["steps"] == plan["total_steps"] and again["budget"]["total_steps"] == plan["total_steps"]
+    assert before["train_time"] > 0.5 * again["wall_time_sec"]  # the oldest kept state: most of the training came before it
+    assert again["budget"]["stage_seconds"] >= again["wall_time_sec"]  # the training time of both processes, and more

@@ -463,6 +463,9 @@ def load_state(run: Run) -> Progress | None:
             run.warn(f"resume state {path} is unreadable ({type(e).__name__}); trying the one before")
             continue
         run.print(f"resume: from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batch})")
+        # The stage's clock (a time budget's stage_seconds) counts the training the processes before this one did; their
+        # setup and the steps lost after the state are not counted.
+        run.started -= progress.train_time
         if run.is_main:
             dropped = trim_metrics(run.dir / METRICS_FILE, progress.step)
             if dropped:

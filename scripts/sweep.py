@@ -1,9 +1,10 @@
 """Run a set of training jobs, several at a time on one machine, and print their comparison table.
 
     python scripts/sweep.py configs/sweeps/cifar10_round2.yaml --out runs/round2 --parallel 4 -- data.root=PATH run.device=cuda
+    python scripts/sweep.py configs/sweeps/budget_table.yaml --out runs/budget --only ft_m15_f50_s0 -- data.root=PATH
 
 The sweep file's format, the jobs' command lines and the scheduling are `vit.sweep`. Jobs start
-in file order as workers free up; a job whose `init` failed is skipped. Each job's output goes to
+in file order (or --only's) as workers free up; a job whose `init` failed is skipped. Each job's output goes to
 <out>/<name>.log. The sweep exits non-zero when any job failed or was skipped; the table covers
 the jobs that finished. A job whose run folder already holds summary.json is not run again: the
 same command continues an interrupted sweep (unfinished jobs resume with run.resume=auto).
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from vit.cli import split_overrides
 from vit.errors import exit_on_user_error
-from vit.sweep import check_overrides, read_sweep, run_sweep
+from vit.sweep import check_overrides, read_sweep, run_sweep, select_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,12 +32,15 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Overrides after -- go to every job, e.g. -- data.root=PATH run.device=cuda")  # fmt: skip
     parser.add_argument("sweep", type=Path, help="the sweep file (YAML: common, jobs)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the jobs' run folders and logs")
+    parser.add_argument("--only", nargs="+", metavar="JOB", help="run these jobs, in this order (and the jobs they start from)")
     parser.add_argument("--parallel", type=int, default=1, help="jobs at once (default 1); on a CPU give each run.threads=cores/parallel")
     args = parser.parse_args(argv)
     if args.parallel < 1:
         parser.error("--parallel must be >= 1")
     extra = check_overrides(extra, "overrides after --")
     common, jobs = read_sweep(args.sweep)
+    if args.only:
+        jobs = select_jobs(jobs, args.only)
     started = time.perf_counter()
     outcome = run_sweep(jobs, args.out, common, extra, args.parallel)
     print(f"sweep: {sum(v == 'ok' for v in outcome.values())}/{len(outcome)} jobs ok in {time.perf_counter() - started:.0f}s")

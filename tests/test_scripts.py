@@ -29,7 +29,7 @@ from vit.inspect import attention_rollout, cls_attention, patch_grid_overlay, po
 from vit.model import VisionTransformer
 from vit.pos_embed import sincos_2d
 from vit.runs import read_run
-from vit.sweep import read_sweep
+from vit.sweep import read_sweep, select_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT_SCRIPT = ROOT / "scripts" / "compare_runs.py"
@@ -441,6 +441,22 @@ def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_kee
     said = proc.stdout
     assert "sweep: pre: finished earlier, kept" in said and "sweep: ft: finished earlier, kept" in said and "sweep: bad: exit 2" in said
     assert (out / "ft" / "summary.json").stat().st_mtime_ns == before
+
+
+def test_only_runs_the_named_jobs_in_that_order_after_the_jobs_they_start_from(tmp_path):
+    pre = {"module": "pretrain", "config": "configs/pretrain/cpu.yaml"}
+    ft = {"module": "finetune", "config": "configs/finetune/cpu.yaml"}
+    spec = write_sweep(tmp_path / "sweep.yaml", [
+        {"name": "pre_a", **pre}, {"name": "ft_a", "init": "pre_a", **ft}, {"name": "probe_a", "init": "ft_a", **ft},
+        {"name": "pre_b", **pre}, {"name": "ft_b", "init": "pre_b", **ft}, {"name": "scratch", **ft},
+    ])  # fmt: skip
+    _, jobs = read_sweep(spec)
+    chosen = select_jobs(jobs, ["scratch", "probe_a", "ft_b", "pre_a"])
+    assert [job.name for job in chosen] == ["scratch", "pre_a", "ft_a", "probe_a", "pre_b", "ft_b"]
+    assert chosen[2] is jobs[1]  # the jobs themselves, overrides and init unchanged
+    with pytest.raises(ConfigError) as e:
+        select_jobs(jobs, ["ft_b", "ft_c", "pre_z"])
+    assert str(e.value) == "--only: no job named 'ft_c', 'pre_z' in the sweep file"
 
 
 @pytest.mark.parametrize("jobs, message", [

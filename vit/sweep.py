@@ -2,6 +2,7 @@
 
     common, jobs = read_sweep(Path("configs/sweeps/cifar10_round2.yaml"))
     outcome = run_sweep(jobs, Path("runs/round2"), common, extra=[], parallel=4)   # {job name: "ok" | "exit N" | "skipped (...)"}
+    jobs = select_jobs(jobs, ["ft_blr1e-3"])     # part of a sweep: these jobs, in this order, each after the job it starts from
 
 A sweep file lists jobs; each is one ordinary stage command (`python -m pretrain|finetune`):
 
@@ -96,6 +97,25 @@ def read_sweep(path: Path) -> tuple[list[str], list[Job]]:
             raise ConfigError(f"{where}: init {init!r} must name an earlier job")
         jobs.append(Job(name, raw["module"], config, check_overrides(raw.get("overrides") or [], where), init))
     return common, jobs
+
+
+def select_jobs(jobs: list[Job], names: list[str]) -> list[Job]:
+    """The named jobs in the order named, each preceded by the jobs its `init` chain needs (a finished one is kept by
+    `run_sweep`, not run again): a long sweep file is run a row at a time, or its cheapest answers first."""
+    by_name = {job.name: job for job in jobs}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ConfigError(f"--only: no job named {', '.join(map(repr, unknown))} in the sweep file")
+    chosen: dict[str, Job] = {}
+
+    def add(job: Job) -> None:
+        if job.init is not None:
+            add(by_name[job.init])
+        chosen.setdefault(job.name, job)
+
+    for name in names:
+        add(by_name[name])
+    return list(chosen.values())
 
 
 def check_overrides(items, where: str) -> list[str]:

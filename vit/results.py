@@ -7,8 +7,8 @@
 Run names follow the sweep: `scratch_m{M}[_{V}]_s{S}` (a ViT from scratch for M minutes, recipe variant V),
 `mae_{X}min_s{S}` (MAE pretraining for X minutes) and `mae_{X}min_s{S}_probe` (its linear probe), `ft_m{M}_f{F}[_{V}]_s{S}`
 (fine-tuning for the rest of M after a pretraining of F% of M, the one its config names as `finetune.init`: one
-pretraining serves every row whose share of it is the same number of minutes), `random_probe_s{S}`. Minutes buy four
-times the steps on a CPU with native bf16 that they buy on an AVX2-only one, so runs are grouped by the host their
+pretraining serves every row whose share of it is the same number of minutes), `random_probe_s{S}`. Minutes buy two to
+four times the steps on a CPU with native bf16 that they buy on an AVX2-only one, so runs are grouped by the host their
 summary records and never mixed in one table.
 
 Every choice is made on val, with seed 0: the scratch column takes the variant with the best val top-1; the MAE

@@ -1,8 +1,8 @@
 """Sweeps: the sweep file (a list of stage commands), its jobs' command lines, and running them several at a time.
 
     common, jobs = read_sweep(Path("configs/sweeps/cifar10_round2.yaml"))
+    jobs = select_jobs(jobs, ["ft_blr1e-3"])     # optional, part of a sweep: these jobs, in this order, each after the job it starts from
     outcome = run_sweep(jobs, Path("runs/round2"), common, extra=[], parallel=4)   # {job name: "ok" | "exit N" | "skipped (...)"}
-    jobs = select_jobs(jobs, ["ft_blr1e-3"])     # part of a sweep: these jobs, in this order, each after the job it starts from
 
 A sweep file lists jobs; each is one ordinary stage command (`python -m pretrain|finetune`):
 

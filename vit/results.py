@@ -302,8 +302,8 @@ def plot(tables: dict[str, tuple[list[Row], Arm]], path: Path) -> Path:
             hi = [100 * (a.spread()[1] - a.mean()) for _, a in pts]
             ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker + line, color=color, capsize=3, label=label + suffix)
             ticks.update(xs)
-        if random.test:
-            ax.axhline(100 * random.mean(), color="grey", ls=line, label=f"random-encoder probe ({len(random.test)} seed{'s' if len(random.test) > 1 else ''}){suffix}")
+        if n := len(random.test):
+            ax.axhline(100 * random.mean(), color="grey", ls=line, label=f"random-encoder probe ({n} seed{'s' if n > 1 else ''}){suffix}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
     ax.set_xlabel("minutes for all stages")

@@ -3,14 +3,17 @@
 - `e2e_case`: fine-tuning throughput with data loading and augmentation: ours at its defaults
   (uint8 dataset on the device, batched TrivialAugment and erasing, our ViT) against torchvision
   transforms with PIL per image in DataLoader workers and timm's ViT;
+- `pipeline_case`: the fine-tuning loop of `configs/finetune/cpu.yaml` against its own bare step;
 - `probe_benchmark`: wall time and val accuracy of the cached-features linear probe against the
   uncached probe on the same images, same head initialisation and same batch order.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -20,13 +23,18 @@ from finetune.config import AugmentConfig
 from finetune.features import FeatureLoader
 from finetune.models import LinearProbe
 from vit.augment import BatchLoader
-from vit.bench import NUM_CLASSES, Case, Settings, Step, bench_images, classify, our_defaults, stream_step
+from vit.bench import NUM_CLASSES, Case, Pipeline, Settings, Step, bare_step, bench_images, classify, our_defaults, pipeline_overrides, \
+    stream_step  # fmt: skip
+from vit.bench import pipeline_case as bench_pipeline_case
+from vit.config import load_config
 from vit.data import CIFAR10_MEAN, CIFAR10_STD, ImageSet
 from vit.device import synchronize
-from vit.engine import batches_forever
+from vit.engine import Progress, Run, TrainLoop, batches_forever
 from vit.model import create_model, flops_per_image
 from vit.randaug import make_ops
 from vit.reference import timm_vit, usual_loader
+
+PIPELINE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "cpu.yaml"  # the recipe the pipeline section runs
 
 
 def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable[[], ImageSet]) -> Case:
@@ -38,7 +46,7 @@ def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable
         loader = BatchLoader(data, s.e2e_batch, device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32, train=True, seed=s.seed,
                              ops=ops)  # fmt: skip
         model = create_model("vit_cifar_tiny", num_classes=NUM_CLASSES, **our_defaults(device))
-        return stream_step(model, classify, batches_forever(loader), device, precision)
+        return stream_step(model, classify, batches_forever(loader), device, precision, s.compile)
 
     def ref() -> Step:
         model = timm_vit(cfg)
@@ -48,6 +56,29 @@ def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable
     return Case(f"e2e/finetune/{precision}", "e2e", precision, s.e2e_batch, ours=ours, ref=ref,
                 ref_name=f"torchvision PIL transforms (TrivialAugment, erasing) + DataLoader({s.workers} workers) + timm ViT",
                 flops_per_image=flops_per_image(cfg))  # fmt: skip
+
+
+def pipeline(s: Settings, device: torch.device) -> Pipeline:
+    """`configs/finetune/cpu.yaml`'s loop from a random encoder (`finetune.init=scratch`; `--e2e-batch`, `--data`,
+    `--compile`) and its bare classification step, set up by the stage."""
+    from finetune.config import FinetuneConfig
+    from finetune.models import build_classifier
+    from finetune.train import input_size, open_run_data, setup_training
+
+    overrides = pipeline_overrides(s, device, tempfile.mkdtemp(prefix="bench-pipeline-"), "finetune") + ["finetune.init=scratch"]
+    cfg = load_config(FinetuneConfig, PIPELINE_CONFIG, overrides)
+    run = Run.start(cfg, stage="finetune", job_type="bench")
+    data = open_run_data(cfg, run, input_size(cfg))
+    built = build_classifier(cfg, len(data.splits.train.classes), run.accelerator.device, say=run.print)
+    t = setup_training(cfg, run, data, built)
+    images, labels = next(t.task.train.epoch(0))
+    loop = TrainLoop(run, t.forward, t.optimizer, t.task.train, t.loss_fn, t.spec, Progress())
+    bare = bare_step(t.forward, t.optimizer, t.loss_fn, images, labels, run.accelerator)
+    return Pipeline(loop, batches_forever(t.task.train), bare, cfg.run.log_every)
+
+
+def pipeline_case(s: Settings, device: torch.device) -> Case:
+    return bench_pipeline_case("finetune", s, device, partial(pipeline, s, device))
 
 
 def probe_benchmark(s: Settings, device: torch.device, precision: str) -> dict:

@@ -24,7 +24,7 @@ from vit import tracking
 from vit.checkpoint import read_encoder, unwrap
 from vit.cli import parse
 from vit.data import Splits
-from vit.engine import Preempted, Progress, Run, fit, load_state, loop_spec, make_optimizer, param_groups
+from vit.engine import LoopSpec, Preempted, Progress, Run, compile_for_run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import DataError, exit_on_user_error
 from vit.loaders import Data, open_data
 from vit.model import preset_image_size
@@ -172,21 +172,42 @@ def cached_probe_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -
     return Task(probe.head, param_groups(probe.head, cfg.optim.weight_decay), train, evals, feature_time=feature_time)
 
 
-def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
-    """Train what `cfg.finetune` asks for (resuming where `run.resume` says) and evaluate it on every split."""
+@dataclass
+class Training:
+    """What `train` fits, built by `setup_training` (the benchmark's pipeline section times the same)."""
+
+    task: Task
+    module: nn.Module  # the task's module under Accelerate
+    optimizer: torch.optim.Optimizer
+    forward: nn.Module  # `module`, compiled where `run.compile` says: the training steps call it
+    spec: LoopSpec
+    loss_fn: Any
+    cached: bool  # a linear probe on cached features
+
+
+def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Training:
+    """The task, its optimiser, loaders, loss and schedule (the time budget told what is evaluated, and how often)."""
     acc, splits = run.accelerator, data.splits
     cached = cfg.finetune.mode == "linear" and cfg.finetune.probe_cache
     task = (cached_probe_task if cached else classifier_task)(cfg, run, data, built)
     optimizer = make_optimizer(task.groups, cfg.optim, acc.device)
     module, optimizer = acc.prepare(task.module, optimizer)
     # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
-    forward = torch.compile(module) if cfg.run.compile and not cached else module
+    forward = module if cached else compile_for_run(run, module)
     spec = loop_spec(cfg, len(task.train), acc.num_processes)
     if spec.budget is not None:
         val_images = len(splits.val) if "val" in task.evals else 0
         spec.budget.eval_images, spec.budget.eval_every = val_images, cfg.finetune.eval_every
         spec.budget.final_images = sum(len(s) for s in (splits.val, splits.test) if s is not None)
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
+    return Training(task, module, optimizer, forward, spec, make_loss(cfg, len(splits.train.classes)), cached)
+
+
+def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
+    """Train what `cfg.finetune` asks for (resuming where `run.resume` says) and evaluate it on every split."""
+    acc, splits = run.accelerator, data.splits
+    t = setup_training(cfg, run, data, built)
+    task, module, spec = t.task, t.module, t.spec
     num_classes = len(splits.train.classes)
 
     def on_epoch_end(epoch: int, progress: Progress) -> dict:
@@ -195,15 +216,15 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
         r = evaluate(unwrap(module), task.evals["val"], acc, num_classes)
         best = max(progress.best.get("val_top1", 0.0), r["top1"])
         progress.best["val_top1"] = best
-        if not cached:  # the cached probe runs many short epochs
+        if not t.cached:  # the cached probe runs many short epochs
             run.print(f"epoch {epoch}: val top-1 {r['top1']:.2%} (best {best:.2%}), top-5 {r['top5']:.2%}, loss {r['loss']:.4f}")
         return {"val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]}
 
-    progress = fit(run, forward, optimizer, task.train, make_loss(cfg, num_classes), spec, load_state(run), on_epoch_end)
+    progress = fit(run, t.forward, t.optimizer, task.train, t.loss_fn, spec, load_state(run), on_epoch_end)
     results = {split: evaluate(unwrap(module), loader, acc, num_classes) for split, loader in task.evals.items()}
-    if cached:
+    if t.cached:
         built.model.head = unwrap(module)
-    return Trained(built.model if cached else unwrap(module), results, progress, task.feature_time)
+    return Trained(built.model if t.cached else unwrap(module), results, progress, task.feature_time)
 
 
 def run_eval(cfg: FinetuneConfig) -> int:
@@ -294,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "cached_features": cached,
         "epochs": progress.epoch,
         "steps": progress.step,
+        "skipped_steps": progress.nan_skips,
         "wall_time_sec": round(wall_time, 2),
         "feature_time_sec": round(trained.feature_time, 2),
         "images": progress.images,

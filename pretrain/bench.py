@@ -1,6 +1,8 @@
 """The MAE sections of the benchmark (`scripts/bench.py`): our `MaskedAutoencoder` against `vit.reference.ReferenceMAE`.
 
-- `mae_cases`: a pretraining step on a fixed batch, per model and precision;
+- `mae_cases`: a pretraining step on a fixed batch, per model and precision, against the official-style MAE and
+  Hugging Face's ViTMAE;
+- `pipeline_case`: the pretraining loop of `configs/pretrain/cpu.yaml` against its own bare step;
 - `e2e_case`: pretraining throughput with data loading and augmentation: ours at its defaults
   (uint8 dataset on the device, batched augmentation) against torchvision transforms with PIL
   per image in DataLoader workers and the official-style MAE.
@@ -8,20 +10,27 @@
 
 from __future__ import annotations
 
+import importlib.util
+import tempfile
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from pretrain.model import PRESET_DECODERS, MaskedAutoencoder
 from vit.augment import BatchLoader
-from vit.bench import MODELS, Case, Settings, Step, our_defaults, reconstruct, stream_step, training_step
+from vit.bench import MODELS, Case, Pipeline, Settings, Step, bare_step, compile_note, models, our_defaults, pipeline_overrides, reconstruct, \
+    stream_step, training_step  # fmt: skip
+from vit.bench import pipeline_case as bench_pipeline_case
+from vit.config import load_config
 from vit.data import CIFAR10_MEAN, CIFAR10_STD, ImageSet
-from vit.engine import batches_forever
+from vit.engine import Progress, Run, TrainLoop, batches_forever
 from vit.model import PRESETS, create_model, flops_per_image
-from vit.reference import ReferenceMAE, usual_loader
+from vit.reference import ReferenceMAE, hf_vitmae, usual_loader
 
 MASK_RATIO = 0.75
+PIPELINE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "cpu.yaml"  # the recipe the pipeline section runs
 
 
 def our_mae(preset: str, overrides: dict, norm_pix_loss: bool = True) -> MaskedAutoencoder:
@@ -50,21 +59,57 @@ def mae_flops_per_image(preset: str, overrides: dict) -> float:
 
 
 def mae_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[Case]:
-    """A pretraining step of our MAE against the reference, per model (the quick run: vit_cifar_tiny alone) and precision."""
+    """A pretraining step of our MAE against the official-style reference and, where transformers is installed,
+    against Hugging Face's ViTMAE, per model (`vit.bench.models`) and precision."""
     cases = []
     ours_kw = our_defaults(device)
-    for label in ["vit_cifar_tiny"] if s.quick else list(MODELS):
+    hf_here = importlib.util.find_spec("transformers") is not None
+    for label in models(s, device):
         preset, overrides = MODELS[label]
         img = overrides.get("img_size", PRESETS[preset]["img_size"])
         for precision in precisions:
             step = partial(training_step, loss_fn=reconstruct, batch=s.batch, img_size=img, device=device, precision=precision, seed=s.seed)
-            cases.append(Case(
-                f"mae/{label}/{precision}", "mae", precision, s.batch,
-                ours=lambda step=step, p=preset, o=overrides: step(our_mae(p, {**o, **ours_kw})),
-                ref=lambda step=step, p=preset, o=overrides: step(reference_mae(p, o)),
-                ref_name="models_mae-style MAE on timm Blocks", flops_per_image=mae_flops_per_image(preset, overrides),
-            ))  # fmt: skip
+            ours = lambda step=step, p=preset, o=overrides: step(our_mae(p, {**o, **ours_kw}), compile=s.compile)  # noqa: E731
+            flops = mae_flops_per_image(preset, overrides)
+            cases.append(Case(f"mae/{label}/{precision}", "mae", precision, s.batch, ours=ours,
+                              ref=lambda step=step, p=preset, o=overrides: step(reference_mae(p, o), compile=s.compile_ref),
+                              ref_name="models_mae-style MAE on timm Blocks" + compile_note(s.compile_ref, device), flops_per_image=flops))  # fmt: skip
+            if hf_here:
+                hf = partial(training_step, loss_fn=hf_reconstruct, batch=s.batch, img_size=img, device=device, precision=precision, seed=s.seed)
+                cases.append(Case(f"mae-hf/{label}/{precision}", "mae", precision, s.batch, ours=ours,
+                                  ref=lambda hf=hf, p=preset, o=overrides: hf(huggingface_mae(p, o), compile=s.compile_ref),
+                                  ref_name="Hugging Face transformers ViTMAEForPreTraining (SDPA)" + compile_note(s.compile_ref, device),
+                                  flops_per_image=flops))  # fmt: skip
     return cases
+
+
+def huggingface_mae(preset: str, overrides: dict):
+    """Hugging Face's ViTMAE with the sizes of our preset encoder and its `PRESET_DECODERS` decoder (norm_pix_loss on)."""
+    cfg, dec = {**PRESETS[preset], **overrides}, PRESET_DECODERS[preset]
+    return hf_vitmae(cfg["img_size"], cfg["patch_size"], cfg["embed_dim"], cfg["depth"], cfg["num_heads"], cfg["mlp_ratio"],
+                     dec["decoder_embed_dim"], dec["decoder_depth"], dec["decoder_num_heads"], MASK_RATIO)  # fmt: skip
+
+
+def hf_reconstruct(model, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(pixel_values=images).loss
+
+
+def pipeline(s: Settings, device: torch.device) -> Pipeline:
+    """`configs/pretrain/cpu.yaml`'s loop (`--e2e-batch`, `--data`, `--compile`) and its bare MAE step, set up by the stage."""
+    from pretrain.config import PretrainConfig
+    from pretrain.train import setup
+
+    cfg = load_config(PretrainConfig, PIPELINE_CONFIG, pipeline_overrides(s, device, tempfile.mkdtemp(prefix="bench-pipeline-"), "pretrain"))
+    run = Run.start(cfg, stage="pretrain", job_type="bench")
+    t = setup(cfg, run)
+    images, labels = next(t.train_loader.epoch(0))
+    loop = TrainLoop(run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec, Progress())
+    bare = bare_step(t.forward, t.optimizer, t.loss_fn, images, labels, run.accelerator)
+    return Pipeline(loop, batches_forever(t.train_loader), bare, cfg.run.log_every)
+
+
+def pipeline_case(s: Settings, device: torch.device) -> Case:
+    return bench_pipeline_case("pretrain", s, device, partial(pipeline, s, device))
 
 
 def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable[[], ImageSet]) -> Case:
@@ -73,7 +118,7 @@ def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable
     def ours() -> Step:
         loader = BatchLoader(images(), s.e2e_batch, device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32, train=True, seed=s.seed)
         model = our_mae("vit_cifar_tiny", our_defaults(device))
-        return stream_step(model, reconstruct, batches_forever(loader), device, precision)
+        return stream_step(model, reconstruct, batches_forever(loader), device, precision, s.compile)
 
     def ref() -> Step:
         model = reference_mae("vit_cifar_tiny", {})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -11,7 +13,7 @@ from pretrain.figures import save_reconstruction_figure
 from pretrain.model import MaskedAutoencoder, build_mae
 from vit.checkpoint import save_encoder, save_mae, unwrap
 from vit.cli import parse
-from vit.engine import Preempted, Run, fit, load_state, loop_spec, make_optimizer, param_groups
+from vit.engine import LoopSpec, Preempted, Run, compile_for_run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import exit_on_user_error
 from vit.knn import knn_evaluate, seeded_subset
 from vit.loaders import Data, open_data
@@ -28,7 +30,8 @@ def validation_loss(mae: MaskedAutoencoder, loader, run: Run, seed: int) -> floa
     for images, _ in loader.epoch(0):
         with run.accelerator.autocast():
             loss, _, _ = mae(images, generator=generator)
-        total += torch.stack([loss.float() * images.shape[0], torch.tensor(float(images.shape[0]), device=total.device)])
+        total[0] += loss.float() * images.shape[0]  # no host read per batch: the device runs ahead of the host
+        total[1] += images.shape[0]
     total = run.accelerator.reduce(total, reduction="sum")
     return (total[0] / total[1].clamp(min=1)).item()
 
@@ -68,10 +71,30 @@ def rank_report(run: Run, model, first_batch_sum: float, images_seen: int) -> li
     return [{"rank": int(r), "first_batch_sum": b, "images": int(n), "param_checksum": c} for r, b, n, c in gathered]
 
 
-@exit_on_user_error
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(PretrainConfig, argv, "pretrain", "MAE pretraining of a ViT encoder")
-    run = Run.start(cfg, stage="pretrain")
+@dataclass
+class Pretraining:
+    """Everything a pretraining run trains with, built from its config (`setup`): what `main` runs and what the
+    benchmark's pipeline section times."""
+
+    cfg: PretrainConfig
+    run: Run
+    data: Data
+    mae: MaskedAutoencoder  # the plain module (evaluation, figures, weights)
+    model: torch.nn.Module  # under Accelerate (DDP on several processes)
+    optimizer: torch.optim.Optimizer
+    forward: torch.nn.Module  # `model`, compiled where `run.compile` says: the training steps call it
+    train_loader: Any
+    val_loader: Any
+    spec: LoopSpec
+
+    @staticmethod
+    def loss_fn(m, images, labels):
+        loss, _, _ = m(images)
+        return loss, {}
+
+
+def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
+    """The run's data, MAE, optimiser, loaders and schedule (the time budget told what each epoch evaluates)."""
     acc = run.accelerator
     mae = build_mae(cfg, acc.device)
     img_size = mae.encoder.patch_embed.img_size
@@ -81,92 +104,99 @@ def main(argv: list[str] | None = None) -> int:
     splits = data.splits
     run.print(f"data: {splits.describe()} | model: {cfg.model.name} {mae.encoder.config['embed_dim']}d x {mae.encoder.config['depth']}, "
               f"{sum(p.numel() for p in mae.encoder.parameters()) / 1e6:.2f}M encoder parameters, decoder {mae.decoder_config}")
-
     optimizer = make_optimizer(param_groups(mae, cfg.optim.weight_decay), cfg.optim, acc.device)
     model, optimizer = acc.prepare(mae, optimizer)
-    forward = torch.compile(model) if cfg.run.compile else model
-
     train_loader = data.loader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed)
     val_loader = data.loader(splits.val, cfg.optim.batch_size, train=False) if len(splits.val) else None
-    knn = knn_monitor(cfg, run, data)
-    pretrained_on = split_record(cfg.data, splits)  # encoder.pt records it, so fine-tuning can refuse val images seen here
     spec = loop_spec(cfg, len(train_loader), acc.num_processes)
     if spec.budget is not None:
         spec.budget.eval_images = len(splits.val)  # the val loss after every epoch
-        if knn is not None:
+        if cfg.mae.knn_every and len(splits.val) and splits.labelled:
             # The kNN monitor embeds its bank and queries with every patch visible: about 3 masked-MAE forwards an image.
             knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
             spec.budget.eval_images += 3 * knn_images // cfg.mae.knn_every
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
               f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")
+    return Pretraining(cfg, run, data, mae, model, optimizer, compile_for_run(run, model), train_loader, val_loader, spec)
 
-    figure_batch = None
-    if cfg.mae.figure_images:
-        # Images spread evenly over the split (so over its classes), the same ones at every figure.
-        source = splits.val if len(splits.val) else splits.train
-        picks = data.subset(source, torch.linspace(0, len(source) - 1, cfg.mae.figure_images).long().unique())
-        figure_batch = next(data.loader(picks, cfg.mae.figure_images, train=False, sharded=False).epoch(0))[0]
 
-    def figure(step: int, path) -> None:
-        if figure_batch is None or not run.is_main:
-            return
-        with acc.autocast():
-            path = save_reconstruction_figure(unwrap(model), figure_batch, splits.mean, splits.std, path, seed=cfg.run.seed)
-        run.log_images({"reconstruction": path}, step)
-
-    first_batch_sum = next(train_loader.epoch(0))[0].double().sum().item()
-
-    def loss_fn(m, images, labels):
-        loss, _, _ = m(images)
-        return loss, {}
-
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(PretrainConfig, argv, "pretrain", "MAE pretraining of a ViT encoder")
+    run = Run.start(cfg, stage="pretrain")
+    t = setup(cfg, run)
+    acc, model, splits = run.accelerator, t.model, t.data.splits
+    knn = knn_monitor(cfg, run, t.data)
+    pretrained_on = split_record(cfg.data, splits)  # encoder.pt records it, so fine-tuning can refuse val images seen here
+    figure = reconstruction_figures(cfg, run, t)
+    first_batch_sum = next(t.train_loader.epoch(0))[0].double().sum().item()
     epoch_clock = {"start": time.perf_counter()}  # when the current epoch's training steps began
 
     def on_epoch_end(epoch: int, progress) -> dict[str, float]:
         epoch_seconds = time.perf_counter() - epoch_clock["start"]
         metrics = {}
-        if val_loader is not None:
-            metrics["val_loss"] = validation_loss(unwrap(model), val_loader, run, cfg.run.seed)
+        if t.val_loader is not None:
+            metrics["val_loss"] = validation_loss(t.mae, t.val_loader, run, cfg.run.seed)
             run.print(f"epoch {epoch}: val loss {metrics['val_loss']:.4f}")
-        if knn is not None and (epoch % cfg.mae.knn_every == 0 or epoch == spec.epoch_limit):
-            metrics.update(knn(unwrap(model).encoder, epoch, epoch_seconds))
+        if knn is not None and (epoch % cfg.mae.knn_every == 0 or epoch == t.spec.epoch_limit):
+            metrics.update(knn(t.mae.encoder, epoch, epoch_seconds))
         if cfg.run.figure_every and epoch % cfg.run.figure_every == 0:
             figure(progress.step, epoch_figure_path(run.dir, "reconstruction", epoch))
         save_weights(run, model, progress.step, splits, pretrained_on)
         epoch_clock["start"] = time.perf_counter()
         return metrics
 
-    progress = load_state(run)
     try:
-        progress = fit(run, forward, optimizer, train_loader, loss_fn, spec, progress, on_epoch_end)
+        progress = fit(run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec, load_state(run), on_epoch_end)
     except Preempted as e:
         run.print(str(e))
         return 143
     save_weights(run, model, progress.step, splits, pretrained_on)
     run.log_encoder(run.dir / ENCODER_FILE)
     figure(progress.step, run.dir / RECONSTRUCTION_FILE)
-    final_val = validation_loss(unwrap(model), val_loader, run, cfg.run.seed) if val_loader is not None else None
+    final_val = validation_loss(t.mae, t.val_loader, run, cfg.run.seed) if t.val_loader is not None else None
     summary = run.finish({
         "final_loss": run.last_logged("loss"),
         "final_val_loss": final_val,
         "final_knn_top1": run.last_logged("knn_top1"),
         "knn_time_sec": round(sum(r.get("knn_sec", 0) for r in read_metrics(run.dir)[0]), 2) if run.is_main else None,  # part of wall_time_sec
         "steps": progress.step,
+        "skipped_steps": progress.nan_skips,
         "epochs": progress.epoch,
         "images": progress.images,
         "wall_time_sec": round(progress.train_time, 2),
         "images_per_sec": round(progress.images / max(progress.train_time, 1e-9), 1),
         "model": cfg.model.name,
-        "encoder": mae.encoder.config,
-        "decoder": mae.decoder_config,
+        "encoder": t.mae.encoder.config,
+        "decoder": t.mae.decoder_config,
         "mask_ratio": cfg.mae.mask_ratio,
         "data": splits.describe(),
-        "bad_images": data.bad_total(acc),
+        "bad_images": t.data.bad_total(acc),
         "ranks": rank_report(run, model, first_batch_sum, progress.images // acc.num_processes),
     })
     run.print(f"done: {summary['steps']} steps in {summary['wall_time_sec']:.0f}s ({summary['images_per_sec']:.0f} img/s), "
               f"loss {summary['final_loss']}, val loss {final_val} -> {run.dir / ENCODER_FILE}")
     return 0
+
+
+def reconstruction_figures(cfg: PretrainConfig, run: Run, t: Pretraining) -> Callable[[int, Any], None]:
+    """`figure(step, path)`: the reconstruction figure of `mae.figure_images` fixed images (main process; none when 0)."""
+    figure_batch = None
+    if cfg.mae.figure_images:
+        # Images spread evenly over the split (so over its classes), the same ones at every figure.
+        splits = t.data.splits
+        source = splits.val if len(splits.val) else splits.train
+        picks = t.data.subset(source, torch.linspace(0, len(source) - 1, cfg.mae.figure_images).long().unique())
+        figure_batch = next(t.data.loader(picks, cfg.mae.figure_images, train=False, sharded=False).epoch(0))[0]
+
+    def figure(step: int, path) -> None:
+        if figure_batch is None or not run.is_main:
+            return
+        with run.accelerator.autocast():
+            path = save_reconstruction_figure(t.mae, figure_batch, t.data.splits.mean, t.data.splits.std, path, seed=cfg.run.seed)
+        run.log_images({"reconstruction": path}, step)
+
+    return figure
 
 
 def encoder_meta(run: Run, splits, pretrained_on: dict) -> dict:

@@ -3,13 +3,15 @@
     python scripts/bench.py                      # the full run: batch 128, 3 warm-up steps, 5 rounds
     python scripts/bench.py --quick              # CI smoke: batch 16, 1 warm-up step, 2 rounds of 1 step
     python scripts/bench.py --only mae --json bench.json --threads 2
+    python scripts/bench.py --only pipeline --data cifar10.tar.gz   # the stages' loops against their bare steps
 
 Sections (each a list of `Case`s, every case a pair of step builders, ours and the reference):
 
 1. encoder: forward + backward + AdamW step of `vit.VisionTransformer` against timm's
    `VisionTransformer` with the same configuration, cross entropy on 10 classes.
 2. mae: a pretraining step of `pretrain.MaskedAutoencoder` against `vit.reference.ReferenceMAE`,
-   written after facebookresearch/mae `models_mae.py` (timm blocks, argsort masking, gather).
+   written after facebookresearch/mae `models_mae.py` (timm blocks, argsort masking, gather), and
+   (`mae-hf/...`, where transformers is installed) against Hugging Face's `ViTMAEForPreTraining`.
 3. e2e: end-to-end training throughput with data loading and augmentation on real images
    (`--data`, else synthetic ones): our pipeline at its defaults (uint8 dataset on the device,
    batched augmentation, our model) against the usual one (torchvision transforms with PIL per
@@ -21,12 +23,20 @@ Sections (each a list of `Case`s, every case a pair of step builders, ours and t
    224 + batching (flipped and normalised, ready for the model), our `vit.stream.StreamLoader`
    against torchvision `ImageFolder` + `RandomResizedCrop` + `DataLoader`, with the same number of
    workers (`--workers`), on generated photo-like JPEGs of ImageNet's typical size and of a camera's.
-6. utilisation: the machine's GEMM peak per precision, measured in the same run, and the
+6. pipeline: each stage's real training loop (`configs/pretrain/cpu.yaml`, `configs/finetune/cpu.yaml`
+   at `--e2e-batch`: data, augmentation, masking, the non-finite guard, metrics records) against the
+   bare step of the same model and optimiser on a fixed batch. The ratio is the share of its own step
+   the loop keeps; the host reads of the steps between two records are counted (0 when no step waits
+   for the device); on CUDA the GPU's busy share (NVML) of each side is shown.
+7. utilisation: the machine's GEMM peak per precision, measured in the same run, and the
    model FLOP/s each side reaches as a share of it. Peak memory of each side's training steps:
    the allocator's peak on CUDA; on a Linux CPU the rise of the resident set during the steps
    of that side alone in a child process (encoder and MAE cases).
 
-"Ours" runs with the defaults a user gets on the device (`model.attn_impl: auto`).
+"Ours" runs with the defaults a user gets on the device (`model.attn_impl: auto`, `run.compile: auto`, which
+compiles with CUDA graphs on a GPU and nothing on a CPU; `--compile`); the references run as their users run
+them, eager (`--compile-ref` compiles them too). Models: vit_cifar_tiny and ViT-Tiny 4x4 on 32 px, and on CUDA
+ViT-B/16 at 224 px (`--models`).
 
 Both sides of a case are built before timing, then run interleaved (K steps of one, K of
 the other, the first side alternating per round) so that load from other processes falls
@@ -34,7 +44,7 @@ on both alike. Each round gives images/s per side; the table shows medians over 
 and ours / reference.
 
 The measuring is `vit.bench`; the sections live with what they measure: `vit.bench` (encoder),
-`pretrain.bench` (mae, e2e pretraining), `finetune.bench` (e2e fine-tuning, probe).
+`pretrain.bench` (mae, e2e and pipeline pretraining), `finetune.bench` (e2e and pipeline fine-tuning, probe).
 """
 
 from __future__ import annotations
@@ -61,7 +71,9 @@ def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
     precisions = bench.case_precisions(device)
     images = functools.cache(lambda: bench.bench_images(s))  # decoded once, shared by the two e2e cases
     e2e = [pretrain_bench.e2e_case(s, device, precisions[-1], images), finetune_bench.e2e_case(s, device, precisions[-1], images)]
-    return bench.encoder_cases(s, device, precisions) + pretrain_bench.mae_cases(s, device, precisions) + e2e + bench.stream_cases(s, device)
+    pipeline = [pretrain_bench.pipeline_case(s, device), finetune_bench.pipeline_case(s, device)]
+    return bench.encoder_cases(s, device, precisions) + pretrain_bench.mae_cases(s, device, precisions) + e2e + pipeline \
+        + bench.stream_cases(s, device)  # fmt: skip
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
@@ -71,7 +83,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
     p.add_argument("--json", type=Path, help="write machine description and every measurement here")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: every usable core)")
-    p.add_argument("--only", help="run only the cases whose name contains this substring, e.g. 'mae' or 'bf16'")
+    p.add_argument("--only", help="run only the cases whose name contains this substring (or one of these, comma-separated), e.g. 'mae' or 'bf16'")
     p.add_argument("--batch", type=int, help="images per step (default 128; quick 16)")
     p.add_argument("--warmup", type=int, help="warm-up steps per side (default 3; quick 1)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 5; quick 2)")
@@ -87,6 +99,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
     p.add_argument("--stream-images", type=int, help="JPEG files per image size of the stream section, an epoch per timed step (default 1024; quick 24)")
     p.add_argument("--stream-batch", type=int, help="batch of the stream section (default 64; quick 8)")
     p.add_argument("--stream-dir", help="where the stream section writes its JPEGs once (default: a temporary folder)")
+    p.add_argument("--models", help=f"comma-separated models of the encoder and MAE sections, from {', '.join(bench.MODELS)} "
+                   "(default: the small ones, and vit_base_p16 on CUDA; quick: vit_cifar_tiny)")
+    p.add_argument("--compile", default="auto", choices=["auto", "off", "on", "reduce-overhead", "max-autotune"],
+                   help="torch.compile of our models, as run.compile (default auto: CUDA graphs on a GPU, off on a CPU)")
+    p.add_argument("--compile-ref", default="off", choices=["auto", "off", "on", "reduce-overhead", "max-autotune"],
+                   help="torch.compile of the references, as run.compile (default off: as their users run them)")
     p.add_argument("--memory-of", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)  # internal: one side's CPU memory, in a child
     args = p.parse_args(argv)
     s = bench.settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(bench.Settings)})
@@ -112,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(bench.host_step_memory(case, side, s.warmup)))
         return 0
 
-    cases = [c for c in make_cases(s, device) if args.only is None or args.only in c.name]
+    only = None if args.only is None else [o for o in args.only.split(",") if o]
+    cases = [c for c in make_cases(s, device) if only is None or any(o in c.name for o in only)]
     if not cases and args.only not in "probe":
         raise ConfigError(f"--only {args.only!r} matches no case")
     precisions = bench.gemm_precisions(cases, device)

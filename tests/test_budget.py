@@ -38,37 +38,62 @@ def test_eval_estimate_is_a_forward_share_of_training():
     assert eval_seconds_estimate(0, 100) == 0.0
 
 
-def test_meter_skips_warmup_and_waits_for_steps_and_seconds():
-    now = [0.0]
-    meter = StepMeter(warmup=2, min_steps=3, min_seconds=5.0, clock=lambda: now[0])
-    for dt in (10.0, 10.0):  # slow warm-up steps are not measured
+def ticks(meter: StepMeter, now: list[float], *seconds: float) -> None:
+    for dt in seconds:
         now[0] += dt
         meter.tick()
+
+
+def test_meter_skips_warmup_and_waits_for_two_windows_of_steps_and_seconds():
+    now = [0.0]
+    meter = StepMeter(warmup=2, min_steps=4, min_seconds=5.0, clock=lambda: now[0])  # windows of 2 steps and 2.5 s
+    ticks(meter, now, 10.0, 10.0)  # slow warm-up steps are not measured
+    ticks(meter, now, 1.0, 1.0)
+    assert meter.steps == 2 and not meter.done  # 2 steps but only 2 s: the first window is still open
+    ticks(meter, now, 1.0)
+    assert len(meter.windows) == 1 and not meter.done
+    ticks(meter, now, 1.0, 1.0, 1.0)
+    assert meter.done and meter.steps == 6 and meter.seconds_per_step == pytest.approx(1.0)
+
+
+def test_meter_plans_on_the_steady_rate_after_slower_first_steps():
+    now = [0.0]
+    meter = StepMeter(warmup=1, min_steps=2, min_seconds=4.0, clock=lambda: now[0])  # windows of 1 step and 2 s
+    ticks(meter, now, 1.0)  # warm-up
+    ticks(meter, now, 3.0, 3.0)  # two slow windows of one step: they agree with each other...
+    assert meter.done and meter.seconds_per_step == pytest.approx(3.0)  # ...so a run this short plans on them
+    meter = StepMeter(warmup=1, min_steps=2, min_seconds=4.0, clock=lambda: now[0])
+    ticks(meter, now, 1.0, 6.0, 3.0)  # a first window at 6 s a step, the next at 3: not yet
     assert not meter.done
-    for _ in range(3):
-        now[0] += 1.0
-        meter.tick()
-    assert meter.steps == 3 and not meter.done  # 3 steps but only 3 s
-    for _ in range(2):
-        now[0] += 1.0
-        meter.tick()
-    assert meter.done and meter.seconds_per_step == pytest.approx(1.0)
+    ticks(meter, now, 1.0, 1.0, 1.0, 1.0)  # 3 s, then 1 s a step (2 steps per window), then 1 s again
+    assert meter.done and meter.seconds_per_step == pytest.approx(1.0) and meter.steps == 4
+
+
+def test_meter_stops_after_its_last_window_on_a_machine_that_never_settles():
+    now = [0.0]
+    meter = StepMeter(warmup=1, min_steps=2, min_seconds=2.0, clock=lambda: now[0], max_windows=4)
+    ticks(meter, now, 1.0, 1.0, 2.0, 4.0)
+    assert not meter.done
+    ticks(meter, now, 8.0)
+    assert meter.done and meter.seconds_per_step == pytest.approx(6.0)  # the last two windows, 4 s and 8 s
 
 
 def test_meter_leaves_out_the_work_between_steps_after_a_pause():
     now = [0.0]
-    meter = StepMeter(warmup=1, min_steps=4, min_seconds=4.0, clock=lambda: now[0])
-    for dt in (5.0, 1.0, 1.0):
-        now[0] += dt
-        meter.tick()
+    meter = StepMeter(warmup=1, min_steps=4, min_seconds=4.0, clock=lambda: now[0])  # windows of 2 steps and 2 s
+    ticks(meter, now, 5.0, 1.0, 1.0)
     meter.pause()
-    now[0] += 30.0  # an evaluation
-    meter.tick()  # the step after it starts a new interval
+    ticks(meter, now, 30.0)  # an evaluation, then the step after it starts a new interval
     assert meter.steps == 2 and not meter.done
-    for _ in range(2):
-        now[0] += 1.0
-        meter.tick()
+    ticks(meter, now, 1.0, 1.0)
     assert meter.done and meter.steps == 4 and meter.seconds_per_step == pytest.approx(1.0)
+
+
+def test_meter_waits_for_the_device_where_a_window_starts_and_ends():
+    now, synced = [0.0], []
+    meter = StepMeter(warmup=1, min_steps=2, min_seconds=4.0, clock=lambda: now[0], sync=lambda: synced.append(now[0]))
+    ticks(meter, now, 1.0, 1.0, 1.0, 1.0, 1.0)
+    assert meter.done and synced == [1.0, 3.0, 5.0]  # after the warm-up step, and at each window's end; no step between
 
 
 def test_the_measuring_window_grows_with_the_budget_within_bounds():

@@ -255,7 +255,7 @@ def test_non_finite_steps_can_be_skipped_within_a_budget(tmp_path, monkeypatch, 
     assert main(tiny_overrides(tmp_path, **{"run.nan_skip_budget": 1, "schedule.epochs": 1})) == 0
     assert "step skipped (1/1)" in capsys.readouterr().err
     summary = json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())
-    assert summary["steps"] == 5  # 6 batches, one skipped
+    assert summary["steps"] == 6 and summary["skipped_steps"] == 1  # 6 batches, one of them a step without an update
 
 
 def test_training_mode_predicts_masked_patches_exactly_as_eval_mode():

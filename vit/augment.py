@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from vit.data import ImageSet, seeded_generator
+from vit.device import to_device
 from vit.errors import DataError
 
 BatchOp = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+CROP_CHUNK = 64  # training batches whose crops are computed and copied to the device together
 
 
 # --------------------------------------------------------------------------- pure ops
@@ -62,16 +64,30 @@ def sample_crop_params(
     first box that fits; if none fits, the whole image with its aspect clamped to `ratio`, centred.
     Returns boxes (B, 4) float64 as (x0, y0, w, h) in pixels (continuous, inside the image) and flips (B,) bool.
     """
-    u = torch.rand(batch, attempts, 4, generator=generator, dtype=torch.float64)  # (B, A, 4): area, ratio, x, y
+    return crop_params(*crop_draws(batch, generator, attempts), height, width, scale, ratio, hflip)
+
+
+def crop_draws(batch: int, generator: torch.Generator, attempts: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uniform numbers a batch's crops are made of, in the order `sample_crop_params` draws them from `generator`:
+    u (B, attempts, 4) float64 (area, ratio, x, y per attempt) and flip draws (B,) float32."""
+    u = torch.rand(batch, attempts, 4, generator=generator, dtype=torch.float64)
+    flips = torch.rand(batch, generator=generator)  # drawn even without hflip, so the stream does not depend on it
+    return u, flips
+
+
+def crop_params(u: torch.Tensor, flip_draws: torch.Tensor, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
+                hflip: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`crop_draws` of any number of images -> boxes (N, 4) float64 (x0, y0, w, h) px and flips (N,) bool. Elementwise
+    per image: the draws of many batches, concatenated, give each batch's own boxes bit for bit."""
     area = height * width * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     aspect = torch.exp(log_lo + (log_hi - log_lo) * u[..., 1])
-    w_try, h_try = torch.sqrt(area * aspect), torch.sqrt(area / aspect)  # (B, A)
+    w_try, h_try = torch.sqrt(area * aspect), torch.sqrt(area / aspect)  # (N, A)
     fits = (w_try <= width) & (h_try <= height)
-    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # (B, 1): first fitting attempt, 0 if none
+    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # (N, 1): first fitting attempt, 0 if none
 
     def pick(t: torch.Tensor) -> torch.Tensor:
-        return t.gather(1, first).squeeze(1)  # (B, A) -> (B,)
+        return t.gather(1, first).squeeze(1)  # (N, A) -> (N,)
 
     w, h, ux, uy = pick(w_try), pick(h_try), pick(u[..., 2]), pick(u[..., 3])
     in_ratio = width / height
@@ -86,9 +102,7 @@ def sample_crop_params(
     h = torch.where(found, h, torch.full_like(h, fallback_h))
     x0 = torch.where(found, ux, torch.full_like(ux, 0.5)) * (width - w)
     y0 = torch.where(found, uy, torch.full_like(uy, 0.5)) * (height - h)
-    flips = torch.rand(batch, generator=generator) < 0.5  # drawn even without hflip, so the stream does not depend on it
-    if not hflip:
-        flips = torch.zeros_like(flips)
+    flips = flip_draws < 0.5 if hflip else torch.zeros(flip_draws.shape, dtype=torch.bool)
     return torch.stack([x0, y0, w, h], dim=1), flips
 
 
@@ -116,8 +130,14 @@ def random_resized_crop_flip(images: torch.Tensor, boxes: torch.Tensor, flips: t
     A full box without flip at out_size == H == W is the identity.
     """
     b, c, height, width = images.shape
-    theta = crop_flip_theta(boxes, flips, height, width).to(device=images.device, dtype=images.dtype)
-    grid = F.affine_grid(theta, [b, c, out_size, out_size], align_corners=False)  # (B, S, S, 2)
+    # Cast on the CPU (MPS has no float64), then copied without making the host wait for the device.
+    theta = to_device(crop_flip_theta(boxes, flips, height, width).to(images.dtype), images.device)
+    return resample(images, theta, out_size)
+
+
+def resample(images: torch.Tensor, theta: torch.Tensor, out_size: int) -> torch.Tensor:
+    """images (B, C, H, W) float through the affine maps theta (B, 2, 3) (`crop_flip_theta`) -> (B, C, out_size, out_size)."""
+    grid = F.affine_grid(theta, [images.shape[0], images.shape[1], out_size, out_size], align_corners=False)  # (B, S, S, 2)
     # border padding: a box edge that float rounding pushes a hair outside the image reads the edge pixel, not zeros.
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
@@ -234,11 +254,27 @@ class BatchLoader(Loader):
 
     def _train_epoch(self, epoch: int, start_batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         bs = self.batch_size
-        mine = epoch_order(self.labels.shape[0], bs, self.seed, epoch, self.rank, self.world_size).to(self.device)  # (num_batches * B,)
-        for b in range(start_batch, self.num_batches):
-            index = mine[b * bs : (b + 1) * bs]
-            images = self.images.index_select(0, index)  # (B, 3, H, W) uint8
-            yield self.augment(images, epoch, b), self.labels.index_select(0, index)
+        mine = to_device(epoch_order(self.labels.shape[0], bs, self.seed, epoch, self.rank, self.world_size), self.device)  # (num_batches * B,)
+        for first in range(start_batch, self.num_batches, CROP_CHUNK):
+            # The crops of many batches at once: one pass of host arithmetic and one copy, not a small copy a step.
+            batches = range(first, min(first + CROP_CHUNK, self.num_batches))
+            thetas, generators = self.crops(epoch, batches)
+            for j, b in enumerate(batches):
+                index = mine[b * bs : (b + 1) * bs]
+                x = self.images.index_select(0, index).float().div_(255)  # (B, 3, H, W) in [0, 1]
+                x = resample(x, thetas[j], self.out_size)
+                yield finish_batch(x, generators[j], self.ops, self._mean_t, self._std_t), self.labels.index_select(0, index)
+
+    def crops(self, epoch: int, batches: range) -> tuple[torch.Tensor, list[torch.Generator]]:
+        """The crop-and-flip maps of `batches` of `epoch` on the device, thetas (len, B, 2, 3), and each batch's generator
+        after its crop draws (what the extra `ops` draw from): what `augment` does batch by batch, the same numbers."""
+        generators = [seeded_generator("batch", self.seed, epoch, b, self.rank) for b in batches]
+        draws = [crop_draws(self.batch_size, g) for g in generators]
+        height, width = self.images.shape[-2:]
+        u, flip_draws = torch.cat([d[0] for d in draws]), torch.cat([d[1] for d in draws])
+        boxes, flips = crop_params(u, flip_draws, height, width, self.crop_scale, self.crop_ratio, self.hflip)
+        theta = crop_flip_theta(boxes, flips, height, width).to(torch.float32).view(len(draws), self.batch_size, 2, 3)
+        return to_device(theta, self.device), generators
 
     def augment(self, images: torch.Tensor, epoch: int, batch_index: int) -> torch.Tensor:
         """The training transform of one batch: (B, 3, H, W) uint8 -> (B, 3, out_size, out_size) float32 normalised."""

@@ -13,6 +13,8 @@ need a stage live with it (`pretrain.bench`, `finetune.bench`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import json
 import math
@@ -22,10 +24,11 @@ import random
 import statistics
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -33,8 +36,9 @@ import torch.nn.functional as F
 
 from vit.config import DataConfig, ModelConfig, OptimConfig
 from vit.data import ImageSet, load_splits
-from vit.device import cpu_model_and_flags, synchronize
-from vit.engine import make_optimizer, native_bf16, param_groups
+from vit.device import BusySampler, cpu_model_and_flags, synchronize
+from vit.errors import ConfigError
+from vit.engine import SignalGuard, compile_mode, make_optimizer, native_bf16, param_groups, resolve_precision
 from vit.model import create_model, flops_per_image
 from vit.reference import timm_vit
 
@@ -43,7 +47,9 @@ NUM_CLASSES = 10
 MODELS: dict[str, tuple[str, dict]] = {
     "vit_cifar_tiny": ("vit_cifar_tiny", {}),
     "vit_tiny_p4": ("vit_tiny", dict(img_size=32, patch_size=4)),
+    "vit_base_p16": ("vit_base", {}),  # ViT-B/16 at 224 px, the MAE paper's size (by default on GPUs only)
 }
+SMALL_MODELS = ("vit_cifar_tiny", "vit_tiny_p4")  # the default off CUDA: ViT-B/16 steps take seconds on a CPU
 SIDES = ("ours", "ref")
 
 Step = Callable[[], None]  # one training step on a fixed batch
@@ -70,6 +76,9 @@ class Settings:
     stream_images: int = 1024  # JPEG files per size of the stream section (one epoch is one timed step)
     stream_batch: int = 64  # batch of the stream section
     stream_dir: str | None = None  # where the stream section writes its JPEGs (default: a temporary folder)
+    models: str | None = None  # comma-separated MODELS of the encoder and MAE sections; None: SMALL_MODELS, and ViT-B/16 on CUDA
+    compile: str = "auto"  # ours, as `run.compile` (auto: CUDA graphs on one GPU, off on CPUs)
+    compile_ref: str = "off"  # the references (timm, the official-style MAE, Hugging Face), as `run.compile`
 
 
 QUICK = dict(batch=16, warmup=1, rounds=2, steps=1, gemm=1024, e2e_batch=32, probe_images=128, probe_epochs=2, stream_images=24, stream_batch=8)
@@ -96,6 +105,27 @@ class Case:
     ref: Callable[[], Step]
     ref_name: str
     flops_per_image: float | None = None  # matmul FLOPs of one training image, for utilisation
+    extra: Callable[[], dict] | None = None  # called once after the timing: more facts for the case's result
+
+
+def models(s: Settings, device: torch.device) -> list[str]:
+    """The MODELS the encoder and MAE sections run: `s.models`, else the small ones (the quick run: vit_cifar_tiny alone),
+    with ViT-B/16 on CUDA."""
+    if s.models:
+        names = [m.strip() for m in s.models.split(",") if m.strip()]
+        unknown = [m for m in names if m not in MODELS]
+        if unknown:
+            raise ConfigError(f"--models {','.join(unknown)}: unknown; choose from {', '.join(MODELS)}")
+        return names
+    if s.quick:
+        return ["vit_cifar_tiny"]
+    return list(SMALL_MODELS) + (["vit_base_p16"] if device.type == "cuda" else [])
+
+
+def compiled(model: nn.Module, requested: str, device: torch.device) -> nn.Module:
+    """`model` under torch.compile as `run.compile=requested` would compile it on `device` (one process)."""
+    mode = compile_mode(requested, device)
+    return model if mode is None else torch.compile(model, mode=mode)
 
 
 def seed_everything(seed: int) -> None:
@@ -128,14 +158,16 @@ def reconstruct(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) ->
     return model(images)[0]
 
 
-def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torch.device, precision: str) -> Step:
+def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torch.device, precision: str, compile: str = "off") -> Step:
     """A training step that first takes its batch from `batches` (loading and augmentation are timed too).
 
     zero_grad, forward under autocast, backward, AdamW step. The optimiser is the project's own
     (`make_optimizer`: fused AdamW on CPU and CUDA) for both sides, so the comparison is between models.
+    `compile`: the model's forward under torch.compile, as `run.compile` would compile it.
     """
     model.to(device).train()
     optimizer = make_optimizer(param_groups(model, weight_decay=0.05), OptimConfig(), device)
+    model = compiled(model, compile, device)
     for group in optimizer.param_groups:
         group["lr"] = 1.0e-4  # make_optimizer leaves the LR to the schedule
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -152,12 +184,13 @@ def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torc
     return step
 
 
-def training_step(model: nn.Module, loss_fn: Loss, batch: int, img_size: int, device: torch.device, precision: str, seed: int) -> Step:
+def training_step(model: nn.Module, loss_fn: Loss, batch: int, img_size: int, device: torch.device, precision: str, seed: int,
+                  compile: str = "off") -> Step:  # fmt: skip
     """`stream_step` on one fixed batch drawn from `seed` (both sides see the same one): the model alone is timed."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, 3, img_size, img_size, generator=g).to(device)
     labels = torch.randint(0, NUM_CLASSES, (batch,), generator=g).to(device)
-    return stream_step(model, loss_fn, itertools.repeat((images, labels)), device, precision)
+    return stream_step(model, loss_fn, itertools.repeat((images, labels)), device, precision, compile)
 
 
 def bench_images(s: Settings) -> ImageSet:
@@ -173,18 +206,159 @@ def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> l
     """Forward + backward + AdamW step of our `VisionTransformer` against timm's with the same configuration, per model and precision."""
     cases = []
     ours_kw = our_defaults(device)
-    for label, (preset, overrides) in list(MODELS.items())[:1] if s.quick else MODELS.items():  # the smoke run: vit_cifar_tiny alone
+    for label in models(s, device):
+        preset, overrides = MODELS[label]
         cfg = create_model(preset, num_classes=NUM_CLASSES, **overrides).config
         for precision in precisions:
             step = partial(training_step, loss_fn=classify, batch=s.batch, img_size=cfg["img_size"], device=device, precision=precision,
                            seed=s.seed)  # fmt: skip
             cases.append(Case(
                 f"encoder/{label}/{precision}", "encoder", precision, s.batch,
-                ours=lambda step=step, p=preset, o=overrides: step(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw)),
-                ref=lambda step=step, cfg=cfg: step(timm_vit(cfg)),
-                ref_name="timm VisionTransformer", flops_per_image=flops_per_image(cfg),
+                ours=lambda step=step, p=preset, o=overrides: step(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw), compile=s.compile),
+                ref=lambda step=step, cfg=cfg: step(timm_vit(cfg), compile=s.compile_ref),
+                ref_name="timm VisionTransformer" + compile_note(s.compile_ref, device), flops_per_image=flops_per_image(cfg),
             ))  # fmt: skip
     return cases
+
+
+def compile_note(requested: str, device: torch.device) -> str:
+    """' (torch.compile MODE)' where `requested` compiles on `device`, else ''."""
+    mode = compile_mode(requested, device)
+    return "" if mode is None else f" (torch.compile {mode})"
+
+
+# --------------------------------------------------------------------------- a stage's loop against its own step
+
+
+@dataclass
+class Pipeline:
+    """A stage's training loop as its run builds it (`vit.engine.TrainLoop` over the stage's loader, loss, guard and
+    records), and the bare step of the same model and optimiser on one fixed batch, for the pipeline section."""
+
+    loop: Any  # vit.engine.TrainLoop
+    batches: Iterator  # the loader's batches, epoch after epoch
+    bare: Step
+    log_every: int
+
+    def step(self) -> None:
+        """One step of the loop, as `fit` takes it (data, augmentation, masking, guard, records; no resume state)."""
+        self.loop.advance(self.batches, NO_SIGNALS, may_save=False)
+
+
+NO_SIGNALS = SignalGuard()  # never entered: no handler, no signal
+
+
+def bare_step(forward: nn.Module, optimizer, loss_fn, images: torch.Tensor, labels: torch.Tensor, accelerator) -> Step:
+    """zero_grad, the stage's loss under autocast, backward, the optimiser's step: no data, no learning rate, no guard,
+    no metrics. What the loop would run at if everything around the model cost nothing."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+
+    def step() -> None:
+        inner.__dict__.pop("found_inf", None)  # the loop's guard flag: the bare step has none
+        optimizer.zero_grad(set_to_none=True)
+        with accelerator.autocast():
+            loss, _ = loss_fn(forward, images, labels)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def pipeline_overrides(s: Settings, device: torch.device, run_dir: str, name: str) -> list[str]:
+    """Overrides of a stage's recipe for the pipeline section: its batch (`--e2e-batch`), `--data` (else synthetic
+    images), no tracker, bar or saved figures, a throw-away run folder, and `--compile`."""
+    data = ["data.dataset=cifar10", f"data.root={s.data}", "data.download=false"] if s.data else \
+        ["data.dataset=synthetic", f"data.synthetic_size={512 if s.quick else 4096}", "data.val_size=0"]  # fmt: skip
+    return data + [f"optim.batch_size={s.e2e_batch}", f"run.dir={run_dir}", f"run.name={name}", "run.tracker=none", "run.progress=false",
+                   f"run.device={device.type}", f"run.compile={s.compile}", f"run.threads={torch.get_num_threads()}"]  # fmt: skip
+
+
+def pipeline_case(stage: str, s: Settings, device: torch.device, build: Callable[[], Pipeline]) -> Case:
+    """The stage's loop ("ours") against its bare step ("ref"), sharing one model: the ratio is what the loop keeps of
+    its own step (goal >= 0.9). After the timing, the host reads of `log_every - 1` loop steps between two records
+    are counted (`count_host_reads`): a step that waits for the device shows here."""
+    pipeline = functools.cache(build)
+    precision = "bf16" if resolve_precision("auto", device) == "bf16" else "fp32"
+
+    def extra() -> dict:
+        p = pipeline()
+        while p.loop.progress.step % p.log_every:  # up to the next record, so the counted steps hold none
+            p.step()
+        steps = p.log_every - 1
+        with count_host_reads(device) as reads:
+            for _ in range(steps):
+                p.step()
+        p.loop.busy.stop()
+        return {"host_reads": reads["reads"], "host_read_steps": steps, "compile": compile_mode(s.compile, device)}
+
+    return Case(f"pipeline/{stage}/{precision}", "pipeline", precision, s.e2e_batch, ours=lambda: pipeline().step, ref=lambda: pipeline().bare,
+                ref_name="the bare step of the same model (fixed batch; no data, guard or metrics)" + compile_note(s.compile, device),
+                extra=extra)  # fmt: skip
+
+
+@contextlib.contextmanager
+def count_host_reads(device: torch.device) -> Iterator[dict]:
+    """Counts what makes the host wait for `device` inside the block, into the yielded dict's "reads" (final at exit).
+
+    CUDA: every synchronising call, as torch's sync debug mode reports it. Elsewhere (no device to wait for, so
+    the calls that would wait on one are counted): `.item()`, `.tolist()`, `.numpy()`, `.cpu()` and a tensor's truth
+    or number value."""
+    counter = {"reads": 0}
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield counter
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counter["reads"] = sum("synchroniz" in str(w.message) for w in caught)
+        return
+    names = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counting(original):
+        def read(self, *args, **kwargs):
+            counter["reads"] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    try:
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def profile_steps(step: Step, steps: int, device: torch.device, rows: int = 25) -> str:
+    """`steps` calls of `step` under torch.profiler: the ops that cost most device time (CUDA) and host time, and on
+    CUDA the share of the wall time in which a kernel ran (the union of the kernels' intervals)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    parts = [f"{steps} steps in {wall:.3f} s ({1e3 * wall / steps:.2f} ms a step, profiler on)"]
+    if device.type == "cuda":
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+        busy, end = 0.0, float("-inf")
+        for lo, hi in spans:  # the union of the kernels' intervals, in microseconds
+            busy += max(0.0, hi - max(lo, end))
+            end = max(end, hi)
+        parts.append(f"GPU busy {busy / 1e6:.3f} s of {wall:.3f} s wall: {100 * busy / 1e6 / wall:.1f}%")
+        parts.append("by device time:\n" + averages.table(sort_by="device_time_total", row_limit=rows))
+    parts.append("by host time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows))
+    return "\n\n".join(parts)
 
 
 # --------------------------------------------------------------------------- streaming image files
@@ -356,15 +530,22 @@ def run_case(case: Case, device: torch.device, s: Settings) -> dict:
         memory[side] = meter.peak_mib()
     k = s.steps or max(1, math.ceil(s.min_time / max(warm_s.values())))
     samples: dict[str, list[float]] = {"ours": [], "ref": []}
+    busy: dict[str, list[float]] = {"ours": [], "ref": []}  # NVML utilisation read during the timed blocks (CUDA)
     for r in range(s.rounds):
         for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+            sampler = BusySampler(device, interval=0.05).start()
             samples[side].append(k * case.batch / timed(steps[side], k, device))
+            sampler.stop()
+            busy[side] += sampler.samples
     del steps
     result = {"name": case.name, "section": case.section, "precision": case.precision, "batch": case.batch, "reference": case.ref_name,
               "warmup_steps": max(1, s.warmup), "rounds": s.rounds, "steps_per_round": k, "flops_per_image": case.flops_per_image}  # fmt: skip
     for side in SIDES:
-        result[side] = {"median_images_per_s": statistics.median(samples[side]), "images_per_s": samples[side], "peak_memory_mib": memory[side]}
+        result[side] = {"median_images_per_s": statistics.median(samples[side]), "images_per_s": samples[side], "peak_memory_mib": memory[side],
+                        "gpu_busy_percent": round(statistics.mean(busy[side]), 1) if busy[side] else None}  # fmt: skip
     result["ratio"] = result["ours"]["median_images_per_s"] / result["ref"]["median_images_per_s"]
+    if case.extra is not None:
+        result.update(case.extra())
     return result
 
 
@@ -406,8 +587,10 @@ def run_cases(cases: list[Case], s: Settings, device: torch.device, precisions: 
     for i, case in enumerate(cases, 1):
         r = run_case(case, device, s)
         results.append(r)
+        busy = "".join(f", {side} GPU busy {fmt_busy(r[side]['gpu_busy_percent'])}" for side in SIDES if r[side]["gpu_busy_percent"] is not None)
+        reads = f", host reads {r['host_reads']} in {r['host_read_steps']} loop steps between records" if "host_reads" in r else ""
         print(f"[{i}/{len(cases)}] {case.name}: ours {r['ours']['median_images_per_s']:.1f} img/s, "
-              f"ref {r['ref']['median_images_per_s']:.1f} img/s, ratio {r['ratio']:.2f}x", flush=True)  # fmt: skip
+              f"ref {r['ref']['median_images_per_s']:.1f} img/s, ratio {r['ratio']:.2f}x{busy}{reads}", flush=True)  # fmt: skip
     if device.type == "cpu":
         # CPU memory is not counted by the allocator: each side's steps run alone in a child process.
         for case, r in zip(cases, results):
@@ -440,14 +623,20 @@ def machine_line(info: dict) -> str:
             f"{info['usable_cores']} usable cores | torch threads {info['threads']} | torch {info['torch']} | timm {info['timm']}")  # fmt: skip
 
 
+def fmt_busy(percent: float | None) -> str:
+    return "n/a" if percent is None else f"{percent:.0f}%"
+
+
 def fmt_mem(mib: float | None) -> str:
     return "n/a" if mib is None else f"{mib:.0f} MiB"
 
 
 def markdown(results: list[dict], peaks: dict[str, dict]) -> str:
     """The cases and the GEMM peaks as two markdown tables."""
-    lines = ["| case | batch | K x rounds | ours img/s | ref img/s | ours / ref | ours util | ref util | ours mem | ref mem |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    gpu = any(r[side].get("gpu_busy_percent") is not None for r in results for side in SIDES)
+    lines = ["| case | batch | K x rounds | ours img/s | ref img/s | ours / ref | ours util | ref util | ours mem | ref mem |"
+             + (" ours GPU busy | ref GPU busy |" if gpu else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]  # fmt: skip
     for r in results:
         util = {side: utilisation(r, side, peaks) for side in SIDES}
         lines.append(
@@ -455,6 +644,7 @@ def markdown(results: list[dict], peaks: dict[str, dict]) -> str:
             f"{r['ref']['median_images_per_s']:.1f} | {r['ratio']:.2f}x | "
             + " | ".join("n/a" if util[s] is None else f"{100 * util[s]:.1f}%" for s in SIDES)
             + f" | {fmt_mem(r['ours']['peak_memory_mib'])} | {fmt_mem(r['ref']['peak_memory_mib'])} |"
+            + ("".join(f" {fmt_busy(r[side].get('gpu_busy_percent'))} |" for side in SIDES) if gpu else "")
         )
     lines += ["", "| GEMM | n | peak TFLOP/s | median TFLOP/s |", "|---|---:|---:|---:|"]
     for p in peaks.values():

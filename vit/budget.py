@@ -16,6 +16,7 @@ summary records the planned and the actual wall time side by side.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -80,33 +81,62 @@ def measure_seconds(budget_minutes: float) -> float:
 
 
 class StepMeter:
-    """Seconds per optimiser step, measured after `warmup` steps over at least `min_steps` and `min_seconds`. Only the
-    time from one step to the next counts: `pause()` before other work (an evaluation) leaves that interval out."""
+    """Seconds per optimiser step, measured after `warmup` steps in windows of at least half of `min_steps` and of
+    `min_seconds` each: done when two consecutive windows agree within `tolerance` (a run whose first steps are
+    slower, as a GPU's first seconds can be, is not planned on them), or after `max_windows`, on the last two. Only
+    the time from one step to the next counts: `pause()` before other work (an evaluation) leaves that interval out.
 
-    def __init__(self, warmup: int = 3, min_steps: int = 8, min_seconds: float = 5.0, clock=time.perf_counter):
-        self.warmup, self.min_steps, self.min_seconds, self.clock = warmup, min_steps, min_seconds, clock
+    The steps of an asynchronous device (a GPU) are queued ahead of it: `sync` (wait for the device) runs where an
+    interval starts and where a window ends, so the measured time is the device's, not the host's queueing; no step
+    in between waits."""
+
+    def __init__(self, warmup: int = 3, min_steps: int = 8, min_seconds: float = 5.0, clock=time.perf_counter, sync=lambda: None,
+                 tolerance: float = 0.2, max_windows: int = 6):  # fmt: skip
+        self.warmup, self.clock, self.sync, self.tolerance, self.max_windows = warmup, clock, sync, tolerance, max_windows
+        self.window_steps, self.window_seconds = math.ceil(min_steps / 2), min_seconds / 2
         self.seen = 0
         self.last: float | None = None  # the clock at the previous step, None after a pause
-        self.steps = 0
-        self.elapsed = 0.0
+        self.windows: list[tuple[int, float]] = []  # (steps, seconds) of each finished window
+        self.current = (0, 0.0)
+        self.done = False
 
     def tick(self) -> None:
         """Call once after each optimiser step."""
         self.seen += 1
+        if self.done:
+            return
+        if self.seen <= self.warmup or self.last is None:
+            if self.seen >= self.warmup:
+                self.sync()  # an interval starts here: what was queued before it is not measured
+            self.last = self.clock()
+            return
         now = self.clock()
-        if self.seen > self.warmup and self.last is not None:
-            self.steps += 1
-            self.elapsed += now - self.last
+        steps, seconds = self.current[0] + 1, self.current[1] + now - self.last
         self.last = now
+        if steps >= self.window_steps and seconds >= self.window_seconds:
+            self.sync()  # the queued steps finish inside the window: their time is counted
+            now = self.clock()
+            self.windows.append((steps, seconds + now - self.last))
+            self.last, steps, seconds = now, 0, 0.0
+            self.done = len(self.windows) >= 2 and (self.agree(*self.windows[-2:]) or len(self.windows) >= self.max_windows)
+        self.current = (steps, seconds)
+
+    def agree(self, a: tuple[int, float], b: tuple[int, float]) -> bool:
+        rate_a, rate_b = a[1] / a[0], b[1] / b[0]
+        return abs(rate_a - rate_b) <= self.tolerance * min(rate_a, rate_b)
 
     def pause(self) -> None:
         """What runs until the next step is not a step (an evaluation, a figure): its time is not measured."""
         self.last = None
 
     @property
-    def done(self) -> bool:
-        return self.steps >= self.min_steps and self.elapsed >= self.min_seconds
+    def steps(self) -> int:
+        """The steps the rate is measured over: those of the last two windows once done, else every finished one's."""
+        counted = self.windows[-2:] if self.done else self.windows
+        return sum(w[0] for w in counted) + (0 if self.done else self.current[0])
 
     @property
     def seconds_per_step(self) -> float:
-        return self.elapsed / self.steps if self.steps else float("nan")
+        counted = self.windows[-2:]
+        steps = sum(w[0] for w in counted)
+        return sum(w[1] for w in counted) / steps if steps else float("nan")

@@ -204,7 +204,10 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 where the device has it natively, else fp32
     threads: int | None = None  # CPU threads per process; None: cores / local processes
-    compile: bool = False  # torch.compile the model
+    # torch.compile of the training forward: `auto` is on for one CUDA process (reduce-overhead: CUDA graphs) and for
+    # several (default mode), off on CPUs and MPS, where compilation cost more minutes than it saved; `on` is
+    # torch.compile's default mode. Its time is the first steps' and counts in a time budget.
+    compile: Literal["auto", "off", "on", "reduce-overhead", "max-autotune"] = "auto"
     log_every: int = 20  # optimiser steps between metric lines
     save_every: int = 500  # optimiser steps between resume states (and at each epoch end)
     keep_states: int = 2  # newest resume states kept

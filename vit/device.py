@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 from pathlib import Path
 
 import torch
@@ -37,6 +38,52 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (made on the CPU) on `device` without making the host wait: a CUDA copy goes through pinned memory,
+    asynchronously (a plain `.to("cuda")` of pageable memory blocks until the GPU has run everything queued before it)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+class BusySampler:
+    """How busy a CUDA device is while a run trains: NVML's utilisation (the share of time a kernel was running, as
+    `nvidia-smi` shows it) read every `interval` seconds in a background thread. `mean()` is None off CUDA or where NVML
+    cannot be read (no `nvidia-ml-py`)."""
+
+    def __init__(self, device: torch.device, interval: float = 0.2):
+        self.device, self.interval = device, interval
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "BusySampler":
+        if self.device.type != "cuda" or self._thread is not None:
+            return self
+        try:
+            torch.cuda.utilization(self.device)
+        except Exception:  # no NVML here: nothing to sample
+            return self
+        self._thread = threading.Thread(target=self._run, name="gpu-busy", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.samples.append(float(torch.cuda.utilization(self.device)))
+            except Exception:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def mean(self) -> float | None:
+        return round(sum(self.samples) / len(self.samples), 1) if self.samples else None
 
 
 # The CPU flags that decide a training step's speed: AVX2 (fp32 only), AVX-512, native bf16 (AVX512-BF16, AMX).

@@ -34,8 +34,9 @@ import torch.nn as nn
 from vit import tracking
 from vit.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
 from vit.config import RunConfig, dump_config, to_dict
-from vit.device import host
+from vit.device import BusySampler, host, synchronize
 from vit.errors import ConfigError, UserError
+from vit.guard import LossRing
 from vit.runs import (
     METRICS_FILE,
     STATE_DIR,
@@ -196,6 +197,28 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     return accelerator
 
 
+def compile_mode(requested: str, device: torch.device, num_processes: int = 1) -> str | None:
+    """The torch.compile mode `run.compile` asks for on `device` (None: not compiled). `auto`: CUDA graphs
+    (`reduce-overhead`) for one CUDA process, where the step is otherwise launch-bound; the default mode for several
+    (graphs under DDP are untested here); nothing on CPUs and MPS, where compiling cost more time than it saved."""
+    if requested == "auto":
+        if device.type != "cuda":
+            return None
+        return "reduce-overhead" if num_processes == 1 else "default"
+    return {"off": None, "on": "default"}.get(requested, requested)
+
+
+def compile_for_run(run: "Run", module: nn.Module) -> nn.Module:
+    """`module` compiled as `run.compile` asks (the training forward only: evaluation runs the plain module)."""
+    acc = run.accelerator
+    mode = compile_mode(run.cfg.run.compile, acc.device, acc.num_processes)
+    run.compile_mode = mode
+    if mode is None:
+        return module
+    run.print(f"compile: torch.compile mode {mode} (run.compile={run.cfg.run.compile}); the first steps compile, and count in the stage's time")
+    return torch.compile(module, mode=mode)
+
+
 def set_threads(run_cfg: RunConfig, accelerator) -> int:
     """CPU threads per process: `run.threads`, else the cores shared among this machine's processes."""
     if run_cfg.threads is not None:
@@ -220,6 +243,9 @@ class Run:
     job_type: str = ""
     meta: dict[str, Any] = field(default_factory=dict)  # written under `meta` in config.yaml
     started: float = field(default_factory=time.perf_counter)  # the stage's clock, for time budgets
+    compile_mode: str | None = None  # what `compile_for_run` chose
+    first_step_seconds: float | None = None  # the first training step, compilation included, device drained
+    gpu_busy: float | None = None  # mean GPU utilisation (%) over the training after the first step (CUDA with NVML)
 
     @classmethod
     def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
@@ -345,7 +371,8 @@ class Run:
         summary = {"stage": self.stage, "job_type": self.job_type, **summary, "processes": self.accelerator.num_processes,
                    "device": str(self.accelerator.device), "threads_per_process": self.threads, "precision": self.cfg.run.precision,
                    "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir),
-                   "host": host(self.accelerator.device), "memory": peak_memory()}  # fmt: skip
+                   "host": host(self.accelerator.device), "memory": peak_memory(),
+                   "compile": {"mode": self.compile_mode, "first_step_sec": self.first_step_seconds}, "gpu_busy_percent": self.gpu_busy}  # fmt: skip
         schedule = getattr(self.cfg, "schedule", None)
         if schedule is not None and schedule.budget_minutes is not None:
             # The plan beside what the stage took, so an estimate that missed shows.
@@ -582,6 +609,10 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int) -> LoopSpec:
     )
 
 
+# Steps between the exchanges through which several processes agree on a host fact (a signal, the budget's measurement):
+# each exchange is a host read, which a step otherwise never makes.
+AGREE_EVERY = 10
+
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 EpochEnd = Callable[[int, Progress], dict[str, float] | None]
 
@@ -615,20 +646,41 @@ def fit(
 
 @dataclass
 class MetricWindow:
-    """Metrics summed over the optimiser steps since the last record."""
+    """The optimiser steps since the last record: their count and images, and the loss function's extras summed on the
+    device over the steps whose loss was finite (the loss itself stays in the loop's `LossRing`)."""
 
+    first_step: int  # the window's first step
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    finite: torch.Tensor | int = 0  # steps with a finite loss, on the device once extras were added
     steps: int = 0
     images: int = 0
     start: float = field(default_factory=time.perf_counter)
 
-    def add(self, key: str, value: torch.Tensor) -> None:
-        self.sums[key] = self.sums.get(key, 0) + value
+    def add_step(self, extras: dict[str, torch.Tensor], bad: torch.Tensor, images: int) -> None:
+        """One step: its extras (device scalars) unless its loss was not finite (`bad`, a device bool)."""
+        if extras:
+            for key, value in extras.items():
+                self.sums[key] = self.sums.get(key, 0) + torch.where(bad, 0.0, value)
+            self.finite = self.finite + ~bad
+        self.steps += 1
+        self.images += images
+
+    def extra_means(self) -> dict[str, float]:
+        """{key: mean over the finite steps} of the extras (nan when none was finite), in one host read."""
+        if not self.sums:
+            return {}
+        keys = list(self.sums)
+        return dict(zip(keys, (torch.stack([self.sums[k] for k in keys]) / self.finite).tolist()))
 
 
 class TrainLoop:
     """The parts of `fit`, in the order it calls them, around the state they share: `progress`
-    (saved with every resume state), the metrics window, the learning rate and the clock."""
+    (saved with every resume state), the metrics window, the learning rate and the clock.
+
+    A training step never waits for the device: its loss stays there (`vit.guard.LossRing`, which also decides the
+    non-finite guard there), and the host reads the losses at check points only (a metrics record every
+    `run.log_every` steps, a resume state, the end). Processes agree on host facts (a signal, the budget's
+    measurement) every `AGREE_EVERY` steps."""
 
     def __init__(self, run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, loader, loss_fn: LossFn, spec: LoopSpec, progress: Progress):
         self.run, self.model, self.optimizer, self.loader, self.loss_fn, self.spec = run, model, optimizer, loader, loss_fn, spec
@@ -636,11 +688,18 @@ class TrainLoop:
         self.accum = run.cfg.optim.grad_accum_steps
         self.images_per_step = loader.batch_size * self.accum * run.accelerator.num_processes
         self.lr = spec.lr(progress.step)  # the last step's learning rate, logged with each record
-        self.window = MetricWindow()
+        self.window = MetricWindow(progress.step)
+        self.losses = LossRing(run.accelerator, optimizer, slots=run.cfg.run.log_every)  # records come at most log_every steps apart
+        self.checked = progress.step  # steps before this one were checked for non-finite losses
+        self.read_at: tuple[int, dict[int, list[float]]] | None = None  # (step, the ring as read then)
         self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here
         spec.planned_steps = progress.planned_steps  # a resumed budget run keeps its plan
-        self.meter = StepMeter(min_seconds=measure_seconds(spec.budget.minutes)) if spec.budget is not None and spec.planned_steps is None else None
+        device = run.accelerator.device
+        self.meter = StepMeter(min_seconds=measure_seconds(spec.budget.minutes), sync=lambda: synchronize(device)) \
+            if spec.budget is not None and spec.planned_steps is None else None  # fmt: skip
         self.bar = make_bar(run, spec.stop_step if spec.stop_step < sys.maxsize else None, progress.step)
+        self.busy = BusySampler(device)
+        self.first = True  # this process's first step: timed apart (compilation), then the GPU's busy share is sampled
 
     def train_epoch(self, signals: SignalGuard) -> bool:
         """The optimiser steps left in the current epoch; False when `spec.stop_step` cut it short."""
@@ -651,25 +710,58 @@ class TrainLoop:
         for i in range(steps_left):
             if p.step >= self.spec.stop_step:
                 return False
-            if not self.step(batches):
-                continue  # a non-finite loss: the step was skipped
-            self.log_step()
-            preempted = _any_rank(self.run.accelerator, signals.received is not None)
             # The last step of an epoch is saved after its evaluation (end_epoch), so that a state at step S
             # always follows every metrics record of steps <= S (see trim_metrics).
-            if preempted or (p.step % self.run.cfg.run.save_every == 0 and i < steps_left - 1):
-                self.save()
-            if preempted:
-                self.close_bar()
-                raise Preempted(f"stopped by signal at step {p.step}; resume with run.resume=auto")
+            self.advance(batches, signals, may_save=i < steps_left - 1)
         return True
 
-    def step(self, batches: Iterator) -> bool:
-        """One optimiser step over `grad_accum_steps` micro-batches; False when its loss is not finite (skipped)."""
+    def advance(self, batches: Iterator, signals: SignalGuard, may_save: bool = True) -> None:
+        """One step of the loop as a run takes it: the optimiser step, its record, and the resume state that
+        `run.save_every` or a signal asks for (`may_save=False`: none but the signal's)."""
+        p = self.progress
+        if self.first:
+            self.first_step(batches)
+        else:
+            self.step(batches)
+        self.log_step()
+        preempted = self.agreed(signals.received is not None)
+        if preempted or (may_save and p.step % self.run.cfg.run.save_every == 0):
+            self.save()
+        if preempted:
+            self.close_bar()
+            raise Preempted(f"stopped by signal at step {p.step}; resume with run.resume=auto")
+
+    def first_step(self, batches: Iterator) -> None:
+        """The first step of this process, timed with the device drained on both sides: it holds torch.compile's
+        compilation. The GPU's busy share is sampled from its end on."""
+        device = self.run.accelerator.device
+        synchronize(device)
+        start = time.perf_counter()
+        self.step(batches)
+        synchronize(device)
+        self.run.first_step_seconds = round(time.perf_counter() - start, 2)
+        if self.run.compile_mode is not None:
+            self.run.print(f"compile: the first step took {self.run.first_step_seconds:.1f} s (compilation included)")
+        self.first = False
+        self.busy.start()
+
+    def agreed(self, flag: bool) -> bool:
+        """`flag` as every process sees it: true on all if true on any. One process: `flag` itself, every step. Several:
+        they exchange it every `AGREE_EVERY` steps (a host read each time), and it reads False in between."""
+        acc = self.run.accelerator
+        if acc.num_processes == 1:
+            return flag
+        if self.progress.step % AGREE_EVERY:
+            return False
+        return _any_rank(acc, flag)
+
+    def step(self, batches: Iterator) -> None:
+        """One optimiser step over `grad_accum_steps` micro-batches. A non-finite loss skips the update (see `vit.guard`)."""
         acc, p, accum = self.run.accelerator, self.progress, self.accum
         self.lr = self.spec.lr(p.step)
         set_lr(self.optimizer, self.lr)
         loss_sum = None
+        extras_sum: dict[str, torch.Tensor] = {}
         for micro in range(accum):
             images, labels = next(batches)
             # No gradient all-reduce until the last micro-batch of the step.
@@ -677,33 +769,29 @@ class TrainLoop:
             with acc.no_sync(self.model) if not sync and acc.num_processes > 1 else contextlib.nullcontext():
                 with acc.autocast():
                     loss, extras = self.loss_fn(self.model, images, labels)
-                acc.backward(loss / accum)
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                acc.backward(loss / accum if accum > 1 else loss)
+            # Only copies of the loss are kept: a CUDA-graphed model reuses its output's memory at the next call.
+            loss = loss.detach() / accum if accum > 1 else loss.detach()
+            loss_sum = loss if loss_sum is None else loss_sum + loss
             for k, v in extras.items():
-                self.window.add(k, v.detach().float() / accum)
+                extras_sum[k] = extras_sum.get(k, 0) + v.detach().float() / accum
         p.batch += accum
-        step_loss = loss_sum / accum
-        bad_loss = _non_finite_on_any_rank(acc, step_loss)
-        if bad_loss is not None:
-            self.skip_non_finite(bad_loss)
-            return False
-        clip = self.run.cfg.optim.clip_grad
-        if clip is not None:
-            acc.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer.step()
+        stepped, bad = self.losses.put(loss_sum, p.step)
+        if stepped:
+            clip = self.run.cfg.optim.clip_grad
+            if clip is not None:
+                acc.clip_grad_norm_(self.model.parameters(), clip)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         p.step += 1
         p.images += self.images_per_step
-        self.window.add("loss", step_loss.float())
-        self.window.steps += 1
-        self.window.images += self.images_per_step
+        self.window.add_step(extras_sum, bad, self.images_per_step)
         if self.bar is not None:
             self.bar.update(1)
         if self.meter is not None:
             self.meter.tick()
-            if _any_rank(acc, self.meter.done):
+            if self.agreed(self.meter.done):
                 self.plan_budget()
-        return True
 
     def plan_budget(self) -> None:
         """Fix the step count from the measured step time, once, identically on every rank; it goes into every resume state."""
@@ -728,51 +816,73 @@ class TrainLoop:
         self.run.print(f"budget: {budget.minutes:g} min -> {steps} steps ({steps / spec.steps_per_epoch:.2f} epochs) at {seconds_per_step:.3f} s/step "
                        f"measured over {plan.measured_steps} steps, {elapsed:.0f} s spent, evaluations ~{eval_s:.0f} s each + {final_s:.0f} s at the end")
 
-    def skip_non_finite(self, loss: float) -> None:
-        """Drop the step's gradients; stop the run once more than `run.nan_skip_budget` steps were skipped."""
+    def host_losses(self) -> dict[int, list[float]]:
+        """{step: every process's loss} of the steps since the last record, read from the device once per step."""
+        step = self.progress.step
+        if self.read_at is None or self.read_at[0] != step:
+            self.read_at = (step, self.losses.read(self.window.first_step, step))
+        return self.read_at[1]
+
+    def check_finite(self) -> None:
+        """A check point: say which steps since the last one had a non-finite loss (their updates were skipped); stop once
+        more than `run.nan_skip_budget` were."""
         run, p, budget = self.run, self.progress, self.run.cfg.run.nan_skip_budget
-        self.optimizer.zero_grad(set_to_none=True)
-        p.nan_skips += 1
-        where = f"step {p.step}, lr {self.lr:.3g}, precision {run.cfg.run.precision}, loss {run.stage}"
+        bad = [(s, next(v for v in row if not math.isfinite(v))) for s, row in self.host_losses().items()
+               if s >= self.checked and not all(math.isfinite(v) for v in row)]  # fmt: skip
+        self.checked = p.step
+        if not bad:
+            return
+        p.nan_skips += len(bad)
+        first, loss = bad[0]
+        where = f"step {first}, lr {self.spec.lr(first):.3g}, precision {run.cfg.run.precision}, loss {run.stage}"
         if p.nan_skips > budget:
             raise NonFiniteLoss(f"non-finite loss ({loss}) at {where}; the last good resume state is kept in {run.dir / STATE_DIR}")
-        run.warn(f"non-finite loss at {where}; step skipped ({p.nan_skips}/{budget})")
+        what = "step skipped" if len(bad) == 1 else f"{len(bad)} steps skipped from there to step {bad[-1][0]}"
+        run.warn(f"non-finite loss at {where}; {what} ({p.nan_skips}/{budget})")
 
     def log_step(self) -> None:
         """A metrics record every `run.log_every` steps and at the last one."""
         step = self.progress.step
         if step % self.run.cfg.run.log_every and step != self.spec.stop_step:
             return
+        self.check_finite()
         rec = self.record()
         self.run.log(rec)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{self.lr:.2e}", img_s=f"{rec['images_per_sec']:.0f}")
 
     def record(self, extra: dict[str, float] | None = None) -> dict[str, Any]:
-        """The record of the steps since the last one (metrics are their means); starts a new window."""
+        """The record of the steps since the last one (metrics are their means over finite steps); starts a new window."""
         p, w = self.progress, self.window
-        elapsed = time.perf_counter() - w.start
-        metrics = {k: (v / max(1, w.steps)).item() for k, v in w.sums.items()}
-        self.window = MetricWindow()
+        rank = self.run.accelerator.process_index
+        finite = [row[rank] for row in self.host_losses().values() if all(math.isfinite(v) for v in row)]
+        metrics = {"loss": sum(finite) / len(finite) if finite else float("nan"), **w.extra_means()}
+        elapsed = time.perf_counter() - w.start  # after the host read: the device has finished the window's steps
+        self.window = MetricWindow(p.step)
         return {"step": p.step, "epoch": round(p.epoch + p.batch / max(1, len(self.loader)), 4), "lr": self.lr, **metrics,
                 "images_per_sec": w.images / elapsed if elapsed > 0 else 0.0,
                 "time": round(p.train_time + time.perf_counter() - self.segment_start, 2), **(extra or {})}  # fmt: skip
 
     def end_epoch(self, on_epoch_end: EpochEnd | None) -> None:
-        """Close the epoch: its evaluation, its last record (with the evaluation's metrics), its resume state."""
+        """Close the epoch: its evaluation, its last record (with the evaluation's metrics), and the resume state of its
+        last step when `run.save_every` falls there (a GPU epoch can take a second: a state per epoch would cost more
+        than the steps it guards)."""
         p = self.progress
         p.epoch += 1
         p.batch = 0
+        self.check_finite()
         extra = on_epoch_end(p.epoch, p) if on_epoch_end else None
         if self.window.steps:
             self.run.log(self.record(extra))
         elif extra:
             self.run.log({"step": p.step, "epoch": p.epoch, **extra})
-        self.save()
+        if p.step % self.run.cfg.run.save_every == 0:
+            self.save()
         if self.meter is not None:
             self.meter.pause()  # the evaluation and the state are not a training step's time (the plan estimates evaluations apart)
 
     def save(self) -> None:
+        self.check_finite()  # a state never holds a step past a non-finite loss the run stops at
         self.count_time()
         save_state(self.run, self.progress)
 
@@ -789,19 +899,15 @@ class TrainLoop:
     def finish(self) -> Progress:
         """The end of training is always resumable (e.g. to extend it): saved unless the last epoch's state is that step."""
         self.close_bar()
+        self.busy.stop()
+        self.run.gpu_busy = self.busy.mean()
+        self.check_finite()
+        self.losses.close()
         self.count_time()
         p = self.progress
         if not is_complete_state(state_path(self.run.dir, p.step)):
             save_state(self.run, p)
         return p
-
-
-def _non_finite_on_any_rank(acc, loss: torch.Tensor) -> float | None:
-    """The first non-finite loss of any rank (the same on every rank), else None: all ranks skip or stop together,
-    where a per-rank decision would let one rank step while another skips, and desynchronise them."""
-    losses = acc.gather(loss.detach().float().reshape(1)) if acc.num_processes > 1 else loss.detach().reshape(1)
-    bad = losses[~torch.isfinite(losses)]
-    return bad[0].item() if bad.numel() else None
 
 
 def _any_rank(acc, flag: bool) -> bool:

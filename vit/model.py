@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vit.device import to_device
 from vit.pos_embed import sincos_2d
 
 AttnImpl = Literal["sdpa", "manual"]
@@ -36,7 +37,7 @@ def random_masking(batch: int, num_patches: int, mask_ratio: float, device=None,
     """
     keep = int(num_patches * (1 - mask_ratio))
     if generator is not None:  # a seeded CPU generator: the same masks on every device
-        noise = torch.rand(batch, num_patches, generator=generator).to(device)  # (B, L)
+        noise = to_device(torch.rand(batch, num_patches, generator=generator), torch.device(device or "cpu"))  # (B, L)
     else:
         noise = torch.rand(batch, num_patches, device=device)  # (B, L)
     ids_shuffle = torch.argsort(noise, dim=1)  # ascending: the first `keep` are visible

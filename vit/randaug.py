@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from vit.augment import BatchOp
 from vit.config import AugmentConfig
+from vit.device import to_device
 
 OPS = (
     "identity", "shear_x", "shear_y", "translate_x", "translate_y", "rotate",
@@ -175,7 +176,7 @@ class RandomErasing:
         if not erase.any():
             return images
         index = erase.nonzero().squeeze(1)  # (n,) on the CPU: no device sync to find the erased images
-        index, top, left, h, w = torch.cat([index[:, None], boxes[index]], dim=1).to(images.device).unbind(dim=1)  # (n,) each, one copy
+        index, top, left, h, w = to_device(torch.cat([index[:, None], boxes[index]], dim=1), images.device).unbind(dim=1)  # (n,) each, one copy
         rows = torch.arange(height, device=images.device)
         cols = torch.arange(width, device=images.device)
         in_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])  # (n, H)
@@ -223,7 +224,7 @@ def apply_ops(images: torch.Tensor, ops: torch.Tensor, mags: torch.Tensor) -> to
     geo_lo, geo_hi = starts[OP_INDEX[GEOMETRIC[0]]], ends[OP_INDEX[GEOMETRIC[-1]]]  # the geometric ops are adjacent in OPS
     theta = affine_theta(ops[order[geo_lo:geo_hi]], mags[order[geo_lo:geo_hi]], height, width)  # (n_geo, 2, 3)
     # float32 whatever the images' dtype (indices below 2^24 are exact in it), cast on the CPU: MPS has no float64
-    packed = torch.cat([order.to(torch.float64), mags[order].to(torch.float64), theta.flatten()]).to(torch.float32).to(images.device)
+    packed = to_device(torch.cat([order.to(torch.float64), mags[order].to(torch.float64), theta.flatten()]).to(torch.float32), images.device)
     order_dev = packed[:b].long()
     mags_dev, theta_dev = packed[b : 2 * b].to(images.dtype), packed[2 * b :].view(-1, 2, 3).to(images.dtype)
     out = images.clone()
@@ -269,7 +270,7 @@ def affine(images: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
 
     An identity theta returns the input (pixel centres land on pixel centres with align_corners=False).
     """
-    theta = theta.to(images.dtype).to(images.device)  # cast on the CPU first: MPS has no float64
+    theta = to_device(theta.to(images.dtype), images.device)  # cast on the CPU first: MPS has no float64
     grid = F.affine_grid(theta, list(images.shape), align_corners=False)  # (n, H, W, 2)
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 

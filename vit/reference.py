@@ -4,6 +4,8 @@
   `timm_vit` baseline of the classification stage trains it, and the benchmark times it.
 - `ReferenceMAE`: MAE as facebookresearch/mae `models_mae.py` builds it (timm blocks, argsort
   masking, gather), in its own fields rather than around our encoder.
+- `hf_vitmae(...)`: Hugging Face transformers' `ViTMAEForPreTraining` with the same sizes (an optional
+  dependency: None where transformers is not installed).
 - `usual_loader`: the data pipeline most ViT/MAE code writes: torchvision transforms on PIL
   images in DataLoader workers.
 """
@@ -134,6 +136,22 @@ class ReferenceMAE(nn.Module):
         latent, mask, ids_restore = self.forward_encoder(imgs, mask_ratio)
         pred = self.forward_decoder(latent, ids_restore)
         return self.forward_loss(imgs, pred, mask), pred, mask
+
+
+def hf_vitmae(img_size: int, patch_size: int, embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, decoder_embed_dim: int,
+              decoder_depth: int, decoder_num_heads: int, mask_ratio: float = 0.75, norm_pix_loss: bool = True) -> nn.Module | None:  # fmt: skip
+    """Hugging Face's `ViTMAEForPreTraining` with these sizes, as its users build it (SDPA attention, LayerNorm eps 1e-6 as
+    ours); `model(pixel_values=imgs).loss` is its loss. None where transformers is not installed."""
+    try:
+        from transformers import ViTMAEConfig, ViTMAEForPreTraining
+    except ImportError:
+        return None
+    config = ViTMAEConfig(image_size=img_size, patch_size=patch_size, num_channels=3, hidden_size=embed_dim, num_hidden_layers=depth,
+                          num_attention_heads=num_heads, intermediate_size=int(embed_dim * mlp_ratio), qkv_bias=True, layer_norm_eps=1e-6,
+                          decoder_hidden_size=decoder_embed_dim, decoder_num_hidden_layers=decoder_depth,
+                          decoder_num_attention_heads=decoder_num_heads, decoder_intermediate_size=int(decoder_embed_dim * mlp_ratio),
+                          mask_ratio=mask_ratio, norm_pix_loss=norm_pix_loss, attn_implementation="sdpa")  # fmt: skip
+    return ViTMAEForPreTraining(config)
 
 
 class PILDataset(torch.utils.data.Dataset):

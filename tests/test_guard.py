@@ -1,0 +1,116 @@
+"""A training step never waits for the device: the non-finite guard decides on it, metrics stay on it, and the host reads
+them only at records, resume states and the end. The guard's skipped step leaves the weights and optimiser state exactly
+as they were, on both of its paths (a flag the fused optimiser reads, or a host read for the others)."""
+
+import pytest
+import torch
+
+from finetune.config import FinetuneConfig
+from finetune.models import build_classifier
+from finetune.train import input_size, open_run_data, setup_training
+from helpers import tiny_overrides
+from pretrain.config import PretrainConfig
+from pretrain.train import setup
+from vit.bench import count_host_reads
+from vit.config import load_config
+from vit.engine import Progress, Run, SignalGuard, TrainLoop, batches_forever
+from vit.guard import LossRing, takes_found_inf
+from vit.lars import LARS
+
+CPU = torch.device("cpu")
+SIGNALS = SignalGuard()  # never entered: no signal arrives
+
+
+def pretraining_loop(tmp_path) -> tuple[TrainLoop, object]:
+    # configs/pretrain/cpu.yaml's loop on a tiny model: norm_pix_loss, a 75% mask, fused AdamW, bf16 where native.
+    args = tiny_overrides(tmp_path, **{"run.log_every": 5, "data.synthetic_size": 512, "optim.batch_size": 16, "mae.norm_pix_loss": True,
+                                       "run.precision": "auto"})  # fmt: skip
+    cfg = load_config(PretrainConfig, None, args)
+    t = setup(cfg, Run.start(cfg, stage="pretrain"))
+    return TrainLoop(t.run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec, Progress()), batches_forever(t.train_loader)
+
+
+def finetuning_loop(tmp_path) -> tuple[TrainLoop, object]:
+    # configs/finetune/cpu.yaml's loop on a tiny model: patch dropout, label smoothing, layer decay, crop and flip.
+    args = tiny_overrides(tmp_path, **{"run.log_every": 5, "data.synthetic_size": 512, "optim.batch_size": 16, "finetune.init": "scratch",
+                                       "finetune.patch_keep": 0.5, "finetune.label_smoothing": 0.1, "finetune.layer_decay": 0.85,
+                                       "aug.policy": "none", "aug.random_erase": 0, "aug.mixup": 0, "aug.cutmix": 0,
+                                       "run.precision": "auto"})  # fmt: skip
+    cfg = load_config(FinetuneConfig, None, args)
+    run = Run.start(cfg, stage="finetune")
+    data = open_run_data(cfg, run, input_size(cfg))
+    t = setup_training(cfg, run, data, build_classifier(cfg, len(data.splits.train.classes), CPU, say=run.print))
+    return TrainLoop(run, t.forward, t.optimizer, t.task.train, t.loss_fn, t.spec, Progress()), batches_forever(t.task.train)
+
+
+@pytest.mark.parametrize("build", [pretraining_loop, finetuning_loop], ids=["pretrain", "finetune"])
+def test_the_steps_between_two_records_never_read_from_the_device(tmp_path, build):
+    loop, batches = build(tmp_path)
+    for _ in range(5):  # the first step (timed apart) and the first record, at step 5
+        loop.advance(batches, SIGNALS, may_save=False)
+    with count_host_reads(CPU) as between:
+        for _ in range(4):  # steps 6-9
+            loop.advance(batches, SIGNALS, may_save=False)
+    with count_host_reads(CPU) as record:
+        loop.advance(batches, SIGNALS, may_save=False)  # step 10: a record
+    assert between["reads"] == 0
+    assert record["reads"] == 1  # a record reads the losses of its steps once (and the counter sees it)
+    assert loop.progress.step == 10 and loop.window.steps == 0
+
+
+def test_the_counter_sees_each_kind_of_host_read():
+    t = torch.ones(3)
+    with count_host_reads(CPU) as reads:
+        t.sum().item()
+        t.tolist()
+        bool(t[0] > 0)
+        float(t[1])
+    assert reads["reads"] == 4
+
+
+def nan_step(model: torch.nn.Module, optimizer, ring: LossRing, step: int, bad: bool) -> bool:
+    x = torch.randn(4, 8)
+    loss = model(x).pow(2).mean() * (float("nan") if bad else 1.0)
+    loss.backward()
+    stepped, _ = ring.put(loss.detach(), step)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stepped
+
+
+class OneProcess:
+    """What the loss ring needs of an Accelerator, for one process on the CPU."""
+
+    num_processes, device, scaler = 1, CPU, None
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),  # the flag path: no host read
+    lambda ps: LARS(ps, lr=0.1),  # the host-read path
+], ids=["fused-adamw", "lars"])  # fmt: skip
+def test_a_non_finite_step_leaves_weights_and_optimiser_state_untouched(make):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = make(list(model.parameters()))
+    ring = LossRing(OneProcess(), optimizer, slots=4)
+    assert ring.on_device == takes_found_inf(optimizer)
+    nan_step(model, optimizer, ring, 0, bad=False)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in optimizer.state.items()}
+    stepped = nan_step(model, optimizer, ring, 1, bad=True)
+    assert stepped == ring.on_device  # the fused optimiser was called and skipped on the flag; LARS was not called
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    for p, s in optimizer.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, state[id(p)][k]) if torch.is_tensor(v) else v == state[id(p)][k], k
+    nan_step(model, optimizer, ring, 2, bad=False)
+    assert not all(torch.equal(weights[k], v) for k, v in model.state_dict().items())  # the next finite step updates again
+    losses = ring.read(0, 3)
+    assert list(losses) == [0, 1, 2] and losses[1][0] != losses[1][0] and all(v == v for s in (0, 2) for v in losses[s])  # nan at 1
+
+
+def test_the_ring_refuses_a_span_longer_than_its_slots():
+    ring = LossRing(OneProcess(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), slots=4)
+    with pytest.raises(ValueError, match="do not fit the 4 slots"):
+        ring.read(0, 5)

@@ -1,0 +1,120 @@
+"""The figures of `scripts/gpu_check.sh`, read back from its folder into one table: `report(folder) -> str`.
+
+The folder holds the bench's JSON (`bench_pipeline_256.json`, `bench_pipeline_<batch>.json`, `bench_refs.json`,
+`bench_timm_compiled.json`), the budgeted runs (`runs/pretrain`, `runs/finetune`), nvidia-smi's samples beside them
+(`nvidia_smi_<stage>.csv`) and the loss-curve runs (`runs/curve_off`, `runs/curve_auto`). What is missing reads "not
+measured". `curves(folder)` gives the two loss curves (and `report` writes them to `curves.json`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vit.runs import METRICS_FILE, SUMMARY_FILE
+
+NOT_MEASURED = "not measured"
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _case(report: dict | None, prefix: str) -> dict | None:
+    return next((c for c in (report or {}).get("cases", []) if c["name"].startswith(prefix)), None)
+
+
+def _goal(value: float | None, goal: float | None) -> str:
+    if value is None:
+        return NOT_MEASURED
+    return "" if goal is None else ("met" if value >= goal else "missed")
+
+
+def smi_mean(path: Path) -> float | None:
+    """Mean utilization.gpu (%) of an nvidia-smi CSV (`timestamp, utilization`), None when it has no sample."""
+    values = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            values.append(float(line.rsplit(",", 1)[1]))
+        except (IndexError, ValueError):
+            continue
+    return sum(values) / len(values) if values else None
+
+
+def curves(folder: Path) -> dict[str, list[float]]:
+    """{"off": [loss per step], "auto": [...]}: the eager and the compiled loss-curve runs (the same masks)."""
+    out = {}
+    for mode in ("off", "auto"):
+        path = folder / "runs" / f"curve_{mode}" / METRICS_FILE
+        if path.is_file():
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            out[mode] = [r["loss"] for r in rows if "loss" in r]
+    return out
+
+
+def curve_difference(c: dict[str, list[float]], first: int | None = None) -> float | None:
+    """The largest |compiled - eager| / eager over the first `first` steps (all by default), None without both curves."""
+    if not c.get("off") or not c.get("auto"):
+        return None
+    pairs = list(zip(c["off"], c["auto"]))[:first]
+    return max(abs(a - b) / abs(a) for a, b in pairs)
+
+
+def report(folder: str | Path) -> str:
+    folder = Path(folder)
+    rows: list[tuple[str, str, str, str]] = []
+
+    def add(what: str, value: float | None, fmt: str, goal: float | None = None, goal_text: str = "") -> None:
+        rows.append((what, NOT_MEASURED if value is None else fmt.format(value), goal_text, _goal(value, goal)))
+
+    pipe = _json(folder / "bench_pipeline_256.json")
+    for stage in ("pretrain", "finetune"):
+        c = _case(pipe, f"pipeline/{stage}/")
+        ours, batch = (c["ours"], c["batch"]) if c else ({}, 256)
+        add(f"{stage} loop, batch {batch}: img/s", ours.get("median_images_per_s"), "{:,.0f}", 38_000 if stage == "pretrain" else None,
+            ">= 38,000" if stage == "pretrain" else "")  # fmt: skip
+        add(f"{stage} loop / its bare step, batch {batch}", c and c["ratio"], "{:.2f}x", 0.9, ">= 0.9x")
+        add(f"{stage} loop, batch {batch}: GPU busy (NVML, %)", ours.get("gpu_busy_percent"), "{:.0f}", 90, ">= 90")
+        reads = c.get("host_reads") if c else None
+        rows.append((f"{stage} loop: host reads in the {c['host_read_steps'] if c else '?'} steps between two records",
+                     NOT_MEASURED if reads is None else str(reads), "0", NOT_MEASURED if reads is None else ("met" if reads == 0 else "missed")))
+    for path in sorted(p for p in folder.glob("bench_pipeline_*.json") if p.name != "bench_pipeline_256.json"):
+        c = _case(_json(path), "pipeline/pretrain/")
+        if c is None:
+            continue
+        add(f"pretrain loop, batch {c['batch']}: img/s", c["ours"]["median_images_per_s"], "{:,.0f}", 100_000, ">= 100,000")
+        add(f"pretrain loop / its bare step, batch {c['batch']}", c["ratio"], "{:.2f}x", 0.9, ">= 0.9x")
+    for stage in ("pretrain", "finetune"):
+        s = _json(folder / "runs" / stage / SUMMARY_FILE) or {}
+        minutes = (s.get("budget") or {}).get("budget_minutes")
+        label = f"{stage}, {minutes:g}-min budget" if minutes else f"{stage} run"
+        add(f"{label}: img/s over its training time", s.get("images_per_sec"), "{:,.0f}")
+        add(f"{label}: GPU busy after the first step (run's NVML, %)", s.get("gpu_busy_percent"), "{:.0f}", 90, ">= 90")
+        add(f"{label}: GPU busy over the whole stage (nvidia-smi, %)", smi_mean(folder / f"nvidia_smi_{stage}.csv"), "{:.0f}")
+        add(f"{label}: first step, compilation included (s)", (s.get("compile") or {}).get("first_step_sec"), "{:.1f}")
+        add(f"{label}: stage seconds (budget {60 * minutes:g})" if minutes else f"{label}: stage seconds",
+            (s.get("budget") or {}).get("stage_seconds"), "{:.1f}")  # fmt: skip
+        if stage == "finetune":
+            add(f"{label}: val top-1 (%)", s.get("final_val_top1") and 100 * s["final_val_top1"], "{:.1f}")
+            add(f"{label}: test top-1 (%)", s.get("final_test_top1") and 100 * s["final_test_top1"], "{:.1f}")
+    refs, timm_compiled = _json(folder / "bench_refs.json"), _json(folder / "bench_timm_compiled.json")
+    for prefix, what, goal in (("mae-hf/", "MAE step / Hugging Face ViTMAE (eager)", 1.5), ("mae/", "MAE step / official-style MAE (eager)", None),
+                               ("encoder/", "encoder step / timm ViT (eager)", 1.3)):  # fmt: skip
+        c = _case(refs, prefix)
+        add(f"{what}, {c['name'].split('/')[1]}" if c else what, c and c["ratio"], "{:.2f}x", goal, f">= {goal}x" if goal else "")
+        if c and c.get("flops_per_image") and prefix != "mae/":
+            add("  ours, TFLOP/s (matmul FLOPs x img/s)", c["flops_per_image"] * c["ours"]["median_images_per_s"] / 1e12, "{:.0f}")
+    c = _case(timm_compiled, "encoder/")
+    add("encoder step / torch.compile'd timm ViT", c and c["ratio"], "{:.2f}x")
+    cv = curves(folder)
+    add("compiled / eager loss, largest relative difference, first 20 steps", curve_difference(cv, 20), "{:.2e}")
+    add(f"compiled / eager loss, largest relative difference, all {len(cv.get('off', []))} steps", curve_difference(cv), "{:.2e}")
+    if cv:
+        (folder / "curves.json").write_text(json.dumps(cv) + "\n")
+    lines = ["| figure | value | goal | |", "|---|---:|---|---|"]
+    lines += [f"| {what} | {value} | {goal} | {met} |" for what, value, goal, met in rows]
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""Each step's loss, kept on the device and read by the host only at check points; the non-finite-loss guard decided there.
+
+    losses = LossRing(accelerator, optimizer, slots=run.log_every)
+    ...each optimiser step, after backward:
+    stepped = losses.put(step_loss, step)   # queues the loss and the guard's decision; no host read
+    ...at a check point (a metrics record, a resume state, the end), at most `slots` steps after the last one:
+    values = losses.read(first_step, last_step)   # one host read: {step: loss} of those steps
+
+A step whose loss is not finite on any process keeps the weights and the optimiser state as they were, and still
+counts as a step (its learning rate and its batches are used up), as AMP's `GradScaler` skips a step. Where the
+optimiser can take the decision as a tensor (fused AdamW and SGD read `found_inf`, as they do under `GradScaler`), the
+host never waits; any other optimiser (LARS, a non-fused one, fp16 under a `GradScaler`) is gated by a host read
+each step, which costs a synchronisation but skips the same steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` skips its update on a device flag `optimizer.found_inf` (fused Adam, AdamW and SGD)."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    return fused and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
+
+
+class LossRing:
+    """The losses of the last `slots` steps, every process's, on the device; `put` also gates the optimiser's update."""
+
+    def __init__(self, accelerator, optimizer, slots: int):
+        self.accelerator = accelerator
+        inner = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's wrapper
+        # A GradScaler sets and deletes `found_inf` itself around each step (fp16): it must not be overwritten there.
+        self.on_device = takes_found_inf(inner) and getattr(accelerator, "scaler", None) is None
+        self.optimizer = inner
+        self.slots = slots
+        self.ring = torch.full((slots, accelerator.num_processes), float("nan"), device=accelerator.device)  # (slots, processes)
+
+    def put(self, loss: torch.Tensor, step: int) -> tuple[bool, torch.Tensor]:
+        """Keep step `step`'s `loss` (this process's scalar) and queue the guard's decision: (False only where the host had
+        to read it, an optimiser without `found_inf`, and the loss was not finite: then skip `optimizer.step()`;
+        the decision as a device bool, True where any process's loss was not finite)."""
+        acc = self.accelerator
+        local = loss.detach().float().reshape(1)
+        row = acc.gather(local) if acc.num_processes > 1 else local  # every process decides the same
+        self.ring[step % self.slots] = row
+        bad = ~torch.isfinite(row).all()
+        if self.on_device:
+            self.optimizer.found_inf = bad.float()
+            return True, bad
+        return not bool(bad), bad  # a host read: this optimiser cannot take the flag
+
+    def read(self, first: int, last: int) -> dict[int, list[float]]:
+        """{step: [every process's loss]} of steps first..last-1 (at most `slots` of them), in one host read."""
+        if last - first > self.slots:
+            raise ValueError(f"steps {first}..{last - 1} do not fit the {self.slots} slots of the loss ring")
+        rows = self.ring.tolist() if last > first else []
+        return {s: rows[s % self.slots] for s in range(first, last)}
+
+    def close(self) -> None:
+        """Stop gating: the optimiser steps unconditionally again (e.g. when the loop ends)."""
+        self.optimizer.__dict__.pop("found_inf", None)

@@ -71,6 +71,11 @@ def rank_report(run: Run, model, first_batch_sum: float, images_seen: int) -> li
     return [{"rank": int(r), "first_batch_sum": b, "images": int(n), "param_checksum": c} for r, b, n, c in gathered]
 
 
+# encoder.pt and mae.pt are refreshed at an epoch's end at most this often (and always at the end): a CPU epoch takes
+# minutes, a GPU one a second, where writing both files at every epoch cost several percent of the run.
+WEIGHTS_EVERY_SECONDS = 60.0
+
+
 @dataclass
 class Pretraining:
     """Everything a pretraining run trains with, built from its config (`setup`): what `main` runs and what the
@@ -130,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     pretrained_on = split_record(cfg.data, splits)  # encoder.pt records it, so fine-tuning can refuse val images seen here
     figure = reconstruction_figures(cfg, run, t)
     first_batch_sum = next(t.train_loader.epoch(0))[0].double().sum().item()
-    epoch_clock = {"start": time.perf_counter()}  # when the current epoch's training steps began
+    clock = {"epoch": time.perf_counter(), "weights": time.perf_counter()}  # when the epoch's steps began; the weights' last save
 
     def on_epoch_end(epoch: int, progress) -> dict[str, float]:
-        epoch_seconds = time.perf_counter() - epoch_clock["start"]
+        epoch_seconds = time.perf_counter() - clock["epoch"]
         metrics = {}
         if t.val_loader is not None:
             metrics["val_loss"] = validation_loss(t.mae, t.val_loader, run, cfg.run.seed)
@@ -142,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             metrics.update(knn(t.mae.encoder, epoch, epoch_seconds))
         if cfg.run.figure_every and epoch % cfg.run.figure_every == 0:
             figure(progress.step, epoch_figure_path(run.dir, "reconstruction", epoch))
-        save_weights(run, model, progress.step, splits, pretrained_on)
-        epoch_clock["start"] = time.perf_counter()
+        if time.perf_counter() - clock["weights"] >= WEIGHTS_EVERY_SECONDS:
+            save_weights(run, model, progress.step, splits, pretrained_on)
+            clock["weights"] = time.perf_counter()
+        clock["epoch"] = time.perf_counter()
         return metrics
 
     try:

@@ -112,7 +112,7 @@ def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(
 
     budget_minutes = 0.2  # 12 s: long enough to measure (StepMeter needs 5 s), short for a test
     reset_accelerate()
-    code = main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": budget_minutes, "optim.min_lr": 0.0}))
+    code = main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": budget_minutes, "optim.min_lr": 0.0, "run.save_every": 10}))
     assert code == 0
     run_dir = tmp_path / "runs" / "run"
     plan = read_budget(run_dir)
@@ -136,8 +136,35 @@ def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(
         shutil.rmtree(state)
     before = read_state_progress(first)
     reset_accelerate()
-    assert main(tiny_overrides(tmp_path, name="cut", **{"schedule.budget_minutes": budget_minutes, "optim.min_lr": 0.0, "run.resume": "auto"})) == 0
+    assert main(tiny_overrides(tmp_path, name="cut", **{"schedule.budget_minutes": budget_minutes, "optim.min_lr": 0.0, "run.save_every": 10,
+                                                         "run.resume": "auto"})) == 0  # fmt: skip
     again = json.loads((cut / "summary.json").read_text())
     assert again["steps"] == plan["total_steps"] and again["budget"]["total_steps"] == plan["total_steps"]
     assert before["train_time"] > 0.5 * again["wall_time_sec"]  # the oldest kept state: most of the training came before it
     assert again["budget"]["stage_seconds"] >= again["wall_time_sec"]  # the training time of both processes, and more
+
+
+@pytest.mark.slow
+def test_a_budget_plan_counts_what_the_epochs_ends_took_before_it(tmp_path, monkeypatch):
+    """Short epochs with slow ends (a GPU closes an epoch a second, each with an evaluation that does not run at the training
+    rate): the plan takes their measured cost, not the estimate from the training rate, and the stage still fits."""
+    import time
+
+    from helpers import reset_accelerate, tiny_overrides
+    from pretrain import train
+    from vit.runs import read_budget
+
+    original = train.validation_loss
+
+    def slow_validation(*args, **kwargs):
+        time.sleep(0.1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "validation_loss", slow_validation)
+    budget_minutes = 0.3  # 18 s, of which the measurement takes about 8 (5 s of steps between the epochs' ends)
+    reset_accelerate()
+    assert train.main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": budget_minutes, "mae.knn_every": 0})) == 0
+    plan = read_budget(tmp_path / "runs" / "run")
+    assert plan["eval_seconds"] >= 0.1  # the estimate from the training rate would be a few milliseconds
+    summary = __import__("json").loads((tmp_path / "runs" / "run" / "summary.json").read_text())
+    assert summary["budget"]["stage_seconds"] <= budget_minutes * 60 + 3

@@ -699,6 +699,7 @@ class TrainLoop:
             if spec.budget is not None and spec.planned_steps is None else None  # fmt: skip
         self.bar = make_bar(run, spec.stop_step if spec.stop_step < sys.maxsize else None, progress.step)
         self.busy = BusySampler(device)
+        self.epoch_ends: list[float] = []  # seconds each epoch's end took while the budget was being measured
         self.first = True  # this process's first step: timed apart (compilation), then the GPU's busy share is sampled
 
     def train_epoch(self, signals: SignalGuard) -> bool:
@@ -802,6 +803,10 @@ class TrainLoop:
         # Every rank evaluates its share of the images, so an evaluation takes its images / processes.
         per_rank = max(1, acc.num_processes)
         eval_s = eval_seconds_estimate(budget.eval_images // per_rank, rate / per_rank, budget.eval_cost)
+        if self.epoch_ends:
+            # Epochs already closed: what their ends took (evaluation, figures, weights, states) outweighs the estimate
+            # where epochs are short (a GPU closes one a second, each with work that does not run at the training rate).
+            eval_s = max(eval_s, sum(self.epoch_ends) / len(self.epoch_ends) * budget.eval_every)
         final_s = eval_seconds_estimate(budget.final_images // per_rank, rate / per_rank, budget.eval_cost)
         steps = plan_steps(budget.minutes * 60, elapsed, p.step, seconds_per_step, spec.steps_per_epoch, eval_s, budget.eval_every, final_s)
         spec.planned_steps = p.planned_steps = steps
@@ -870,6 +875,7 @@ class TrainLoop:
         p = self.progress
         p.epoch += 1
         p.batch = 0
+        start = time.perf_counter()
         self.check_finite()
         extra = on_epoch_end(p.epoch, p) if on_epoch_end else None
         if self.window.steps:
@@ -879,6 +885,7 @@ class TrainLoop:
         if p.step % self.run.cfg.run.save_every == 0:
             self.save()
         if self.meter is not None:
+            self.epoch_ends.append(time.perf_counter() - start)
             self.meter.pause()  # the evaluation and the state are not a training step's time (the plan estimates evaluations apart)
 
     def save(self) -> None:

@@ -115,6 +115,10 @@ def report(folder: str | Path) -> str:
     add(f"compiled / eager loss, largest relative difference, all {len(cv.get('off', []))} steps", curve_difference(cv), "{:.2e}")
     if cv:
         (folder / "curves.json").write_text(json.dumps(cv) + "\n")
+    if cv.get("off") and cv.get("auto"):
+        from vit.plots import plot_compiled_vs_eager
+
+        plot_compiled_vs_eager(cv["off"], cv["auto"], folder / "curves.png", "pretraining loss, eager and compiled")
     lines = ["| figure | value | goal | |", "|---|---:|---|---|"]
     lines += [f"| {what} | {value} | {goal} | {met} |" for what, value, goal, met in rows]
     return "\n".join(lines)

@@ -129,6 +129,23 @@ def plot_curves(curves: dict[str, Curve], axis: str, path: Path, colour: dict, y
     return save(fig, path)
 
 
+def plot_compiled_vs_eager(eager: list[float], compiled: list[float], path: Path, title: str) -> Path:
+    """The training loss per step of the eager and the compiled step (the same data and masks), and their relative
+    difference |compiled - eager| / eager on a log scale."""
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=FIGSIZE)
+    steps = list(range(1, len(eager) + 1))
+    left.plot(steps, eager, label="eager", linewidth=2.4, color="tab:blue")
+    left.plot(steps[: len(compiled)], compiled, label="compiled", linewidth=1.0, linestyle="--", color="tab:orange")
+    finish(left, title, "step", "training loss")
+    diff = [abs(c - e) / abs(e) for e, c in zip(eager, compiled)]
+    right.plot(steps[: len(diff)], [max(d, 1e-12) for d in diff], color="tab:red", linewidth=1.0, label="relative difference")
+    right.set_yscale("log")
+    finish(right, f"largest {max(diff):.1e} (equal steps drawn at 1e-12)", "step", "|compiled - eager| / eager")
+    fig.tight_layout()
+    return save(fig, path)
+
+
 def plot_final_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """Grouped bars of final val top-1, best val top-1 and test top-1 (keys of each row, fractions) per row `name`."""
     bars = [("val_top1", "val top-1 (final)"), ("best_val_top1", "val top-1 (best)"), ("test_top1", "test top-1")]

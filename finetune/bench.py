@@ -22,17 +22,17 @@ import torch.nn.functional as F
 from finetune.config import AugmentConfig
 from finetune.features import FeatureLoader
 from finetune.models import LinearProbe
-from vit.augment import BatchLoader
-from vit.bench import NUM_CLASSES, Case, Pipeline, Settings, Step, bare_step, bench_images, classify, our_defaults, pipeline_overrides, \
-    stream_step  # fmt: skip
-from vit.bench import pipeline_case as bench_pipeline_case
+from vit.data.augment import BatchLoader
+from vit.tools.bench import NUM_CLASSES, Case, Settings, Step, bench_images, classify, our_defaults, stream_step
+from vit.tools.bench_cases import Pipeline, bare_step, pipeline_overrides
+from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
-from vit.data import CIFAR10_MEAN, CIFAR10_STD, ImageSet
+from vit.data.images import CIFAR10_MEAN, CIFAR10_STD, ImageSet
 from vit.device import synchronize
-from vit.engine import Progress, Run, TrainLoop, batches_forever
-from vit.model import create_model, flops_per_image
-from vit.randaug import make_ops
-from vit.reference import timm_vit, usual_loader
+from vit.train.engine import Progress, Run, TrainLoop, batches_forever
+from vit.models.encoder import create_model, flops_per_image
+from vit.data.randaug import make_ops
+from vit.tools.reference import timm_vit, usual_loader
 
 PIPELINE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "cpu.yaml"  # the recipe the pipeline section runs
 
@@ -81,6 +81,39 @@ def pipeline_case(s: Settings, device: torch.device) -> Case:
     return bench_pipeline_case("finetune", s, device, partial(pipeline, s, device))
 
 
+class HeadTrainer:
+    """Trains a probe's head from the same initialisation each time, on features that `features_of` makes of a batch."""
+
+    def __init__(self, probe: LinearProbe, epochs: int, precision: str, device: torch.device):
+        self.probe, self.epochs = probe, epochs
+        self.head_init = {k: v.clone() for k, v in probe.head.state_dict().items()}
+        self.autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def train(self, batches_of_epoch, features_of) -> None:
+        probe = self.probe
+        probe.head.load_state_dict(self.head_init)
+        probe.train()
+        optimizer = torch.optim.SGD(probe.head.parameters(), lr=0.1, momentum=0.9)
+        for epoch in range(self.epochs):
+            for x, y in batches_of_epoch(epoch):
+                with self.autocast():
+                    logits = probe.head(features_of(x).float())
+                loss = F.cross_entropy(logits.float(), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+
+    @torch.no_grad()
+    def accuracy(self, batches, features_of) -> float:
+        self.probe.eval()
+        hits = total = 0
+        for x, y in batches:
+            with self.autocast():
+                hits += (self.probe.head(features_of(x).float()).argmax(1) == y).sum().item()
+            total += y.shape[0]
+        return hits / total
+
+
 def probe_benchmark(s: Settings, device: torch.device, precision: str) -> dict:
     """Train the same linear head on the same frozen encoder twice: on cached features, and through the encoder every step.
 
@@ -94,56 +127,30 @@ def probe_benchmark(s: Settings, device: torch.device, precision: str) -> dict:
     train, val = data.subset(order[:n_train]), data.subset(order[n_train : n_train + n_val])
     torch.manual_seed(s.seed)
     probe = LinearProbe(create_model("vit_cifar_tiny", num_classes=0, **our_defaults(device)), NUM_CLASSES).to(device)
-    head_init = {k: v.clone() for k, v in probe.head.state_dict().items()}
-    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    heads = HeadTrainer(probe, s.probe_epochs, precision, device)
     common = dict(device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32)
-    batch, epochs = s.e2e_batch, s.probe_epochs
-
-    def train_head(batches_of_epoch, features_of) -> None:
-        probe.head.load_state_dict(head_init)
-        probe.train()
-        optimizer = torch.optim.SGD(probe.head.parameters(), lr=0.1, momentum=0.9)
-        for epoch in range(epochs):
-            for x, y in batches_of_epoch(epoch):
-                with autocast():
-                    logits = probe.head(features_of(x).float())
-                loss = F.cross_entropy(logits.float(), y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-
-    @torch.no_grad()
-    def accuracy(batches, features_of) -> float:
-        probe.eval()
-        hits = total = 0
-        for x, y in batches:
-            with autocast():
-                hits += (probe.head(features_of(x).float()).argmax(1) == y).sum().item()
-            total += y.shape[0]
-        return hits / total
+    batch = s.e2e_batch
 
     identity = dict(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip=False)  # no augmentation: both probes see the same inputs
     synchronize(device)
     start = time.perf_counter()
-    loader = BatchLoader(train, batch, train=True, seed=s.seed, **identity, **common)
-    train_head(loader.epoch, probe.features)
-    uncached_acc = accuracy(BatchLoader(val, batch, train=False, **common).epoch(0), probe.features)
+    heads.train(BatchLoader(train, batch, train=True, seed=s.seed, **identity, **common).epoch, probe.features)
+    uncached_acc = heads.accuracy(BatchLoader(val, batch, train=False, **common).epoch(0), probe.features)
     synchronize(device)
     uncached_s = time.perf_counter() - start
 
     start = time.perf_counter()
     cache = {}
     for name, split in (("train", train), ("val", val)):
-        with torch.no_grad(), autocast():
+        with torch.no_grad(), heads.autocast():
             feats = [(probe.features(x).float(), y) for x, y in BatchLoader(split, batch, train=False, **common).epoch(0)]
         cache[name] = (torch.cat([f for f, _ in feats]), torch.cat([y for _, y in feats]))
     features_s = time.perf_counter() - start
-    feature_loader = FeatureLoader(*cache["train"], batch, seed=s.seed)
-    train_head(feature_loader.epoch, lambda f: f)
-    cached_acc = accuracy(FeatureLoader(*cache["val"], batch, train=False).epoch(0), lambda f: f)
+    heads.train(FeatureLoader(*cache["train"], batch, seed=s.seed).epoch, lambda f: f)
+    cached_acc = heads.accuracy(FeatureLoader(*cache["val"], batch, train=False).epoch(0), lambda f: f)
     synchronize(device)
     cached_s = time.perf_counter() - start
-    return {"train_images": n_train, "val_images": n_val, "epochs": epochs, "batch": batch, "precision": precision,
+    return {"train_images": n_train, "val_images": n_val, "epochs": s.probe_epochs, "batch": batch, "precision": precision,
             "uncached_s": uncached_s, "cached_s": cached_s, "cached_features_s": features_s, "speedup": uncached_s / cached_s,
             "uncached_val_top1": uncached_acc, "cached_val_top1": cached_acc}  # fmt: skip
 

@@ -22,7 +22,7 @@ class FinetuneSection:
     init: `scratch`, an MAE `encoder.pt` (or the pretraining run folder holding one),
     `timm:<model name>` for timm's pretrained weights (from `init_file` when given,
     else the model hub), or a timm / Hub model folder: `local-dir:<folder>` (what
-    `python -m vit.export` writes) or `hf-hub:<user>/<name>`.
+    `python -m pretrain.export` writes) or `hf-hub:<user>/<name>`.
     """
 
     mode: Literal["full", "linear", "knn", "eval"] = "full"

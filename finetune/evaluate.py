@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from vit.plots import pyplot, save
+from vit.tools.plots import pyplot, save
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
     python -m finetune.export runs/finetune --out exports/finetune [--push USER/NAME]
 
-The same folder format and card as `python -m vit.export` (encoders); a linear probe's BatchNorm is
+The same folder format and card as `python -m pretrain.export` (encoders); a linear probe's BatchNorm is
 folded into its Linear head so timm's plain ViT gives the probe's logits.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from finetune.models import classifier_as_vit, load_classifier
 from vit.errors import exit_on_user_error
-from vit.export import Export, cli
-from vit.runs import run_folder_of
+from vit.store.export import Export, cli
+from vit.store.runs import run_folder_of
 
 
 def classifier_export(source: str | Path) -> Export:

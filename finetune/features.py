@@ -6,8 +6,8 @@ from typing import Iterator
 
 import torch
 
-from vit.augment import epoch_order, eval_shard
-from vit.knn import gather_shards
+from vit.data.augment import epoch_order, eval_shard
+from vit.eval.knn import gather_shards
 
 
 @torch.no_grad()

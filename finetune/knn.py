@@ -11,9 +11,9 @@ import time
 
 from finetune.config import FinetuneConfig
 from finetune.models import Built
-from vit.engine import Run
-from vit.knn import encode, knn_accuracy
-from vit.loaders import Data
+from vit.train.engine import Run
+from vit.eval.knn import encode, knn_accuracy
+from vit.data.loaders import Data
 
 
 def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str | None) -> int:

@@ -13,15 +13,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vit.checkpoint import CheckpointError, load_encoder, load_timm_weights, read_checkpoint, read_encoder, read_weights_file
+from vit.store.checkpoint import CLASSIFIER_FORMAT, CheckpointError, load_encoder, load_timm_weights, read_checkpoint, read_encoder, read_weights_file
 from vit.errors import ConfigError
-from vit.io import atomic_save
-from vit.hub import hub_reachable, is_hub_init, load_hub_weights, unreachable
-from vit.model import VisionTransformer, create_model
-from vit.runs import CLASSIFIER_FILE, ENCODER_FILE
-from vit.reference import timm_vit
-
-CLASSIFIER_FORMAT = "vit-classifier/1"
+from vit.store.atomic import atomic_save
+from vit.store.hub import hub_reachable, is_hub_init, load_hub_weights, unreachable
+from vit.models.encoder import VisionTransformer, create_model
+from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE
+from vit.tools.reference import timm_vit
 
 
 class LinearProbe(nn.Module):

@@ -20,17 +20,17 @@ from finetune.evaluate import evaluate, save_confusion_matrix, sync_from_main
 from finetune.features import FeatureLoader, extract_features
 from finetune.knn import run_knn
 from finetune.models import Built, build_classifier, encoder_init, load_classifier, save_classifier
-from vit import tracking
-from vit.checkpoint import read_encoder, unwrap
+from vit.train import tracking
+from vit.store.checkpoint import read_encoder, unwrap
 from vit.cli import parse
-from vit.data import Splits
-from vit.engine import LoopSpec, Preempted, Progress, Run, compile_for_run, fit, load_state, loop_spec, make_optimizer, param_groups
+from vit.data.images import Splits
+from vit.train.engine import LoopSpec, Preempted, Progress, Run, compile_for_run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import DataError, exit_on_user_error
-from vit.loaders import Data, open_data
-from vit.model import preset_image_size
-from vit.provenance import SPLIT_KEYS, check_overlap, split_record
-from vit.randaug import make_ops
-from vit.runs import CLASSIFIER_FILE, confusion_path
+from vit.data.loaders import Data, open_data
+from vit.models.encoder import preset_image_size
+from vit.data.provenance import SPLIT_KEYS, check_overlap, split_record
+from vit.data.randaug import make_ops
+from vit.store.runs import CLASSIFIER_FILE, confusion_path
 
 
 def job_type(cfg: FinetuneConfig) -> str:
@@ -267,14 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     encoder = encoder_init(cfg.finetune.init)
     if encoder is not None:
         run.use_encoder(encoder)
-    acc = run.accelerator
     data = open_run_data(cfg, run, input_size(cfg))
     splits = data.splits
     check_pretraining_overlap(cfg, run, splits)
-    num_classes = len(splits.train.classes)
-    built = build_classifier(cfg, num_classes, acc.device, say=run.print)
+    built = build_classifier(cfg, len(splits.train.classes), run.accelerator.device, say=run.print)
     # Each rank drew its own random init (per-rank seed); a cached probe's encoder is never wrapped in DDP, so make them one.
-    sync_from_main(built.model, acc)
+    sync_from_main(built.model, run.accelerator)
     if cfg.finetune.mode == "knn":
         return run_knn(cfg, run, data, built, parent.get("run"))
     if built.arch == "linear_probe" and cfg.data.val_size == 0 and splits.test is None:
@@ -286,26 +284,34 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         run.print(str(e))
         return 143
-    progress, results = trained.progress, trained.results
-    # The cached probe's stage time includes computing the features, not only training the head.
-    wall_time = progress.train_time + trained.feature_time
-    size = built.encoder_config["img_size"] if built.encoder_config is not None else data.out_size
-    data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std),
-                 "split": split_record(cfg.data, splits)}  # fmt: skip
     if run.is_main:
-        save_classifier(run.dir / CLASSIFIER_FILE, built, trained.model, splits.train.classes, data_info, progress.step)
-    tag = f"{built.arch} {cfg.finetune.mode} ({cfg.finetune.init})"
-    flat = report_eval(run, results, splits.train.classes, tag, cfg.finetune.confusion_matrix)
+        size = built.encoder_config["img_size"] if built.encoder_config is not None else data.out_size
+        data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std),
+                     "split": split_record(cfg.data, splits)}  # fmt: skip
+        save_classifier(run.dir / CLASSIFIER_FILE, built, trained.model, splits.train.classes, data_info, trained.progress.step)
+    flat = report_eval(run, trained.results, splits.train.classes, f"{built.arch} {cfg.finetune.mode} ({cfg.finetune.init})",
+                       cfg.finetune.confusion_matrix)  # fmt: skip
+    summary = run.finish(summarize(cfg, run, data, built, trained, parent, flat))
+    lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in trained.results.items()]
+    if splits.test is None:
+        lines.append("(no test split in this dataset: val only)")
+    run.print(f"done in {summary['wall_time_sec']:.0f}s: " + ", ".join(lines) + f" -> {run.dir}")
+    return 0
+
+
+def summarize(cfg: FinetuneConfig, run: Run, data: Data, built: Built, trained: Trained, parent: dict, flat: dict) -> dict[str, Any]:
+    """What summary.json says of a classification run (Run.finish adds the run's facts)."""
+    progress, splits = trained.progress, data.splits
     cached = cfg.finetune.mode == "linear" and cfg.finetune.probe_cache
     rate = round(progress.images / max(progress.train_time, 1e-9), 1)
-    featurised = len(splits.train) + len(splits.val) + (len(splits.test) if splits.test is not None else 0)
-    # A cached probe has two rates: the frozen encoder's over every image (the stage's cost), and the head's over the cache.
     rates = {"images_per_sec": rate}
     if cached:
+        # A cached probe has two rates: the frozen encoder's over every image (the stage's cost, which `images_per_sec`
+        # keeps meaning across stages), and the head's over the cache.
+        featurised = len(splits.train) + len(splits.val) + (len(splits.test) if splits.test is not None else 0)
         feature_rate = round(featurised / max(trained.feature_time, 1e-9), 1)
-        # `images_per_sec` keeps its meaning across stages (what the stage's images cost): here the encoder's rate.
         rates = {"images_per_sec": feature_rate, "feature_images_per_sec": feature_rate, "head_images_per_sec": rate}
-    summary = run.finish({
+    return {
         "mode": cfg.finetune.mode,
         "job_type": run.job_type,
         "init": cfg.finetune.init,
@@ -316,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": progress.epoch,
         "steps": progress.step,
         "skipped_steps": progress.nan_skips,
-        "wall_time_sec": round(wall_time, 2),
+        "wall_time_sec": round(progress.train_time + trained.feature_time, 2),  # a cached probe's stage time includes its features
         "feature_time_sec": round(trained.feature_time, 2),
         "images": progress.images,
         **rates,
@@ -327,15 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         "final_test_top1": flat.get("test_top1"),
         "data": splits.describe(),
         "test_split": splits.test is not None,
-        "bad_images": data.bad_total(acc),
-        "ranks": rank_checksums(trained.model, acc),
+        "bad_images": data.bad_total(run.accelerator),
+        "ranks": rank_checksums(trained.model, run.accelerator),
         **flat,
-    })
-    lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()]
-    if splits.test is None:
-        lines.append("(no test split in this dataset: val only)")
-    run.print(f"done in {summary['wall_time_sec']:.0f}s: " + ", ".join(lines) + f" -> {run.dir}")
-    return 0
+    }
 
 
 def check_pretraining_overlap(cfg: FinetuneConfig, run: Run, splits: Splits) -> None:

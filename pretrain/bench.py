@@ -1,4 +1,4 @@
-"""The MAE sections of the benchmark (`scripts/bench.py`): our `MaskedAutoencoder` against `vit.reference.ReferenceMAE`.
+"""The MAE sections of the benchmark (`scripts/bench.py`): our `MaskedAutoencoder` against `vit.tools.reference.ReferenceMAE`.
 
 - `mae_cases`: a pretraining step on a fixed batch, per model and precision, against the official-style MAE and
   Hugging Face's ViTMAE;
@@ -19,15 +19,15 @@ from typing import Callable
 import torch
 
 from pretrain.model import PRESET_DECODERS, MaskedAutoencoder
-from vit.augment import BatchLoader
-from vit.bench import MODELS, Case, Pipeline, Settings, Step, bare_step, compile_note, models, our_defaults, pipeline_overrides, reconstruct, \
-    stream_step, training_step  # fmt: skip
-from vit.bench import pipeline_case as bench_pipeline_case
+from vit.data.augment import BatchLoader
+from vit.tools.bench import MODELS, Case, Settings, Step, compile_note, models, our_defaults, reconstruct, stream_step, training_step
+from vit.tools.bench_cases import Pipeline, bare_step, pipeline_overrides
+from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
-from vit.data import CIFAR10_MEAN, CIFAR10_STD, ImageSet
-from vit.engine import Progress, Run, TrainLoop, batches_forever
-from vit.model import PRESETS, create_model, flops_per_image
-from vit.reference import ReferenceMAE, hf_vitmae, usual_loader
+from vit.data.images import CIFAR10_MEAN, CIFAR10_STD, ImageSet
+from vit.train.engine import Progress, Run, TrainLoop, batches_forever
+from vit.models.encoder import PRESETS, create_model, flops_per_image
+from vit.tools.reference import ReferenceMAE, hf_vitmae, usual_loader
 
 MASK_RATIO = 0.75
 PIPELINE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "cpu.yaml"  # the recipe the pipeline section runs
@@ -60,7 +60,7 @@ def mae_flops_per_image(preset: str, overrides: dict) -> float:
 
 def mae_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[Case]:
     """A pretraining step of our MAE against the official-style reference and, where transformers is installed,
-    against Hugging Face's ViTMAE, per model (`vit.bench.models`) and precision."""
+    against Hugging Face's ViTMAE, per model (`vit.tools.bench.models`) and precision."""
     cases = []
     ours_kw = our_defaults(device)
     hf_here = importlib.util.find_spec("transformers") is not None

@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 
 from pretrain.config import PretrainConfig
-from vit.checkpoint import read_mae
+from vit.store.checkpoint import read_mae
 from vit.errors import CheckpointError, ConfigError
-from vit.model import Block, VisionTransformer, create_model, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
-from vit.pos_embed import sincos_2d
+from vit.models.encoder import Block, VisionTransformer, create_model, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
+from vit.models.pos_embed import sincos_2d
 
 
 def patchify(imgs: torch.Tensor, patch_size: int) -> torch.Tensor:

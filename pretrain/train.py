@@ -11,14 +11,14 @@ import torch
 from pretrain.config import PretrainConfig
 from pretrain.figures import save_reconstruction_figure
 from pretrain.model import MaskedAutoencoder, build_mae
-from vit.checkpoint import save_encoder, save_mae, unwrap
+from vit.store.checkpoint import save_encoder, save_mae, unwrap
 from vit.cli import parse
-from vit.engine import LoopSpec, Preempted, Run, compile_for_run, fit, load_state, loop_spec, make_optimizer, param_groups
+from vit.train.engine import LoopSpec, Preempted, Run, compile_for_run, fit, load_state, loop_spec, make_optimizer, param_groups
 from vit.errors import exit_on_user_error
-from vit.knn import knn_evaluate, seeded_subset
-from vit.loaders import Data, open_data
-from vit.provenance import split_record
-from vit.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, read_metrics
+from vit.eval.knn import knn_evaluate, seeded_subset
+from vit.data.loaders import Data, open_data
+from vit.data.provenance import split_record
+from vit.store.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, read_metrics
 
 
 @torch.no_grad()

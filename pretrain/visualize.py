@@ -4,12 +4,11 @@
 
 A checkpoint is an `encoder.pt`, a `classifier.pt`, or the run folder holding one; the images are
 a folder of image files or the run's own data config with dotted overrides. The figures are
-drawn by `vit.plots` (attention, rollout, positional embeddings, patch grid) and
+drawn by `vit.tools.plots` (attention, rollout, positional embeddings, patch grid) and
 `pretrain.figures` (the reconstruction).
 
 It lives in `pretrain/` because the reconstruction rebuilds the whole MAE from the `mae.pt` beside
-an `encoder.pt`. A `classifier.pt` and a fine-tuning run's config are read through `finetune`,
-imported only when one is given.
+an `encoder.pt`; a `classifier.pt`'s encoder and any run's data section are read through `vit`.
 """
 
 from __future__ import annotations
@@ -20,15 +19,14 @@ from typing import Any
 
 import torch
 
-from pretrain.config import PretrainConfig
 from pretrain.figures import save_reconstruction_figure
 from pretrain.model import mae_from_checkpoint
-from vit.checkpoint import ENCODER_FORMAT, encoder_from_checkpoint, read_payload
-from vit.data import IMAGENET_MEAN, IMAGENET_STD, NORMALIZATION
+from vit.store.checkpoint import CLASSIFIER_FORMAT, ENCODER_FORMAT, classifier_encoder, encoder_from_checkpoint, read_payload
+from vit.data.images import IMAGENET_MEAN, IMAGENET_STD, NORMALIZATION
 from vit.errors import CheckpointError, DataError, UserError
-from vit.model import VisionTransformer
-from vit.plots import figure_attention_heads, figure_patch_grid, figure_pos_similarity, figure_rollout, figure_sincos_table
-from vit.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, MAE_FILE, read_config
+from vit.models.encoder import VisionTransformer
+from vit.tools.plots import figure_attention_heads, figure_patch_grid, figure_pos_similarity, figure_rollout, figure_sincos_table
+from vit.store.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, MAE_FILE, read_config
 
 
 # --------------------------------------------------------------------------- the checkpoint
@@ -53,21 +51,6 @@ def find_run_dir(*candidates: Path | str | None) -> Path | None:
     return None
 
 
-def classifier_encoder(model: torch.nn.Module, payload: dict, path: Path) -> VisionTransformer:
-    """The ViT inside a classifier: the model itself, a linear probe's encoder, or timm's ViT rebuilt as ours."""
-    arch = payload["arch"]
-    if arch == "vit":
-        return model
-    if arch == "linear_probe":
-        return model.encoder
-    if arch == "timm_vit":
-        # Same key names by design: timm's weights load into our class strictly, and ours can return attention.
-        encoder = VisionTransformer(**payload["build"]["config"])
-        encoder.load_state_dict(model.state_dict(), strict=True)
-        return encoder
-    raise CheckpointError(f"{path} holds a {arch} classifier: it has no attention or positional embedding to show")
-
-
 def load_checkpoint(checkpoint: str) -> Loaded:
     """An `encoder.pt`, a `classifier.pt`, or a run folder holding one -> the encoder, its run folder and config."""
     path = Path(checkpoint).expanduser()
@@ -82,11 +65,8 @@ def load_checkpoint(checkpoint: str) -> Loaded:
         encoder = encoder_from_checkpoint(path)
         run_dir = find_run_dir(path.parent, payload.get("meta", {}).get("run"))
         return Loaded(encoder, "encoder", path, run_dir, read_config(run_dir) if run_dir else None, None)
-    from finetune.models import CLASSIFIER_FORMAT, load_classifier
-
     if fmt == CLASSIFIER_FORMAT:
-        model, payload = load_classifier(str(path))
-        encoder = classifier_encoder(model, payload, path)
+        encoder, payload = classifier_encoder(path)
         run_dir = find_run_dir(path.parent)
         data = payload.get("data") or {}
         norm = (tuple(data["mean"]), tuple(data["std"])) if "mean" in data and "std" in data else None
@@ -114,7 +94,7 @@ def spread(n_total: int, n: int) -> torch.Tensor:
 
 def images_from_folder(folder: Path, size: int, n: int) -> torch.Tensor:
     """Image files under `folder` (or one file), sorted by path, `n` spread over them: -> (n, 3, size, size) in [0, 1]."""
-    from vit.data import decode_image
+    from vit.data.images import decode_image
 
     if folder.is_file():
         files = [folder]
@@ -130,15 +110,12 @@ def images_from_folder(folder: Path, size: int, n: int) -> torch.Tensor:
 
 def images_from_data(loaded: Loaded, overrides: list[str], size: int, n: int):
     """`n` images of the run's data config with `overrides`: -> (images (n, 3, size, size) in [0, 1], mean, std, description)."""
-    from finetune.config import FinetuneConfig
-    from vit.config import load_config
-    from vit.loaders import open_data
+    from vit.config import DataOnly, load_config
+    from vit.data.loaders import open_data
 
     overrides = [o if o.startswith("data.") else f"data.{o}" for o in overrides]
     config_file = loaded.run_dir / CONFIG_FILE if loaded.run_dir is not None else None
-    stage = ((loaded.run_config or {}).get("meta") or {}).get("stage")
-    cls = FinetuneConfig if stage == "finetune" else PretrainConfig
-    cfg = load_config(cls, config_file if stage in ("pretrain", "finetune") else None, overrides)
+    cfg = load_config(DataOnly, config_file, overrides, only=("data",))  # any stage's run: its data section alone
     data = open_data(cfg.data, out_size=size, say=lambda line: None)  # folders and shards too big for memory are streamed
     splits = data.splits
     for name, split in (("val", splits.val), ("test", splits.test), ("train", splits.train)):
@@ -182,7 +159,7 @@ def visualize(checkpoint: str, image_spec: list[str], out: Path, num_images: int
     images, mean, std, described = get_images(loaded, image_spec, num_images)
     print(f"visualize: {loaded.kind} {loaded.path} ({encoder.config['embed_dim']}d x {encoder.config['depth']} blocks, "
           f"{encoder.config['num_heads']} heads, {encoder.patch_embed.grid_size}x{encoder.patch_embed.grid_size} patches); {described}")  # fmt: skip
-    from vit.augment import normalize
+    from vit.data.augment import normalize
 
     x = normalize(images, mean, std)  # (B, 3, S, S), as the encoder saw its training data
     out.mkdir(parents=True, exist_ok=True)

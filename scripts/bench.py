@@ -9,7 +9,7 @@ Sections (each a list of `Case`s, every case a pair of step builders, ours and t
 
 1. encoder: forward + backward + AdamW step of `vit.VisionTransformer` against timm's
    `VisionTransformer` with the same configuration, cross entropy on 10 classes.
-2. mae: a pretraining step of `pretrain.MaskedAutoencoder` against `vit.reference.ReferenceMAE`,
+2. mae: a pretraining step of `pretrain.MaskedAutoencoder` against `vit.tools.reference.ReferenceMAE`,
    written after facebookresearch/mae `models_mae.py` (timm blocks, argsort masking, gather), and
    (`mae-hf/...`, where transformers is installed) against Hugging Face's `ViTMAEForPreTraining`.
 3. e2e: end-to-end training throughput with data loading and augmentation on real images
@@ -20,7 +20,7 @@ Sections (each a list of `Case`s, every case a pair of step builders, ours and t
 4. probe: wall time and val accuracy of the cached-features linear probe against the uncached
    probe on the same images, same head initialisation and same batch order.
 5. stream: reading image files that do not fit in memory: JPEG decode + random-resized crop to
-   224 + batching (flipped and normalised, ready for the model), our `vit.stream.StreamLoader`
+   224 + batching (flipped and normalised, ready for the model), our `vit.data.stream.StreamLoader`
    against torchvision `ImageFolder` + `RandomResizedCrop` + `DataLoader`, with the same number of
    workers (`--workers`), on generated photo-like JPEGs of ImageNet's typical size and of a camera's.
 6. pipeline: each stage's real training loop (`configs/pretrain/cpu.yaml`, `configs/finetune/cpu.yaml`
@@ -43,8 +43,9 @@ the other, the first side alternating per round) so that load from other process
 on both alike. Each round gives images/s per side; the table shows medians over rounds
 and ours / reference.
 
-The measuring is `vit.bench`; the sections live with what they measure: `vit.bench` (encoder),
-`pretrain.bench` (mae, e2e and pipeline pretraining), `finetune.bench` (e2e and pipeline fine-tuning, probe).
+The measuring is `vit.tools.bench`; the sections live with what they measure: `vit.tools.bench_cases` (encoder,
+stream, the pipeline machinery), `pretrain.bench` (mae, e2e and pipeline pretraining), `finetune.bench` (e2e and
+pipeline fine-tuning, probe).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import torch
 
 from finetune import bench as finetune_bench
 from pretrain import bench as pretrain_bench
-from vit import bench
+from vit.tools import bench, bench_cases
 from vit.device import pick_device
 from vit.errors import ConfigError, exit_on_user_error
 
@@ -72,8 +73,8 @@ def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
     images = functools.cache(lambda: bench.bench_images(s))  # decoded once, shared by the two e2e cases
     e2e = [pretrain_bench.e2e_case(s, device, precisions[-1], images), finetune_bench.e2e_case(s, device, precisions[-1], images)]
     pipeline = [pretrain_bench.pipeline_case(s, device), finetune_bench.pipeline_case(s, device)]
-    return bench.encoder_cases(s, device, precisions) + pretrain_bench.mae_cases(s, device, precisions) + e2e + pipeline \
-        + bench.stream_cases(s, device)  # fmt: skip
+    return bench_cases.encoder_cases(s, device, precisions) + pretrain_bench.mae_cases(s, device, precisions) + e2e + pipeline \
+        + bench_cases.stream_cases(s, device)  # fmt: skip
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:

@@ -9,11 +9,11 @@ of run folders. `--runs` keeps the runs whose folder names match (shell patterns
 Runs without summary.json are unfinished: listed as such, with what metrics.jsonl holds
 so far. Everything is read from the run folders: no tracker, no network.
 
-Figures (in `--out`, each `vit.plots.FIGSIZE` at `vit.plots.DPI`): loss, accuracy and learning
+Figures (in `--out`, each `vit.tools.plots.FIGSIZE` at `vit.tools.plots.DPI`): loss, accuracy and learning
 rate against the optimiser step and against training time, a bar chart of the final accuracies,
 and the accuracy of probes and fine-tunes against the pretraining time of their encoders.
 
-The reading, the table and the report are `vit.compare`; the figures are drawn by `vit.plots`.
+The reading, the table and the report are `vit.tools.compare`; the figures are drawn by `vit.tools.plots`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from vit.compare import compare
+from vit.tools.compare import compare
 from vit.errors import exit_on_user_error
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from vit.gpu_report import report
+from vit.tools.gpu_report import report
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:

@@ -17,7 +17,7 @@ import torch
 
 from finetune import bench as finetune_bench
 from pretrain import bench as pretrain_bench
-from vit import bench
+from vit.tools import bench, bench_cases
 from vit.device import pick_device
 from vit.errors import exit_on_user_error
 
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.warmup):
         pipeline.step()
     text = f"{args.stage}, batch {args.batch}, compile {args.compile}, device {device}, torch {torch.__version__}\n\n"
-    text += "== the loop\n" + bench.profile_steps(pipeline.step, args.steps, device)
-    text += "\n\n== the bare step\n" + bench.profile_steps(pipeline.bare, args.steps, device)
+    text += "== the loop\n" + bench_cases.profile_steps(pipeline.step, args.steps, device)
+    text += "\n\n== the bare step\n" + bench_cases.profile_steps(pipeline.bare, args.steps, device)
     pipeline.loop.busy.stop()
     print(text)
     if args.out:

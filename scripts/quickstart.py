@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from vit.cli import split_overrides
-from vit.pipeline import DATA_ENV, RESERVED, quickstart
+from vit.tools.quickstart import DATA_ENV, RESERVED, quickstart
 
 REPORT_SCRIPT = Path(__file__).resolve().with_name("compare_runs.py")
 

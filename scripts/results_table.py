@@ -9,7 +9,7 @@ Minutes compare only on one kind of machine: one table per host that the runs' s
 
 The runs come from `configs/sweeps/budget_table.yaml` (`python scripts/sweep.py ... --out runs/budget`). Every choice is
 made on val with seed 0 (the split of each budget, the probe's pretraining); test is read for the chosen runs only.
-The reading and the choices are `vit.results`.
+The reading and the choices are `vit.tools.results`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from vit.errors import UserError, exit_on_user_error
-from vit.results import archive, budget_table, markdown, plot, read_budget_runs
+from vit.tools.results import archive, budget_table, markdown, plot, read_budget_runs
 
 
 @exit_on_user_error

@@ -3,7 +3,7 @@
     python scripts/sweep.py configs/sweeps/cifar10_round2.yaml --out runs/round2 --parallel 4 -- data.root=PATH run.device=cuda
     python scripts/sweep.py configs/sweeps/budget_table.yaml --out runs/budget --only ft_m15_f50_s0 -- data.root=PATH
 
-The sweep file's format, the jobs' command lines and the scheduling are `vit.sweep`. Jobs start
+The sweep file's format, the jobs' command lines and the scheduling are `vit.tools.sweep`. Jobs start
 in file order (or --only's) as workers free up; a job whose `init` failed is skipped. Each job's output goes to
 <out>/<name>.log. The sweep exits non-zero when any job failed or was skipped; the table covers
 the jobs that finished. A job whose run folder already holds summary.json is not run again: the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from vit.cli import split_overrides
 from vit.errors import exit_on_user_error
-from vit.sweep import check_overrides, read_sweep, run_sweep, select_jobs
+from vit.tools.sweep import check_overrides, read_sweep, run_sweep, select_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 

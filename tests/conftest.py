@@ -22,7 +22,7 @@ def fresh_accelerate_state():
 
 
 # --------------------------------------------------------------------------- on-disk data fixtures (tests/test_data.py)
-# Tiny copies of each format vit.data reads, written into tmp_path, with the arrays they hold.
+# Tiny copies of each format vit.data.images reads, written into tmp_path, with the arrays they hold.
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 

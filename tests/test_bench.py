@@ -1,4 +1,4 @@
-"""The benchmark (vit.bench, pretrain.bench, finetune.bench, scripts/bench.py): the quick run completes and reports every case;
+"""The benchmark (vit.tools.bench, pretrain.bench, finetune.bench, scripts/bench.py): the quick run completes and reports every case;
 the reference MAE matches ours in shapes and loss; settings and device picking."""
 
 import json
@@ -12,7 +12,7 @@ import torch
 
 from pretrain import bench as pretrain_bench
 from pretrain.model import patchify, unpatchify
-from vit import bench
+from vit.tools import bench, bench_cases
 from vit.device import pick_device
 from vit.errors import ConfigError
 
@@ -31,7 +31,7 @@ def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
     report = json.loads(out.read_text())
     s, cpu = bench.settings(quick=True), torch.device("cpu")
     precisions = bench.case_precisions(cpu)
-    expected = [c.name for c in bench.encoder_cases(s, cpu, precisions) + pretrain_bench.mae_cases(s, cpu, precisions)]
+    expected = [c.name for c in bench_cases.encoder_cases(s, cpu, precisions) + pretrain_bench.mae_cases(s, cpu, precisions)]
     expected += [f"e2e/pretrain/{precisions[-1]}", f"e2e/finetune/{precisions[-1]}", f"pipeline/pretrain/{precisions[-1]}",
                  f"pipeline/finetune/{precisions[-1]}", "stream/500x375/fp32"]  # fmt: skip
     assert any(name.startswith("mae-hf/") for name in expected)  # Hugging Face's ViTMAE (transformers, a dev dependency)

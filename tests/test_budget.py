@@ -2,7 +2,7 @@
 
 import pytest
 
-from vit.budget import StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
+from vit.train.budget import StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
 
 
 def test_plan_fills_the_budget_with_steps_and_evaluations():
@@ -108,7 +108,7 @@ def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(
 
     from helpers import reset_accelerate, tiny_overrides
     from pretrain.train import main
-    from vit.runs import read_budget, read_state_progress, state_dirs
+    from vit.store.runs import read_budget, read_state_progress, state_dirs
 
     budget_minutes = 0.2  # 12 s: long enough to measure (StepMeter needs 5 s), short for a test
     reset_accelerate()
@@ -152,7 +152,7 @@ def test_a_budget_plan_counts_what_the_epochs_ends_took_before_it(tmp_path, monk
 
     from helpers import reset_accelerate, tiny_overrides
     from pretrain import train
-    from vit.runs import read_budget
+    from vit.store.runs import read_budget
 
     original = train.validation_loss
 

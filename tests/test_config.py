@@ -9,7 +9,7 @@ from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
 from vit.config import dump_config, load_config
 from vit.errors import ConfigError
-from vit.sweep import read_sweep
+from vit.tools.sweep import read_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""timm / Hub folders: export of encoders and classifiers (`vit.export`, `finetune.export`), and their import through
+"""timm / Hub folders: export of encoders and classifiers (`vit.store.export`, `finetune.export`), and their import through
 `finetune.init=local-dir:` and `hf-hub:` (no network: the Hub cache stands in for a download)."""
 
 import json
@@ -20,13 +20,13 @@ from finetune.models import classifier_as_vit, load_classifier
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
-from vit.checkpoint import CheckpointError, encoder_from_checkpoint, save_encoder
-import vit.hub
-from vit.data import CIFAR10_MEAN, SYNTHETIC_MEAN, SYNTHETIC_STD
-from vit.export import encoder_export
-from vit.export import main as export_encoder
-from vit.hub import load_hub_weights
-from vit.model import create_model
+from vit.store.checkpoint import CheckpointError, encoder_from_checkpoint, save_encoder
+import vit.store.hub
+from vit.data.images import CIFAR10_MEAN, SYNTHETIC_MEAN, SYNTHETIC_STD
+from vit.store.export import encoder_export
+from pretrain.export import main as export_encoder
+from vit.store.hub import load_hub_weights
+from vit.models.encoder import create_model
 
 MODEL = {"model.depth": 1}
 
@@ -182,7 +182,7 @@ def test_hf_hub_init_downloads_config_then_the_weights_file_the_repo_has(exporte
             raise huggingface_hub.errors.EntryNotFoundError(f"{filename} is not in {repo_id}")
         return str(repo / filename)
 
-    monkeypatch.setattr(vit.hub, "hub_reachable", lambda timeout=5.0: True)
+    monkeypatch.setattr(vit.store.hub, "hub_reachable", lambda timeout=5.0: True)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     model = encoder_like_the_run()
     assert load_hub_weights(model, "hf-hub:someone/tiny@v1") == repo

@@ -13,8 +13,8 @@ from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.config import load_config
-from vit.engine import param_groups, set_lr
-from vit.model import VisionTransformer
+from vit.train.engine import param_groups, set_lr
+from vit.models.encoder import VisionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,9 +161,9 @@ def test_unreachable_hub_and_missing_file_are_one_line_errors(tmp_path, capsys, 
     code = finetune(tiny_overrides(tmp_path) + ["finetune.init=timm:vit_tiny_patch16_224", f"finetune.init_file={tmp_path / 'nope.pth'}"])
     assert code == 2 and "nope.pth does not exist" in capsys.readouterr().err
     # No weights file and no hub: refused at once with one line, no retry loop.
-    import vit.hub
+    import vit.store.hub
 
-    monkeypatch.setattr(vit.hub, "hub_host", lambda: ("127.0.0.1", 9))
+    monkeypatch.setattr(vit.store.hub, "hub_host", lambda: ("127.0.0.1", 9))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty hub cache
     code = finetune(tiny_overrides(tmp_path, name="hub") + ["finetune.init=timm:vit_tiny_patch16_224"])
     err = capsys.readouterr().err
@@ -234,10 +234,10 @@ def test_patch_dropout_where_it_cannot_apply_is_a_one_line_error(tmp_path, capsy
 
 
 def test_cached_features_are_extracted_in_eval_mode_even_with_dropout_and_drop_path():
-    from vit.model import create_model
+    from vit.models.encoder import create_model
     from finetune.features import extract_features
-    from vit.augment import BatchLoader
-    from vit.data import make_synthetic
+    from vit.data.augment import BatchLoader
+    from vit.data.images import make_synthetic
     from accelerate import Accelerator
 
     torch.manual_seed(0)

@@ -1,8 +1,8 @@
-"""scripts/gpu_check.sh's table (vit.gpu_report): its figures read back from the folder, goals met or missed, gaps named."""
+"""scripts/gpu_check.sh's table (vit.tools.gpu_report): its figures read back from the folder, goals met or missed, gaps named."""
 
 import json
 
-from vit.gpu_report import NOT_MEASURED, curve_difference, report, smi_mean
+from vit.tools.gpu_report import NOT_MEASURED, curve_difference, report, smi_mean
 
 
 def case(name: str, ours: float, ref: float, batch: int = 256, **extra) -> dict:

@@ -11,11 +11,11 @@ from finetune.train import input_size, open_run_data, setup_training
 from helpers import tiny_overrides
 from pretrain.config import PretrainConfig
 from pretrain.train import setup
-from vit.bench import count_host_reads
+from vit.device import count_host_reads
 from vit.config import load_config
-from vit.engine import Progress, Run, SignalGuard, TrainLoop, batches_forever
-from vit.guard import LossRing, takes_found_inf
-from vit.lars import LARS
+from vit.train.engine import Progress, Run, SignalGuard, TrainLoop, batches_forever
+from vit.train.guard import LossRing, takes_found_inf
+from vit.train.lars import LARS
 
 CPU = torch.device("cpu")
 SIGNALS = SignalGuard()  # never entered: no signal arrives

@@ -10,7 +10,7 @@ import torch
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
-from vit.knn import knn_accuracy, knn_scores, seeded_subset
+from vit.eval.knn import knn_accuracy, knn_scores, seeded_subset
 
 
 def test_scores_are_the_exp_weighted_vote_of_the_k_most_cosine_similar():

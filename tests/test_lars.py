@@ -1,10 +1,10 @@
-"""vit.lars.LARS against the update worked out by hand, and the optimiser a config's `optim.name=lars` builds."""
+"""vit.train.lars.LARS against the update worked out by hand, and the optimiser a config's `optim.name=lars` builds."""
 
 import torch
 
 from vit.config import OptimConfig
-from vit.engine import make_optimizer, param_groups
-from vit.lars import LARS
+from vit.train.engine import make_optimizer, param_groups
+from vit.train.lars import LARS
 
 
 def step(optimizer, params, grads):

@@ -5,10 +5,10 @@ import timm
 import torch
 
 import vit
-from vit.checkpoint import load_timm_weights, read_encoder, save_encoder, encoder_from_checkpoint, load_encoder
+from vit.store.checkpoint import load_timm_weights, read_encoder, save_encoder, encoder_from_checkpoint, load_encoder
 from vit.errors import CheckpointError
-from vit.model import PRESETS, VisionTransformer, random_masking
-from vit.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
+from vit.models.encoder import PRESETS, VisionTransformer, random_masking
+from vit.models.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
 
 SMALL = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)
 
@@ -258,7 +258,7 @@ def test_non_checkpoint_file_is_refused(tmp_path):
 
 @pytest.mark.parametrize("impl", ["sdpa", "manual"])
 def test_block_with_query_index_equals_the_full_block_at_those_tokens(impl):
-    from vit.model import Block
+    from vit.models.encoder import Block
 
     torch.manual_seed(0)
     block = Block(32, 4, attn_impl=impl).eval()

@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from vit import plots
-from vit.model import VisionTransformer
+from vit.tools import plots
+from vit.models.encoder import VisionTransformer
 
 
 @dataclass

@@ -7,12 +7,12 @@ import pytest
 import torch
 import yaml
 
-import vit.engine as engine
+import vit.train.engine as engine
 from helpers import tiny_overrides
 from pretrain.config import PretrainConfig
 from pretrain.train import main
 from vit.config import load_config
-from vit.engine import resolve_precision
+from vit.train.engine import resolve_precision
 from vit.errors import ConfigError
 
 CPU = torch.device("cpu")

@@ -15,12 +15,12 @@ from pretrain.config import PretrainConfig
 from pretrain.figures import reconstruct
 from pretrain.model import MaskedAutoencoder, mae_from_checkpoint, patchify, random_masking, unpatchify
 from pretrain.train import build_mae, main
-from vit.checkpoint import encoder_from_checkpoint, save_encoder, save_mae
+from vit.store.checkpoint import encoder_from_checkpoint, save_encoder, save_mae
 from vit.config import load_config
-from vit.engine import lr_at
+from vit.train.engine import lr_at
 from vit.errors import CheckpointError
-from vit.model import VisionTransformer
-from vit.runs import state_path
+from vit.models.encoder import VisionTransformer
+from vit.store.runs import state_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -274,7 +274,7 @@ def test_training_mode_predicts_masked_patches_exactly_as_eval_mode():
 
 
 def test_pretraining_decays_cls_and_mask_tokens_as_the_paper_does():
-    from vit.engine import param_groups
+    from vit.train.engine import param_groups
 
     mae = tiny_mae(norm_pix_loss=True)
     decay = {id(p) for g in param_groups(mae, weight_decay=0.05) if g["weight_decay"] > 0 for p in g["params"]}

@@ -11,7 +11,7 @@ from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.config import DataConfig
-from vit.data import load_splits
+from vit.data.images import load_splits
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
-"""vit.randaug: batched TrivialAugment / RandAugment / RandomErasing, checked against torchvision's per-image ops."""
+"""vit.data.randaug: batched TrivialAugment / RandAugment / RandomErasing, checked against torchvision's per-image ops."""
 
 import pytest
 import torch
 import torchvision.transforms.functional as TF
 
-from vit.augment import BatchLoader
+from vit.data.augment import BatchLoader
 from vit.config import AugmentConfig
-from vit.data import ImageSet
-from vit.randaug import (
+from vit.data.images import ImageSet
+from vit.data.randaug import (
     GEOMETRIC,
     OP_INDEX,
     OPS,

@@ -16,7 +16,7 @@ import torch
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
-from vit.runs import state_dirs
+from vit.store.runs import state_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 

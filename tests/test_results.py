@@ -9,8 +9,8 @@ import yaml
 from helpers import ROOT
 from vit.device import cpu_model_and_flags, host_label
 from vit.errors import UserError
-from vit.results import REPO, archive, budget_table, markdown, read_budget_runs
-from vit.runs import write_config, write_summary
+from vit.tools.results import REPO, archive, budget_table, markdown, read_budget_runs
+from vit.store.runs import write_config, write_summary
 
 AVX2 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2}
 BF16 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"], "cores": 2}

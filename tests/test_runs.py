@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from vit.errors import ConfigError, UserError
-from vit.runs import (
+from vit.store.runs import (
     CLASSIFICATION,
     clear_outputs,
     complete_state,
@@ -130,7 +130,7 @@ def test_last_logged_is_the_last_record_with_the_key(tmp_path):
 
 def test_the_run_folder_and_io_modules_do_not_import_the_model():
     code = (
-        "import sys, vit.data, vit.engine, vit.io, vit.runs; print(sorted(m for m in sys.modules if m in ('vit.model', 'vit.checkpoint')))"
+        "import sys, vit.data.images, vit.train.engine, vit.store.atomic, vit.store.runs; print(sorted(m for m in sys.modules if m in ('vit.models.encoder', 'vit.store.checkpoint')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -23,13 +23,15 @@ from finetune.train import main as finetune_main
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain_main
 from pretrain.visualize import visualize
-from vit import compare, pipeline, plots
+from vit.tools import compare
+from vit.tools import quickstart as pipeline
+from vit.tools import plots
 from vit.errors import ConfigError, UserError
-from vit.inspect import attention_rollout, cls_attention, patch_grid_overlay, pos_embed_similarity, rollout_cls_map
-from vit.model import VisionTransformer
-from vit.pos_embed import sincos_2d
-from vit.runs import read_run
-from vit.sweep import read_sweep, select_jobs
+from vit.eval.attention import attention_rollout, cls_attention, patch_grid_overlay, pos_embed_similarity, rollout_cls_map
+from vit.models.encoder import VisionTransformer
+from vit.models.pos_embed import sincos_2d
+from vit.store.runs import read_run
+from vit.tools.sweep import read_sweep, select_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT_SCRIPT = ROOT / "scripts" / "compare_runs.py"
@@ -486,20 +488,30 @@ def test_sweep_command_line_says_a_bad_sweep_file_in_one_line_with_exit_code_2_b
 # --------------------------------------------------------------------------- every script as a person runs it
 
 
-def test_the_library_imports_no_stage_and_no_script():
-    """vit/ sits below the stages and the scripts: no module of it imports pretrain, finetune or scripts, even inside a function."""
-    above = {"pretrain", "finetune", "scripts"}
+def imported_packages(folder: Path) -> list[tuple[str, str]]:
+    """(file, top-level package) of every import in the modules under `folder`, inside functions too."""
     found = []
-    for path in sorted((ROOT / "vit").glob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]  # `from . import x`: within vit
+                names = [node.module or ""] if node.level == 0 else []  # a relative import stays inside the package
             else:
                 continue
-            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in above]
-    assert found == []
+            found += [(str(path.relative_to(ROOT)), n.split(".")[0]) for n in names]
+    return found
+
+
+def test_the_library_imports_no_stage_and_no_script():
+    """vit/ sits below the stages and the scripts: no module of it imports pretrain, finetune or scripts, even inside a function."""
+    assert [(f, p) for f, p in imported_packages(ROOT / "vit") if p in {"pretrain", "finetune", "scripts"}] == []
+
+
+def test_the_stages_do_not_import_each_other():
+    """What both stages need lives in vit/: pretrain imports no finetune module and finetune no pretrain module."""
+    assert [(f, p) for f, p in imported_packages(ROOT / "pretrain") if p in {"finetune", "scripts"}] == []
+    assert [(f, p) for f, p in imported_packages(ROOT / "finetune") if p in {"pretrain", "scripts"}] == []
 
 
 @pytest.mark.parametrize("script", ["bench", "compare_runs", "visualize", "quickstart", "sweep"])

@@ -16,12 +16,12 @@ from PIL import Image
 
 from helpers import ROOT, free_port, tiny_overrides
 from vit.config import DataConfig
-from vit.data import ImageSet, load_splits
-from vit.decode import decode_crop, decode_image, to_rgb
+from vit.data.images import ImageSet
+from vit.data.decode import decode_crop, decode_image, to_rgb
 from vit.errors import DataError
-from vit.loaders import choose_loader, open_data
-from vit.sources import FileSet, ShardSet
-from vit.stream import StreamLoader, crop_box
+from vit.data.loaders import choose_loader, open_data
+from vit.data.sources import FileSet, ShardSet
+from vit.data.stream import StreamLoader, crop_box
 
 CLASSES = ("cat", "dog", "emu")
 
@@ -348,7 +348,7 @@ def test_file_ranks_are_disjoint_cover_the_epoch_and_follow_seed_and_epoch(tmp_p
 def test_batches_finished_in_the_workers_equal_those_finished_in_the_training_process(tmp_path):
     """On the CPU the workers flip, augment and normalise (no core to spare in training); with no worker the training
     process does: the same batches either way, a function of (seed, epoch, batch, rank) alone."""
-    from vit.randaug import RandomErasing, TrivialAugment
+    from vit.data.randaug import RandomErasing, TrivialAugment
 
     data = stream_files(tmp_path)
     files = data.splits.train
@@ -486,7 +486,7 @@ def test_two_processes_stream_disjoint_samples_that_cover_the_epoch(tmp_path):
 import json, os, sys
 from pretrain.train import main
 from vit.config import DataConfig
-from vit.loaders import open_data
+from vit.data.loaders import open_data
 assert main({overrides!r}) == 0
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 cfg = DataConfig(dataset="folder", root={str(tmp_path / 'p')!r}, cache_dir={str(tmp_path / 'cache')!r}, val_size=0, loader="stream", workers=1)

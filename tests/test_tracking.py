@@ -17,7 +17,7 @@ from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.config import RunConfig
-from vit.tracking import inherit_group, summary_values
+from vit.train.tracking import inherit_group, summary_values
 
 SHARED_SUMMARY_KEYS = {"stage", "job_type", "final_loss", "final_val_loss", "steps", "epochs", "images", "wall_time_sec", "images_per_sec"}
 

@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Sequence, Union
 
 import yaml
 
@@ -240,8 +240,9 @@ def _check(ok: bool, key: str, what: str) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Any:
-    """Build `cls` from a YAML file and `key.sub=value` overrides, type-checked and validated."""
+def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] = (), only: Sequence[str] | None = None) -> Any:
+    """Build `cls` from a YAML file and `key.sub=value` overrides, type-checked and validated. `only`: read these sections
+    of the file and leave the others unread (a run folder's config.yaml read for its data, say)."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -256,6 +257,8 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: lis
             raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    if only is not None:
+        data = {k: v for k, v in data.items() if k in only}
     cfg = _build(cls, data, prefix="", source=source)
     for item in overrides:
         apply_override(cfg, item)
@@ -417,3 +420,10 @@ class StageConfig:
     optim: OptimConfig = section(OptimConfig)
     schedule: ScheduleConfig = section(ScheduleConfig)
     run: RunConfig = section(RunConfig)
+
+
+@dataclass
+class DataOnly:
+    """The data section alone, for reading any stage's config for its data (`load_config(DataOnly, path, only=("data",))`)."""
+
+    data: DataConfig = section(DataConfig)

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import threading
+import warnings
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -127,3 +130,40 @@ def host_label(info: dict | None, precision: str | None = None) -> str:
         return "host not recorded"
     text = info.get("gpu") or f"{info.get('cpu', '?')} ({' '.join(info.get('cpu_flags') or []) or 'no AVX2'}), {info.get('cores', '?')} cores"
     return text + (f", {'fp32' if precision in (None, 'no') else precision}" if precision is not None else "")
+
+
+@contextlib.contextmanager
+def count_host_reads(device: torch.device) -> Iterator[dict]:
+    """Counts what makes the host wait for `device` inside the block, into the yielded dict's "reads" (final at exit).
+
+    CUDA: every synchronising call, as torch's sync debug mode reports it. Elsewhere (no device to wait for, so
+    the calls that would wait on one are counted): `.item()`, `.tolist()`, `.numpy()`, `.cpu()` and a tensor's truth
+    or number value."""
+    counter = {"reads": 0}
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield counter
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counter["reads"] = sum("synchroniz" in str(w.message) for w in caught)
+        return
+    names = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counting(original):
+        def read(self, *args, **kwargs):
+            counter["reads"] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    try:
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)

@@ -5,17 +5,17 @@
     for images, labels in loader.epoch(epoch, start_batch=progress.batch):   # (B, 3, S, S) float32 normalised, (B,)
         ...
 
-It has `vit.augment.BatchLoader`'s interface, so the training loop cannot tell them apart. What
+It has `vit.data.augment.BatchLoader`'s interface, so the training loop cannot tell them apart. What
 differs is where the work happens: a worker reads an image, draws its random-resized crop from
-the image's size (torchvision's recipe), decodes only what the crop needs (`vit.decode.decode_crop`:
+the image's size (torchvision's recipe), decodes only what the crop needs (`vit.data.decode.decode_crop`:
 JPEGs at a reduced DCT scale) and resizes it to the training size. The seeded flip, the batched
-augmentation ops and normalisation, shared with the memory path (`Finisher`, `vit.augment.finish_batch`),
+augmentation ops and normalisation, shared with the memory path (`Finisher`, `vit.data.augment.finish_batch`),
 then run on the device when it is an accelerator (batches travel as uint8 (B, 3, S, S), a quarter
 of the bytes of float32), and in the workers when training on the CPU, whose training process has
 no core to spare. Either way a batch is the same function of (seed, epoch, batch index, rank).
 
 Order and randomness are pure functions of their coordinates, as in the memory path:
-- files (folders, Hugging Face rows): the epoch's order is `vit.augment.epoch_order` (one seeded
+- files (folders, Hugging Face rows): the epoch's order is `vit.data.augment.epoch_order` (one seeded
   permutation, rank r takes every world_size-th sample), each image's crop is seeded by
   (seed, epoch, its position); so `run.resume=auto` continues at the next unseen batch exactly.
 - shards: each epoch the shards are permuted by (seed, epoch); rank r reads every world_size-th
@@ -42,11 +42,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from vit.augment import Loader, epoch_order, finish_batch
-from vit.data import seeded_generator
-from vit.decode import BadImage, Box, decode_crop, decode_image
+from vit.data.augment import Loader, epoch_order, finish_batch
+from vit.data.images import seeded_generator
+from vit.data.decode import BadImage, Box, decode_crop, decode_image
 from vit.errors import DataError
-from vit.sources import FileSet, ShardSet, sample_image, sample_label, shard_samples
+from vit.data.sources import FileSet, ShardSet, sample_image, sample_label, shard_samples
 
 WARN_LIMIT = 20  # bad images named in warnings per process; the rest are only counted
 
@@ -61,7 +61,7 @@ def crop_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[f
 
     Up to `attempts` draws of an area fraction in `scale` and a log-uniform aspect in `ratio`; the first
     box that fits is placed uniformly. Otherwise the whole image with its aspect clamped to `ratio`, centred
-    (the same fallback as `vit.augment.sample_crop_params`, its batched twin on the device).
+    (the same fallback as `vit.data.augment.sample_crop_params`, its batched twin on the device).
     """
     area = width * height
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
@@ -102,7 +102,7 @@ class Decoder:
 @dataclass
 class Finisher:
     """The batch-level steps after decoding, shared with the memory path: the seeded flip, the batched `ops` and the
-    normalisation (`vit.augment.finish_batch`). They run where the cores are: in the training process on a GPU
+    normalisation (`vit.data.augment.finish_batch`). They run where the cores are: in the training process on a GPU
     (the device does them), in the workers when training on the CPU (the training process's cores are busy training).
 
     (B, 3, S, S) uint8 -> (B, 3, S, S) float32 normalised; training batches draw from seeded_generator("batch", seed, epoch, b, rank).
@@ -311,7 +311,7 @@ class StreamLoader(Loader):
 
     def __init__(self, data: FileSet | ShardSet, batch_size: int, *, workers: int = 1, skip_bad: bool = False,
                  bad_log: BadImageLog | None = None, shuffle_buffer: int = 1000, **settings) -> None:  # fmt: skip
-        """`settings`: those of `vit.augment.Loader` (device, mean, std, out_size, train, seed, rank, world_size, crop, ops)."""
+        """`settings`: those of `vit.data.augment.Loader` (device, mean, std, out_size, train, seed, rank, world_size, crop, ops)."""
         train, world_size = settings.get("train"), settings.get("world_size", 1)
         if isinstance(data, ShardSet):
             if not train:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from vit.compare import REPORT_FILE
+from vit.tools.compare import REPORT_FILE
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: the stages' configs are named relative to it
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the stages' configs are named relative to it
 DATA_ENV = "VIT_DATA"  # where the data is when --data is not given
 RESERVED = ("run.dir", "run.name", "finetune.init")  # quickstart sets these itself: each stage must find the last
 
@@ -141,7 +141,7 @@ def quickstart(out: Path, data: str | None, extra: list[str], report_script: Pat
         return code
     print(f"\nquickstart: done. Report: {out / 'report' / REPORT_FILE} (figures and runs.csv beside it)")
     print(f"Look inside the encoder: python scripts/visualize.py --checkpoint {out / STAGES[0].run_name} --out {out / 'figures'}")
-    print(f"Share it: python -m vit.export {out / STAGES[0].run_name} --out {out / 'export'} [--push USER/NAME]")
+    print(f"Share it: python -m vit.store.export {out / STAGES[0].run_name} --out {out / 'export'} [--push USER/NAME]")
     if (out / "wandb").is_dir():
         print(f"The runs in wandb: browse them with `wandb leet {out / 'wandb'}`, upload them with `wandb sync {out / 'wandb'}`")
     return 0

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vit.runs import METRICS_FILE, SUMMARY_FILE
+from vit.store.runs import METRICS_FILE, SUMMARY_FILE
 
 NOT_MEASURED = "not measured"
 
@@ -116,7 +116,7 @@ def report(folder: str | Path) -> str:
     if cv:
         (folder / "curves.json").write_text(json.dumps(cv) + "\n")
     if cv.get("off") and cv.get("auto"):
-        from vit.plots import plot_compiled_vs_eager
+        from vit.tools.plots import plot_compiled_vs_eager
 
         plot_compiled_vs_eager(cv["off"], cv["auto"], folder / "curves.png", "pretraining loss, eager and compiled")
     lines = ["| figure | value | goal | |", "|---|---:|---|---|"]

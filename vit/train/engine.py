@@ -31,13 +31,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from vit import tracking
-from vit.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
+from vit.train import tracking
+from vit.train.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
 from vit.config import RunConfig, dump_config, to_dict
 from vit.device import BusySampler, host, synchronize
 from vit.errors import ConfigError, UserError
-from vit.guard import LossRing
-from vit.runs import (
+from vit.train.guard import LossRing
+from vit.store.runs import (
     METRICS_FILE,
     STATE_DIR,
     STATE_FILE,
@@ -117,7 +117,7 @@ def make_optimizer(groups: list[dict], optim_cfg, device: torch.device) -> torch
         return torch.optim.AdamW(groups, lr=0.0, betas=optim_cfg.betas, fused=fused)
     if optim_cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=0.0, momentum=optim_cfg.momentum)
-    from vit.lars import LARS
+    from vit.train.lars import LARS
 
     return LARS(groups, lr=0.0, momentum=optim_cfg.momentum)
 
@@ -578,7 +578,7 @@ class LoopSpec:
 
 @dataclass
 class Budget:
-    """`schedule.budget_minutes` and what the stage will evaluate, for `vit.budget.plan_steps`."""
+    """`schedule.budget_minutes` and what the stage will evaluate, for `vit.train.budget.plan_steps`."""
 
     minutes: float
     eval_images: int = 0  # images each evaluation during training looks at (0: none)
@@ -677,7 +677,7 @@ class TrainLoop:
     """The parts of `fit`, in the order it calls them, around the state they share: `progress`
     (saved with every resume state), the metrics window, the learning rate and the clock.
 
-    A training step never waits for the device: its loss stays there (`vit.guard.LossRing`, which also decides the
+    A training step never waits for the device: its loss stays there (`vit.train.guard.LossRing`, which also decides the
     non-finite guard there), and the host reads the losses at check points only (a metrics record every
     `run.log_every` steps, a resume state, the end). Processes agree on host facts (a signal, the budget's
     measurement) every `AGREE_EVERY` steps."""
@@ -757,7 +757,7 @@ class TrainLoop:
         return _any_rank(acc, flag)
 
     def step(self, batches: Iterator) -> None:
-        """One optimiser step over `grad_accum_steps` micro-batches. A non-finite loss skips the update (see `vit.guard`)."""
+        """One optimiser step over `grad_accum_steps` micro-batches. A non-finite loss skips the update (see `vit.train.guard`)."""
         acc, p, accum = self.run.accelerator, self.progress, self.accum
         self.lr = self.spec.lr(p.step)
         set_lr(self.optimizer, self.lr)

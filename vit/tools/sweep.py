@@ -38,9 +38,9 @@ from pathlib import Path
 import yaml
 
 from vit.errors import ConfigError
-from vit.runs import is_finished
+from vit.store.runs import is_finished
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: a job's config may be named relative to it, and jobs run there
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's config may be named relative to it, and jobs run there
 MODULES = ("pretrain", "finetune")
 RESERVED = ("run.dir=", "run.name=", "run.resume=")  # the sweep sets these per job
 

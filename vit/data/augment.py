@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from vit.data import ImageSet, seeded_generator
+from vit.data.images import ImageSet, seeded_generator
 from vit.device import to_device
 from vit.errors import DataError
 
@@ -180,7 +180,7 @@ def eval_shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 class Loader:
-    """What the two loaders share (`BatchLoader` here, `vit.stream.StreamLoader`): their settings, the rank's share
+    """What the two loaders share (`BatchLoader` here, `vit.data.stream.StreamLoader`): their settings, the rank's share
     of an epoch and `len`. train=True: `num_batches` full batches per rank (drop_last); train=False: rank r serves
     the contiguous slice `self.shard = eval_shard(n, r, world_size)`, the last batch possibly short."""
 

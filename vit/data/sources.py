@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vit.decode import BadImage, is_image_name
+from vit.data.decode import BadImage, is_image_name
 from vit.errors import DataError
 
 UNLABELLED = -1
@@ -140,7 +140,7 @@ class FileSet:
 class ShardSet:
     """WebDataset tar shards, read in order: the training split of a shard source.
 
-    `exclude` holds the keys of samples held out as the val split (see `vit.loaders`), skipped when training.
+    `exclude` holds the keys of samples held out as the val split (see `vit.data.loaders`), skipped when training.
     """
 
     urls: list[str]
@@ -388,7 +388,7 @@ def open_shards(pattern: str, cache_dir: Path) -> ShardSet:
             scans = None  # a damaged index is scanned again
     if scans is None or len(scans) != len(urls):
         scans = [scan_shard(u) for u in urls]
-        from vit.io import atomic_write_text
+        from vit.store.atomic import atomic_write_text
 
         try:
             atomic_write_text(index_file, json.dumps({"pattern": pattern, "shards": scans}))

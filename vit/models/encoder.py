@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vit.device import to_device
-from vit.pos_embed import sincos_2d
+from vit.models.pos_embed import sincos_2d
 
 AttnImpl = Literal["sdpa", "manual"]
 

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from vit.augment import BatchOp
+from vit.data.augment import BatchOp
 from vit.config import AugmentConfig
 from vit.device import to_device
 

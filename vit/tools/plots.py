@@ -17,7 +17,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from vit.inspect import (
+from vit.eval.attention import (
     attention_rollout,
     cls_attention,
     grid_side,
@@ -26,7 +26,7 @@ from vit.inspect import (
     rollout_cls_map,
     upsample_maps,
 )
-from vit.pos_embed import sincos_2d
+from vit.models.pos_embed import sincos_2d
 
 FIGSIZE = (10.0, 4.0)  # inches, of the curve and bar figures: FIGSIZE * DPI pixels
 DPI = 100

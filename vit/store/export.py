@@ -1,10 +1,10 @@
 """Export an encoder as a timm / Hugging Face Hub folder, with a model card written from its run folder.
 
-    python -m vit.export runs/mae --out exports/mae                    # a pretraining run folder or an encoder.pt
-    python -m vit.export runs/mae --out exports/mae --push USER/NAME   # and upload it to the Hub
-    python -m finetune.export runs/finetune --out exports/finetune     # a classifier, head included (same options)
+    python -m pretrain.export runs/mae --out exports/mae                    # a pretraining run folder or an encoder.pt
+    python -m pretrain.export runs/mae --out exports/mae --push USER/NAME   # and upload it to the Hub
+    python -m finetune.export runs/finetune --out exports/finetune          # a classifier, head included (same options)
 
-The folder (`vit.hub`: model.safetensors, config.json, README.md) loads as it is:
+The folder (`vit.store.hub`: model.safetensors, config.json, README.md) loads as it is:
 `timm.create_model("local-dir:exports/mae", pretrained=True)`, and starts a fine-tune or probe with
 `finetune.init=local-dir:exports/mae` (`hf-hub:USER/NAME` once pushed).
 
@@ -16,19 +16,18 @@ wall time, device, git commit, command), and the val/test accuracy of the runs t
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
-from vit import data as vit_data
-from vit.checkpoint import encoder_from_checkpoint, read_encoder
-from vit.errors import CheckpointError, UserError, exit_on_user_error
-from vit.hub import hub_config, push_folder, write_hub_folder
-from vit.model import VisionTransformer, count_parameters
-from vit.runs import CLASSIFIER_FILE, ENCODER_FILE, read_config, read_summary, run_folder_of
+from vit.data import images as vit_data
+from vit.store.checkpoint import encoder_from_checkpoint, read_encoder
+from vit.errors import CheckpointError, UserError
+from vit.store.hub import hub_config, push_folder, write_hub_folder
+from vit.models.encoder import VisionTransformer, count_parameters
+from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, read_config, read_summary, run_folder_of
 
 # Hub dataset ids, for the card's front matter (the Hub links a model to these).
 HUB_DATASETS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100", "mnist": "ylecun/mnist", "fashionmnist": "zalando-datasets/fashion_mnist"}
@@ -233,12 +232,3 @@ def cli(argv: list[str] | None, load: Callable[[str], Export], prog: str, what: 
         parser.error(f"--push {args.push!r} must look like USER/NAME")
     export(load(args.source), args.out, args.push)
     return 0
-
-
-@exit_on_user_error
-def main(argv: list[str] | None = None) -> int:
-    return cli(argv, encoder_export, "python -m vit.export", "an MAE encoder (a pretraining run folder or encoder.pt)")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

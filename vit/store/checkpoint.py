@@ -22,13 +22,14 @@ import torch
 import torch.nn as nn
 
 from vit.errors import CheckpointError
-from vit.io import atomic_save
-from vit.model import VisionTransformer
-from vit.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
-from vit.runs import ENCODER_FILE, MAE_FILE
+from vit.store.atomic import atomic_save
+from vit.models.encoder import VisionTransformer
+from vit.models.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
+from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, MAE_FILE
 
 ENCODER_FORMAT = "vit-encoder/1"
 MAE_FORMAT = "vit-mae/1"
+CLASSIFIER_FORMAT = "vit-classifier/1"  # written by the classification stage (finetune.models), read here for its encoder
 
 # Fields that change the meaning of the weights: a checkpoint must agree on all of them. `pos_embed`
 # (learned or fixed sin-cos) is not one: the table is stored either way, and fine-tuning a sin-cos
@@ -93,6 +94,20 @@ def read_encoder(path: str | os.PathLike) -> dict[str, Any]:
 def read_mae(path: str | os.PathLike) -> dict[str, Any]:
     """Load and check a `mae.pt` (or the one in a run folder)."""
     return read_checkpoint(path, MAE_FILE, MAE_FORMAT, "masked autoencoder")
+
+
+def classifier_encoder(path: str | os.PathLike) -> tuple[VisionTransformer, dict[str, Any]]:
+    """The ViT inside a `classifier.pt` (or the one in a run folder), loaded strictly, and the checkpoint's payload: our
+    ViT or timm's (the same keys), or a linear probe's frozen encoder. A classifier without one is refused."""
+    payload = read_checkpoint(path, CLASSIFIER_FILE, CLASSIFIER_FORMAT, "classifier")
+    arch, state = payload["arch"], payload["state_dict"]
+    if arch == "linear_probe":
+        state = {k[len("encoder.") :]: v for k, v in state.items() if k.startswith("encoder.")}
+    elif arch not in ("vit", "timm_vit"):
+        raise CheckpointError(f"{path} holds a {arch} classifier: it has no ViT encoder")
+    encoder = VisionTransformer(**payload["build"]["config"])
+    encoder.load_state_dict(state, strict=True)
+    return encoder, payload
 
 
 def config_mismatch(stored: dict, wanted: dict, fields=ARCHITECTURE_FIELDS) -> list[str]:

@@ -27,9 +27,9 @@ from typing import Any
 
 from vit.device import host_label
 from vit.errors import UserError
-from vit.runs import RunFolder, copy_record, is_run_folder, read_run
+from vit.store.runs import RunFolder, copy_record, is_run_folder, read_run
 
-REPO = Path(__file__).resolve().parents[1]  # the checkout, whose path a run's recorded command starts with
+REPO = Path(__file__).resolve().parents[2]  # the checkout, whose path a run's recorded command starts with
 
 SCRATCH = re.compile(r"^scratch_m(\d+)(?:_([a-z]+))?_s(\d+)$")
 FINETUNE = re.compile(r"^ft_m(\d+)_f(\d+)(?:_([a-z]+))?_s(\d+)$")
@@ -283,7 +283,7 @@ def markdown(rows: list[Row], random: Arm) -> str:
 
 def plot(tables: dict[str, tuple[list[Row], Arm]], path: Path) -> Path:
     """Test top-1 against the budget for each arm (mean over seeds, min-max bars), one line style per host."""
-    from vit.plots import pyplot, save
+    from vit.tools.plots import pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))

@@ -3,8 +3,8 @@
     result = compare(["runs/mae", "runs/ft"], out=Path("report"), csv_path=Path("report/runs.csv"))
     print(result["table"])                           # also result["rows"], ["figures"], ["report"], ["csv"]
 
-Runs are read through `vit.runs` (`RunFolder`: config, summary, metric records; a run without a
-summary is unfinished and shows what its metrics hold so far); figures are drawn by `vit.plots`.
+Runs are read through `vit.store.runs` (`RunFolder`: config, summary, metric records; a run without a
+summary is unfinished and shows what its metrics hold so far); figures are drawn by `vit.tools.plots`.
 No tracker, no network. `scripts/compare_runs.py` is its command line.
 """
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from vit import plots
+from vit.tools import plots
 from vit.errors import UserError
-from vit.runs import CLASSIFICATION, RUN_MARKERS, RunFolder, is_run_folder, read_run
+from vit.store.runs import CLASSIFICATION, RUN_MARKERS, RunFolder, is_run_folder, read_run
 
 REPORT_FILE = "report.md"  # in the report folder, beside the figures
 
@@ -258,7 +258,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------- figures (drawn by vit.plots)
+# --------------------------------------------------------------------------- figures (drawn by vit.tools.plots)
 
 LOSS_TITLES = {"pretrain": "MAE pretraining: masked-patch loss", CLASSIFICATION: "classification: cross-entropy"}
 

@@ -7,14 +7,12 @@ gives images/s per side. `run_cases` adds the machine's GEMM peak per precision 
 utilisation) and each side's peak memory: the allocator's peak on CUDA; on a Linux CPU the
 rise of the resident set during that side's steps alone in a child process.
 
-The encoder section lives here (`encoder_cases`: our ViT against timm's); the sections that
-need a stage live with it (`pretrain.bench`, `finetune.bench`).
+The cases of the library are `vit.tools.bench_cases` (encoder, the pipeline section's machinery, stream); the
+sections that need a stage live with it (`pretrain.bench`, `finetune.bench`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import itertools
 import json
 import math
@@ -24,23 +22,20 @@ import random
 import statistics
 import subprocess
 import time
-import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from vit.config import DataConfig, ModelConfig, OptimConfig
-from vit.data import ImageSet, load_splits
+from vit.data.images import ImageSet, load_splits
 from vit.device import BusySampler, cpu_model_and_flags, synchronize
 from vit.errors import ConfigError
-from vit.engine import SignalGuard, compile_mode, make_optimizer, native_bf16, param_groups, resolve_precision
-from vit.model import create_model, flops_per_image
-from vit.reference import timm_vit
+from vit.train.engine import compile_mode, make_optimizer, native_bf16, param_groups
 
 NUM_CLASSES = 10
 # name in the table -> (preset, overrides): every model runs on 32x32 images with 4x4 patches.
@@ -202,243 +197,10 @@ def bench_images(s: Settings) -> ImageSet:
     return load_splits(cfg).train
 
 
-def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[Case]:
-    """Forward + backward + AdamW step of our `VisionTransformer` against timm's with the same configuration, per model and precision."""
-    cases = []
-    ours_kw = our_defaults(device)
-    for label in models(s, device):
-        preset, overrides = MODELS[label]
-        cfg = create_model(preset, num_classes=NUM_CLASSES, **overrides).config
-        for precision in precisions:
-            step = partial(training_step, loss_fn=classify, batch=s.batch, img_size=cfg["img_size"], device=device, precision=precision,
-                           seed=s.seed)  # fmt: skip
-            cases.append(Case(
-                f"encoder/{label}/{precision}", "encoder", precision, s.batch,
-                ours=lambda step=step, p=preset, o=overrides: step(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw), compile=s.compile),
-                ref=lambda step=step, cfg=cfg: step(timm_vit(cfg), compile=s.compile_ref),
-                ref_name="timm VisionTransformer" + compile_note(s.compile_ref, device), flops_per_image=flops_per_image(cfg),
-            ))  # fmt: skip
-    return cases
-
-
 def compile_note(requested: str, device: torch.device) -> str:
     """' (torch.compile MODE)' where `requested` compiles on `device`, else ''."""
     mode = compile_mode(requested, device)
     return "" if mode is None else f" (torch.compile {mode})"
-
-
-# --------------------------------------------------------------------------- a stage's loop against its own step
-
-
-@dataclass
-class Pipeline:
-    """A stage's training loop as its run builds it (`vit.engine.TrainLoop` over the stage's loader, loss, guard and
-    records), and the bare step of the same model and optimiser on one fixed batch, for the pipeline section."""
-
-    loop: Any  # vit.engine.TrainLoop
-    batches: Iterator  # the loader's batches, epoch after epoch
-    bare: Step
-    log_every: int
-
-    def step(self) -> None:
-        """One step of the loop, as `fit` takes it (data, augmentation, masking, guard, records; no resume state)."""
-        self.loop.advance(self.batches, NO_SIGNALS, may_save=False)
-
-
-NO_SIGNALS = SignalGuard()  # never entered: no handler, no signal
-
-
-def bare_step(forward: nn.Module, optimizer, loss_fn, images: torch.Tensor, labels: torch.Tensor, accelerator) -> Step:
-    """zero_grad, the stage's loss under autocast, backward, the optimiser's step: no data, no learning rate, no guard,
-    no metrics. What the loop would run at if everything around the model cost nothing."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-
-    def step() -> None:
-        inner.__dict__.pop("found_inf", None)  # the loop's guard flag: the bare step has none
-        optimizer.zero_grad(set_to_none=True)
-        with accelerator.autocast():
-            loss, _ = loss_fn(forward, images, labels)
-        loss.backward()
-        optimizer.step()
-
-    return step
-
-
-def pipeline_overrides(s: Settings, device: torch.device, run_dir: str, name: str) -> list[str]:
-    """Overrides of a stage's recipe for the pipeline section: its batch (`--e2e-batch`), `--data` (else synthetic
-    images), no tracker, bar or saved figures, a throw-away run folder, and `--compile`."""
-    data = ["data.dataset=cifar10", f"data.root={s.data}", "data.download=false"] if s.data else \
-        ["data.dataset=synthetic", f"data.synthetic_size={512 if s.quick else 4096}", "data.val_size=0"]  # fmt: skip
-    return data + [f"optim.batch_size={s.e2e_batch}", f"run.dir={run_dir}", f"run.name={name}", "run.tracker=none", "run.progress=false",
-                   f"run.device={device.type}", f"run.compile={s.compile}", f"run.threads={torch.get_num_threads()}"]  # fmt: skip
-
-
-def pipeline_case(stage: str, s: Settings, device: torch.device, build: Callable[[], Pipeline]) -> Case:
-    """The stage's loop ("ours") against its bare step ("ref"), sharing one model: the ratio is what the loop keeps of
-    its own step (goal >= 0.9). After the timing, the host reads of `log_every - 1` loop steps between two records
-    are counted (`count_host_reads`): a step that waits for the device shows here."""
-    pipeline = functools.cache(build)
-    precision = "bf16" if resolve_precision("auto", device) == "bf16" else "fp32"
-
-    def extra() -> dict:
-        p = pipeline()
-        while p.loop.progress.step % p.log_every:  # up to the next record, so the counted steps hold none
-            p.step()
-        steps = p.log_every - 1
-        with count_host_reads(device) as reads:
-            for _ in range(steps):
-                p.step()
-        p.loop.busy.stop()
-        return {"host_reads": reads["reads"], "host_read_steps": steps, "compile": compile_mode(s.compile, device)}
-
-    return Case(f"pipeline/{stage}/{precision}", "pipeline", precision, s.e2e_batch, ours=lambda: pipeline().step, ref=lambda: pipeline().bare,
-                ref_name="the bare step of the same model (fixed batch; no data, guard or metrics)" + compile_note(s.compile, device),
-                extra=extra)  # fmt: skip
-
-
-@contextlib.contextmanager
-def count_host_reads(device: torch.device) -> Iterator[dict]:
-    """Counts what makes the host wait for `device` inside the block, into the yielded dict's "reads" (final at exit).
-
-    CUDA: every synchronising call, as torch's sync debug mode reports it. Elsewhere (no device to wait for, so
-    the calls that would wait on one are counted): `.item()`, `.tolist()`, `.numpy()`, `.cpu()` and a tensor's truth
-    or number value."""
-    counter = {"reads": 0}
-    if device.type == "cuda":
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                yield counter
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        counter["reads"] = sum("synchroniz" in str(w.message) for w in caught)
-        return
-    names = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")
-    originals = {name: getattr(torch.Tensor, name) for name in names}
-
-    def counting(original):
-        def read(self, *args, **kwargs):
-            counter["reads"] += 1
-            return original(self, *args, **kwargs)
-
-        return read
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, counting(original))
-    try:
-        yield counter
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
-
-def profile_steps(step: Step, steps: int, device: torch.device, rows: int = 25) -> str:
-    """`steps` calls of `step` under torch.profiler: the ops that cost most device time (CUDA) and host time, and on
-    CUDA the share of the wall time in which a kernel ran (the union of the kernels' intervals)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    synchronize(device)
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        synchronize(device)
-    wall = time.perf_counter() - start
-    averages = prof.key_averages()
-    parts = [f"{steps} steps in {wall:.3f} s ({1e3 * wall / steps:.2f} ms a step, profiler on)"]
-    if device.type == "cuda":
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
-        busy, end = 0.0, float("-inf")
-        for lo, hi in spans:  # the union of the kernels' intervals, in microseconds
-            busy += max(0.0, hi - max(lo, end))
-            end = max(end, hi)
-        parts.append(f"GPU busy {busy / 1e6:.3f} s of {wall:.3f} s wall: {100 * busy / 1e6 / wall:.1f}%")
-        parts.append("by device time:\n" + averages.table(sort_by="device_time_total", row_limit=rows))
-    parts.append("by host time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows))
-    return "\n\n".join(parts)
-
-
-# --------------------------------------------------------------------------- streaming image files
-
-# (label, width, height) of the stream section's JPEGs: ImageNet's typical photo size (500x375), and a
-# camera-sized one where decoding at a reduced DCT scale pays most.
-STREAM_SIZES = (("500x375", 500, 375), ("1600x1200", 1600, 1200))
-STREAM_OUT = 224  # the training crop
-STREAM_SCALE = (0.2, 1.0)  # MAE's crop scale
-
-
-def stream_tree(s: Settings, width: int, height: int) -> Path:
-    """`<dir>/<W>x<H>/train/<class>/*.jpg`: `s.stream_images` photo-like JPEGs (quality 90), written once and reused."""
-    import tempfile
-
-    from PIL import Image
-
-    base = Path(s.stream_dir).expanduser() if s.stream_dir else Path(tempfile.gettempdir()) / "vit-mae-bench-stream"
-    root = base / f"{width}x{height}-{s.stream_images}"
-    done = root / ".complete"
-    if done.is_file():
-        return root
-    g = torch.Generator().manual_seed(s.seed)
-    for i in range(s.stream_images):
-        # Smooth colour fields plus fine noise: JPEG sizes like a photo's (not a flat image that compresses to nothing).
-        y = torch.linspace(0, 1, height).view(-1, 1, 1)
-        x = torch.linspace(0, 1, width).view(1, -1, 1)
-        phase = torch.rand(1, 1, 3, generator=g) * 6.28
-        field = 0.5 + 0.35 * torch.sin(6 * x + 4 * y + phase) * torch.cos(3 * y - 5 * x + phase)
-        noise = 0.08 * torch.rand(height, width, 3, generator=g)
-        arr = ((field + noise).clamp(0, 1) * 255).to(torch.uint8).numpy()
-        path = root / "train" / f"c{i % 4}" / f"{i:05d}.jpg"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(arr).save(path, quality=90)
-    done.write_text("ok")
-    return root
-
-
-def stream_cases(s: Settings, device: torch.device) -> list[Case]:
-    """Decoding + random-resized crop to 224 + batching of JPEG files, ready for the model (flipped, normalised, on `device`):
-    our `StreamLoader` against torchvision `ImageFolder` + `RandomResizedCrop` + `DataLoader`, with the same workers.
-
-    A step is one whole epoch of `s.stream_images`: a loader's workers prefetch in the background, and a step that left
-    batches in flight would hand that work to the other side's timed block.
-    """
-    from vit.data import IMAGENET_MEAN, IMAGENET_STD
-    from vit.reference import usual_folder_loader
-    from vit.sources import tree_files
-    from vit.stream import StreamLoader
-
-    cases = []
-    per_epoch = (s.stream_images // s.stream_batch) * s.stream_batch
-    for label, width, height in STREAM_SIZES[:1] if s.quick else STREAM_SIZES:  # the smoke run: the small photos only
-        tree = partial(stream_tree, s, width, height)
-
-        def ours(tree=tree) -> Step:
-            files = tree_files(tree(), ("train",))["train"]
-            loader = StreamLoader(files, s.stream_batch, device=device, mean=IMAGENET_MEAN, std=IMAGENET_STD, out_size=STREAM_OUT,
-                                  train=True, seed=s.seed, crop_scale=STREAM_SCALE, workers=s.workers)  # fmt: skip
-            return epoch_step(loader.epoch, device)
-
-        def ref(tree=tree) -> Step:
-            loader = usual_folder_loader(str(tree() / "train"), s.stream_batch, s.workers, STREAM_OUT, STREAM_SCALE, IMAGENET_MEAN, IMAGENET_STD)
-            return epoch_step(lambda epoch: iter(loader), device)
-
-        cases.append(Case(f"stream/{label}/fp32", "stream", "fp32", per_epoch, ours=ours, ref=ref,
-                          ref_name=f"torchvision ImageFolder + RandomResizedCrop + DataLoader({s.workers} workers)"))  # fmt: skip
-    return cases
-
-
-def epoch_step(epoch_batches: Callable[[int], Iterator], device: torch.device) -> Step:
-    """A 'step' that takes every batch of the next epoch onto the device: the loader alone is timed."""
-    epochs = itertools.count()
-
-    def step() -> None:
-        for images, labels in epoch_batches(next(epochs)):
-            images.to(device, non_blocking=True)
-            labels.to(device, non_blocking=True)
-
-    return step
 
 
 # --------------------------------------------------------------------------- timing and memory

@@ -1,6 +1,6 @@
 """What a run sends to wandb besides its metric lines: run identity, summaries, tables, images and model lineage.
 
-The run folder is always the record; `vit.engine.Run` calls these on the main process and turns any
+The run folder is always the record; `vit.train.engine.Run` calls these on the main process and turns any
 failure into one warning. What a wandb user gets:
 
 - every run of one `run.dir` writes into one wandb directory, `<run.dir>/wandb/`: `wandb leet <run.dir>/wandb`
@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vit.runs import ENCODER_FILE
+from vit.store.runs import ENCODER_FILE
 
 ARTIFACT_FILE = ENCODER_FILE  # the file's name inside the artifact: producer and user must agree for equal digests
 
@@ -92,7 +92,7 @@ def encoder_artifact(path: Path):
     """The wandb Artifact for an `encoder.pt`: its name and metadata come from the file, so every run builds the same one."""
     import wandb
 
-    from vit.checkpoint import read_encoder  # here, not at the top: the engine imports this module and no model
+    from vit.store.checkpoint import read_encoder  # here, not at the top: the engine imports this module and no model
 
     payload = read_encoder(path)
     meta = payload.get("meta", {})

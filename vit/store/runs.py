@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from vit.errors import ConfigError, UserError
-from vit.io import atomic_write_text
+from vit.store.atomic import atomic_write_text
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"

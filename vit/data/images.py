@@ -55,9 +55,9 @@ import numpy as np
 import torch
 
 from vit.config import DataConfig
-from vit.decode import IMAGE_EXTENSIONS, BadImage, decode_image, is_image_name
+from vit.data.decode import IMAGE_EXTENSIONS, BadImage, decode_image, is_image_name
 from vit.errors import DataError
-from vit.io import atomic_save
+from vit.store.atomic import atomic_save
 
 FORMAT_VERSION = 2  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs)
 SPLIT_NAMES = ("train", "val", "test")
@@ -133,7 +133,7 @@ class SourceIndex:
 @dataclass
 class Splits:
     """The splits of a dataset. Each is an `ImageSet` (memory loader) or, for the stream loader, a
-    `vit.sources.FileSet` (train, val, test) or `ShardSet` (train): they share `len`, `labels`, `classes`."""
+    `vit.data.sources.FileSet` (train, val, test) or `ShardSet` (train): they share `len`, `labels`, `classes`."""
 
     name: str
     train: Any  # ImageSet | FileSet | ShardSet
@@ -514,7 +514,7 @@ def _load_imagefolder_cached(cfg: DataConfig, source: Path, skipped: list) -> di
 
 def _load_files_cached(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
     """folder / webdataset / hf sources decoded whole into memory (what `data.loader=memory` asks of them)."""
-    from vit import sources
+    from vit.data import sources
 
     if cfg.dataset == "webdataset":
         urls = sources.expand_shards(cfg.root)
@@ -530,7 +530,7 @@ def _load_files_cached(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
 
 def file_sets(cfg: DataConfig) -> dict[str, Any]:
     """The `FileSet`s of a folder, labelled tree or Hugging Face source: {"train", "val"?, "test"?}."""
-    from vit import sources
+    from vit.data import sources
 
     if cfg.dataset == "folder":
         return {"train": sources.folder_files(_existing(cfg.root))}
@@ -544,7 +544,7 @@ def _read_file_sets(cfg: DataConfig, bad: list) -> dict[str, ImageSet]:
 
 
 def decode_files(files, image_size: int | None, skip_bad: bool, bad: list) -> ImageSet:
-    """Decode every image of a `vit.sources.FileSet` in one process: -> ImageSet (skipped images appended to `bad`)."""
+    """Decode every image of a `vit.data.sources.FileSet` in one process: -> ImageSet (skipped images appended to `bad`)."""
     check = _SizeCheck()
     arrays, keep = [], []
     for i in range(len(files)):
@@ -567,7 +567,7 @@ def decode_files(files, image_size: int | None, skip_bad: bool, bad: list) -> Im
 
 def _read_shards(urls: list[str], cfg: DataConfig, bad: list) -> dict[str, ImageSet]:
     """Every sample of the shards, in order, decoded (`data.loader=memory` for shards small enough)."""
-    from vit import sources
+    from vit.data import sources
 
     check = _SizeCheck()
     arrays, labels = [], []
@@ -602,7 +602,7 @@ def _read_imagefolder(source: Path, image_size: int | None, skip_bad: bool = Fal
     if source.is_file() and not _is_archive(source):
         raise DataError(f"{source} is a file but not a .tar.gz/.tgz; expected an archive or a folder of train/<class>/<image>")
     if not _is_archive(source):
-        from vit import sources
+        from vit.data import sources
 
         check = _SizeCheck()
         result = {}

@@ -6,10 +6,10 @@ A folder holds what `timm.create_model("local-dir:DIR")` and the Hub read as the
     config.json         timm's Hub config: {"architecture", "num_classes", "num_features", "global_pool",
                         "model_args": {...}, "pretrained_cfg": {"input_size", "mean", "std", "interpolation",
                         "crop_pct", ...}, "label_names": [...] (a classifier)}
-    README.md           the model card (written by `vit.export`)
+    README.md           the model card (written by `vit.store.export`)
 
 `finetune.init=local-dir:DIR` and `finetune.init=hf-hub:USER/NAME` load such a folder, ours or any timm
-ViT on the Hub, with the checks and resampling of `timm:` inits (`vit.checkpoint.load_timm_weights`).
+ViT on the Hub, with the checks and resampling of `timm:` inits (`vit.store.checkpoint.load_timm_weights`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from urllib.parse import urlparse
 import torch
 import torch.nn as nn
 
-from vit.checkpoint import CheckpointError, load_timm_weights, read_weights_file
-from vit.io import atomic_write, atomic_write_text
+from vit.store.checkpoint import CheckpointError, load_timm_weights, read_weights_file
+from vit.store.atomic import atomic_write, atomic_write_text
 from vit.errors import UserError
-from vit.model import VisionTransformer
+from vit.models.encoder import VisionTransformer
 
 WEIGHTS_FILE = "model.safetensors"
 LEGACY_WEIGHTS_FILE = "pytorch_model.bin"  # what older Hub repos hold instead

@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from vit.augment import eval_shard
-from vit.data import seeded_generator
+from vit.data.augment import eval_shard
+from vit.data.images import seeded_generator
 
 Pool = Literal["token", "avg"]
 
@@ -31,7 +31,7 @@ def pooled(encoder, images: torch.Tensor, pool: Pool) -> torch.Tensor:
 
 
 def gather_shards(accelerator, local: torch.Tensor, total: int) -> torch.Tensor:
-    """Rows of every rank's eval shard (`vit.augment.eval_shard`) concatenated in dataset order, on every rank.
+    """Rows of every rank's eval shard (`vit.data.augment.eval_shard`) concatenated in dataset order, on every rank.
 
     local: (n_r, ...) this rank's rows -> (total, ...).
     """

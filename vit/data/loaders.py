@@ -6,10 +6,10 @@
     val = data.loader(data.splits.val, 256, train=False)
 
 `data.loader`:
-- `memory`: `vit.data.load_splits` decodes the dataset once into uint8 tensors (cached on disk) and
-  `vit.augment.BatchLoader` crops and augments batches on the device. The fastest path for data
+- `memory`: `vit.data.images.load_splits` decodes the dataset once into uint8 tensors (cached on disk) and
+  `vit.data.augment.BatchLoader` crops and augments batches on the device. The fastest path for data
   that fits in memory (CIFAR, MNIST, small folders).
-- `stream`: the splits stay lists of files, rows or shards (`vit.sources`) and `vit.stream.StreamLoader`
+- `stream`: the splits stay lists of files, rows or shards (`vit.data.sources`) and `vit.data.stream.StreamLoader`
   decodes each epoch in `data.workers` processes, cropping at decode time. Memory does not grow
   with the number of images.
 - `auto`: `memory` when the decoded dataset (images x 3 x H x W bytes) fits in `data.memory_budget_gb`
@@ -26,13 +26,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from vit.augment import BatchLoader, BatchOp
+from vit.data.augment import BatchLoader, BatchOp
 from vit.config import DataConfig
-from vit.data import ImageSet, SourceIndex, Splits, carve_splits, decode_files, file_sets, load_splits, _is_archive
-from vit.decode import BadImage, decode_image
-from vit import sources
+from vit.data.images import ImageSet, SourceIndex, Splits, carve_splits, decode_files, file_sets, load_splits, _is_archive
+from vit.data.decode import BadImage, decode_image
+from vit.data import sources
 from vit.errors import DataError
-from vit.stream import BadImageLog, StreamLoader
+from vit.data.stream import BadImageLog, StreamLoader
 
 GB = 1e9
 ARRAY_SOURCES = ("mnist", "fashionmnist", "synthetic")  # read as arrays: always in memory
@@ -166,7 +166,7 @@ class Data:
         """The images at `index`, unaugmented, resized (shorter side) and centre-cropped to `size`: (K, 3, size, size) uint8."""
         part = self.subset(images, index)
         if isinstance(part, ImageSet):
-            from vit.augment import resize
+            from vit.data.augment import resize
 
             return (resize(part.images.float() / 255, size) * 255).round().clamp(0, 255).to(torch.uint8)
         return decode_files(part, size, self.cfg.skip_bad_images, []).images
@@ -210,7 +210,7 @@ def shard_head(shards: sources.ShardSet, count: int, out_size: int, skip_bad: bo
 def _shard_splits(cfg: DataConfig, out_size: int, bad: BadImageLog) -> Splits:
     """Shards: the training ShardSet and a val split decoded into memory (`data.val_root`'s first val_size samples, or
     the first val_size samples of the last shards, which training then leaves out)."""
-    from vit.data import NORMALIZATION
+    from vit.data.images import NORMALIZATION
 
     if cfg.train_fraction < 1.0:
         raise DataError("data.train_fraction needs an indexable source; shards are read in order (write fewer shards instead)")

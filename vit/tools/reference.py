@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from vit.data import ImageSet
-from vit.pos_embed import sincos_2d
+from vit.data.images import ImageSet
+from vit.models.pos_embed import sincos_2d
 
 
 def timm_vit(config: dict[str, Any]) -> nn.Module:

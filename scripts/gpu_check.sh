@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU-speed figure of README's H100 table, in one call of under 8 minutes on one GPU:
+# Every GPU-speed figure of docs/performance.md's H100 table, in one call of under 8 minutes on one GPU:
 #
 #   bash scripts/gpu_check.sh CIFAR10 [OUT]
 #

@@ -45,7 +45,7 @@ class ModelConfig:
     drop_path_rate: float = 0.0
     pos_embed: Literal["learned", "sincos"] = "learned"
     global_pool: Literal["token", "avg"] = "token"
-    # auto: `manual` on CPUs, where it measured faster for ViT's short sequences (see README, performance), else `sdpa`.
+    # auto: `manual` on CPUs, where it measured faster for ViT's short sequences (docs/performance.md), else `sdpa`.
     attn_impl: Literal["auto", "sdpa", "manual"] = "auto"
 
     def encoder_kwargs(self, device: Any = None) -> dict[str, Any]:

@@ -189,6 +189,32 @@ def test_bad_pretrain_input_is_one_line_and_touches_nothing(finished, case, caps
     assert not (finished / "runs" / "other" / "metrics.jsonl").exists()
 
 
+# Settings that cannot train, refused when the config is read: before the run folder exists.
+CANNOT_TRAIN = {
+    "no visible patch": (["mae.mask_ratio=0.999"], "mae.mask_ratio 0.999 leaves no visible patch of the model's 16"),
+    "infinite lr": (["optim.lr=.inf"], "optim.lr must be a finite number"),
+    "nan base lr": (["optim.base_lr=nan"], "optim.base_lr must be a finite number"),
+    "patch against the preset": (["model.patch_size=5"], "model.patch_size 5 does not divide the image size 32 of vit_cifar_tiny"),
+    "unknown preset": (["model.name=vit_huge"], "model.name 'vit_huge' is not a preset"),
+}
+
+
+@pytest.mark.parametrize("case", list(CANNOT_TRAIN))
+def test_settings_that_cannot_train_are_refused_before_the_run_folder_is_written(tmp_path, case, capsys):
+    extra, message = CANNOT_TRAIN[case]
+    assert pretrain(tiny_overrides(tmp_path, name="fresh") + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "runs" / "fresh").exists()
+
+
+def test_patch_dropout_that_keeps_no_patch_is_refused_before_the_run_folder_is_written(tmp_path, capsys):
+    assert finetune(tiny_overrides(tmp_path, name="fresh", **{"finetune.patch_keep": 0.05})) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "finetune.patch_keep 0.05 keeps no patch of the model's 16" in err, err
+    assert not (tmp_path / "runs" / "fresh").exists()
+
+
 @pytest.mark.parametrize("kind, message", [("empty_class", "empty class folder"), ("unreadable", "broken.png"), ("truncated", "bad.tar.gz")])
 def test_bad_data_is_one_line_naming_the_path(tmp_path, kind, message, capsys):
     root = bad_data(tmp_path, kind)

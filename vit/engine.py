@@ -52,6 +52,7 @@ from vit.runs import (
     state_dirs,
     state_path,
     last_logged,
+    newest_state,
     trim_metrics,
     read_budget,
     write_budget,
@@ -836,7 +837,9 @@ class TrainLoop:
         first, loss = bad[0]
         where = f"step {first}, lr {self.spec.lr(first):.3g}, precision {run.cfg.run.precision}, loss {run.stage}"
         if p.nan_skips > budget:
-            raise NonFiniteLoss(f"non-finite loss ({loss}) at {where}; the last good resume state is kept in {run.dir / STATE_DIR}")
+            last = newest_state(run.dir)
+            kept = f"the last good resume state is kept in {last.parent}" if last is not None else "no resume state was saved before it"
+            raise NonFiniteLoss(f"non-finite loss ({loss}) at {where}; {kept}")
         what = "step skipped" if len(bad) == 1 else f"{len(bad)} steps skipped from there to step {bad[-1][0]}"
         run.warn(f"non-finite loss at {where}; {what} ({p.nan_skips}/{budget})")
 

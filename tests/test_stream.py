@@ -417,6 +417,56 @@ def test_a_bad_image_stops_naming_it_or_is_skipped_and_counted(tmp_path, loader,
 # --------------------------------------------------------------------------- stages
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height and which holds no pixel data: only its header can be read."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_an_image_over_the_pixel_limit_is_refused_from_its_header_or_skipped(tmp_path, loader, capsys):
+    paths = write_folder(tmp_path / "p", 12, size=(20, 20))
+    paths[3].write_bytes(png_header(13000, 13000))  # 169 Mpx by its header, under PIL's own limit
+    cfg = data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "p"), loader=loader, image_size=16)
+
+    def images_read(cfg) -> int:
+        data, _ = open_quiet(cfg)
+        if loader == "memory":
+            return len(data.splits.train)
+        return sum(raw.labels.numel() for raw in data.loader(data.splits.train, 4, train=True).raw_epoch(0))
+
+    with pytest.raises(DataError) as e:
+        images_read(cfg)
+    assert_one_line_naming(e, paths[3], "13000x13000", "over data.max_image_pixels=64,000,000")
+    cfg.skip_bad_images = True
+    assert images_read(cfg) == 11
+    assert "13000x13000" in capsys.readouterr().err
+    # A real image over a lower limit is left out the same way, and the others (20x20 = 400 px) are read.
+    paths[7].write_bytes(encode(photo(np.random.default_rng(0), 40, 40), "PNG"))
+    cfg.max_image_pixels = 1000
+    assert images_read(cfg) == 10
+    assert f"{paths[7]} is 40x40" in capsys.readouterr().err
+
+
+def test_an_empty_or_foreign_image_file_is_named_and_said_what_it_is(tmp_path):
+    paths = write_folder(tmp_path / "p", 6, size=(20, 20))
+    paths[2].write_bytes(b"")
+    cfg = data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "p"), loader="memory", image_size=16)
+    with pytest.raises(DataError) as e:
+        open_quiet(cfg)
+    assert_one_line_naming(e, paths[2], "is empty (0 bytes)")
+    paths[2].write_text("a note saved as .png")
+    with pytest.raises(DataError) as e:
+        open_quiet(cfg)
+    assert_one_line_naming(e, paths[2], "in no image format PIL reads")
+    assert "BytesIO" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_pretrain_on_an_unlabelled_folder_at_64_then_finetune_at_32(tmp_path, capsys):
     """Pretrained at 64 px on unlabelled photos, fine-tuned at 32 px on synthetic labelled data: the positional

@@ -28,6 +28,8 @@ from vit.errors import ConfigError
 
 # --------------------------------------------------------------------------- sections
 
+PIL_MAX_PIXELS = 2 * 89_478_485  # PIL's decompression-bomb error: twice its Image.MAX_IMAGE_PIXELS
+
 # The encoder presets (`model.name`), here rather than in `vit.model` so that a config is checked against the sizes it
 # will build (a patch that does not divide the image, a mask that hides every patch) before anything runs or is written,
 # without importing the model. `vit.model.create_model` builds them.
@@ -119,6 +121,9 @@ class DataConfig:
     workers: int | None = None  # stream: decoding processes per training process; None: the cores training leaves free (at least 1)
     shuffle_buffer: int = 1000  # stream from shards: samples shuffled in each worker's buffer
     skip_bad_images: bool = False  # an image that does not decode: stop naming it (false), or skip and count it (true)
+    # Images with more pixels (width x height, read from the header before decoding) are refused, or skipped with
+    # skip_bad_images: a 13000x13000 PNG decodes to 0.5 GB in one data worker. null: PIL's own limit alone.
+    max_image_pixels: int | None = 64_000_000
     image_column: str = "image"  # hf: the column holding the images
     label_column: str | None = "label"  # hf: the column holding class labels; null (or a dataset without it): unlabelled
     val_root: str | None = None  # webdataset: shards of the val split; none: the first val_size samples of the last shards
@@ -144,6 +149,8 @@ class DataConfig:
         _check(self.memory_budget_gb is None or self.memory_budget_gb > 0, "data.memory_budget_gb", "must be positive")
         _check(self.workers is None or self.workers >= 0, "data.workers", "must be >= 0")
         _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
+        _check(self.max_image_pixels is None or 0 < self.max_image_pixels <= PIL_MAX_PIXELS, "data.max_image_pixels",
+               f"must be in [1, {PIL_MAX_PIXELS:,}] (PIL refuses larger images whatever the setting), or null")  # fmt: skip
         _check(self.val_root is None or self.dataset == "webdataset", "data.val_root", "is for data.dataset=webdataset")
 
 

@@ -154,12 +154,12 @@ class Data:
         if isinstance(images, ImageSet):
             return BatchLoader(images, batch_size, **kwargs)
         return StreamLoader(images, batch_size, workers=self.workers, skip_bad=c.skip_bad_images, bad_log=self.bad,
-                            shuffle_buffer=c.shuffle_buffer, **kwargs)  # fmt: skip
+                            shuffle_buffer=c.shuffle_buffer, max_pixels=c.max_image_pixels, **kwargs)  # fmt: skip
 
     def subset(self, images: Any, index: torch.Tensor) -> Any:
         """The images at `index` of an ImageSet or FileSet (shards are not indexable: their first len(index) samples, decoded)."""
         if isinstance(images, sources.ShardSet):
-            return shard_head(images, len(index), self.out_size, self.cfg.skip_bad_images, self.bad)[0]
+            return shard_head(images, len(index), self.out_size, self.cfg.skip_bad_images, self.bad, max_pixels=self.cfg.max_image_pixels)[0]
         return images.subset(index)
 
     def pixels(self, images: Any, index: torch.Tensor, size: int) -> torch.Tensor:
@@ -169,7 +169,7 @@ class Data:
             from vit.augment import resize
 
             return (resize(part.images.float() / 255, size) * 255).round().clamp(0, 255).to(torch.uint8)
-        return decode_files(part, size, self.cfg.skip_bad_images, []).images
+        return decode_files(part, size, self.cfg.skip_bad_images, [], self.cfg.max_image_pixels).images
 
     def bad_total(self, accelerator=None) -> int:
         """Images left out because they do not decode (`data.skip_bad_images`): those the memory loader's decode skipped
@@ -181,7 +181,7 @@ class Data:
 
 
 def shard_head(shards: sources.ShardSet, count: int, out_size: int, skip_bad: bool, bad: BadImageLog,
-               urls: list[str] | None = None) -> tuple[ImageSet, list[str]]:  # fmt: skip
+               urls: list[str] | None = None, max_pixels: int | None = None) -> tuple[ImageSet, list[str]]:  # fmt: skip
     """The first `count` images of `urls` (default the shards', in order, their excluded keys left out), decoded for
     evaluation (shorter side resized to `out_size`, centre crop), and the keys of every sample read (skipped ones too)."""
     arrays, labels, keys = [], [], []
@@ -196,7 +196,7 @@ def shard_head(shards: sources.ShardSet, count: int, out_size: int, skip_bad: bo
         try:
             if found is None:
                 raise BadImage(f"sample {name} has no image member (.jpg, .png, ...)")
-            arrays.append(decode_image(found[0], found[1], out_size))
+            arrays.append(decode_image(found[0], found[1], out_size, max_pixels))
         except BadImage as e:
             if not skip_bad:
                 raise BadImage(f"{e}; data.skip_bad_images=true skips such files") from None
@@ -219,13 +219,14 @@ def _shard_splits(cfg: DataConfig, out_size: int, bad: BadImageLog) -> Splits:
     val = ImageSet(torch.zeros(0, 3, out_size, out_size, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64), list(train.classes))
     if cfg.val_root is not None:
         held = sources.open_shards(cfg.val_root, cache_dir)
-        val, _ = shard_head(held, cfg.val_size or len(held), out_size, cfg.skip_bad_images, bad, urls=held.urls)
+        val, _ = shard_head(held, cfg.val_size or len(held), out_size, cfg.skip_bad_images, bad, urls=held.urls, max_pixels=cfg.max_image_pixels)
     elif cfg.val_size:
         if cfg.val_size >= len(train):
             raise DataError(f"the shards hold {len(train)} samples; data.val_size={cfg.val_size} needs more (or set data.val_root)")
         keys, parts = [], []
         for url in reversed(train.urls):
-            part, read = shard_head(train, cfg.val_size - sum(len(p) for p in parts), out_size, cfg.skip_bad_images, bad, urls=[url])
+            part, read = shard_head(train, cfg.val_size - sum(len(p) for p in parts), out_size, cfg.skip_bad_images, bad, urls=[url],
+                                    max_pixels=cfg.max_image_pixels)  # fmt: skip
             keys += read
             parts.append(part)
             if sum(len(p) for p in parts) >= cfg.val_size:

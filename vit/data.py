@@ -650,7 +650,9 @@ class _SizeCheck:
 
 def _read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: list,
                   max_pixels: int | None = None) -> dict[tuple[str, str], list[tuple[str, np.ndarray]]]:  # fmt: skip
-    """Stream the members of a .tar.gz (no extraction to disk): `[prefix/]split/class/file` images are decoded."""
+    """Stream the members of a .tar.gz (no extraction to disk): `[prefix/]split/class/**/file` images are decoded, at
+    any depth below the class folder, as the folder reader (`vit.sources.tree_files`) reads them. Files are keyed by
+    their path below the class folder, so sorting them gives the folder reader's order."""
     check = _SizeCheck()
     entries: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
     class_dirs: set[tuple[str, str]] = set()
@@ -666,7 +668,7 @@ def _read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: li
                     continue
                 if member.isdir() and len(parts) == 2:
                     class_dirs.add((parts[0], parts[1]))
-                if not member.isfile() or len(parts) != 3 or not is_image_name(parts[2]):
+                if not member.isfile() or len(parts) < 3 or not is_image_name(parts[-1]):
                     continue
                 name = f"{archive}:{member.name}"
                 data = tar.extractfile(member).read()
@@ -679,7 +681,7 @@ def _read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: li
                     class_dirs.add((parts[0], parts[1]))
                     continue
                 check(name, arr)
-                entries.setdefault((parts[0], parts[1]), []).append((parts[2], arr))
+                entries.setdefault((parts[0], parts[1]), []).append(("/".join(parts[2:]), arr))
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         raise DataError(f"{archive} is truncated or not a readable .tar.gz ({type(e).__name__}: {e})") from None
     empty = sorted(class_dirs - set(entries))

@@ -14,12 +14,15 @@
   with the number of images.
 - `auto`: `memory` when the decoded dataset (images x 3 x H x W bytes) fits in `data.memory_budget_gb`
   (default a quarter of the machine's RAM), else `stream`; the choice and its reason are printed.
+  Without `data.image_size`, `auto` stores image files (folders, trees, archives, shards, Hugging Face
+  datasets) at the model's input size, so photos of mixed sizes share one tensor; the first data line
+  says so. (`data.loader=memory` keeps them at their own size, and refuses mixed sizes.)
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -36,6 +39,7 @@ from vit.stream import BadImageLog, StreamLoader
 
 GB = 1e9
 ARRAY_SOURCES = ("mnist", "fashionmnist", "synthetic")  # read as arrays: always in memory
+MIXED_SIZE_SOURCES = ("imagefolder", "folder", "webdataset", "hf")  # image files of any size (CIFAR's are all 32x32)
 BUDGET_SHARE = 0.25  # of the machine's RAM, the default `data.memory_budget_gb`
 
 
@@ -109,6 +113,15 @@ def decoded_bytes(cfg: DataConfig, out_size: int, sets: dict[str, Any] | None = 
         return count, f"{side}x{side}", count * 3 * side * side
     w, h = _first_image_size(sets["train"])
     return count, f"{h}x{w}", count * 3 * w * h
+
+
+def stored_size(cfg: DataConfig, out_size: int | None) -> int | None:
+    """The size the memory loader decodes images to: `data.image_size`; under `data.loader=auto` without it, image files
+    are stored at the model's input size `out_size` (at their own sizes, photos of mixed sizes could not share one
+    tensor); None: as they are."""
+    if cfg.image_size is not None or cfg.loader != "auto" or out_size is None or cfg.dataset not in MIXED_SIZE_SOURCES:
+        return cfg.image_size
+    return out_size
 
 
 def choose_loader(cfg: DataConfig, out_size: int, sets: dict[str, Any] | None = None) -> tuple[str, str]:
@@ -245,7 +258,12 @@ def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | s
     device = torch.device(device)
     listed = file_sets(cfg) if cfg.loader != "memory" and cfg.dataset in ("folder", "hf", "imagefolder", "cifar10", "cifar100") \
         and streamable(cfg) is None else None  # fmt: skip
+    stored = stored_size(cfg, out_size)
+    derived = stored != cfg.image_size
+    cfg = replace(cfg, image_size=stored)  # what the memory loader decodes to; `auto`'s estimate counts that size
     kind, why = choose_loader(cfg, out_size or cfg.image_size or 32, listed)
+    if kind == "memory" and derived:
+        why += f"; stored at the model's {stored} px (data.image_size unset; set it to store another size)"
     bad = BadImageLog(rank)
     workers = default_workers(cfg, device, threads, local_processes) if kind == "stream" else 0
     how = f"{workers} decoding worker(s) per process (data.workers)" if kind == "stream" else "decoded once, augmented on the device"

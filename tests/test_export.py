@@ -147,6 +147,27 @@ def test_a_corrupt_or_foreign_folder_is_refused_naming_what_is_wrong(exported, t
         load_hub_weights(encoder_like_the_run(), f"local-dir:{bad}")
 
 
+def test_timms_own_arguments_in_model_args_never_reach_timm(exported, tmp_path, monkeypatch):
+    """A config.json whose model_args name another file for timm to load: only the ViT's fields reach timm, and the
+    folder's own weights are what loads."""
+    folder = tmp_path / "crafted"
+    shutil.copytree(exported.folder, folder)
+    other = tmp_path / "other.pth"
+    torch.save({"not": "these weights"}, other)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_args"].update(checkpoint_path=str(other), pretrained_cfg_overlay={"file": str(other)}, cache_dir=str(tmp_path / "elsewhere"))
+    (folder / "config.json").write_text(json.dumps(config))
+    called = []
+    real = timm.create_model
+    monkeypatch.setattr(timm, "create_model", lambda *a, **k: called.append(k) or real(*a, **k))
+    model = encoder_like_the_run()
+    load_hub_weights(model, f"local-dir:{folder}")
+    assert called and not {"checkpoint_path", "pretrained_cfg_overlay", "cache_dir"} & set(called[0])
+    expected = load_file(folder / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_a_bad_folder_stops_a_finetune_with_one_line(exported, tmp_path, capsys):
     code = finetune(small(tmp_path, "bad", **{"finetune.init": f"local-dir:{tmp_path / 'nowhere'}"}))
     err = capsys.readouterr().err

@@ -70,6 +70,19 @@ def test_config_json_is_timms_hub_format_with_the_runs_normalisation(exported):
     assert {"interpolation", "crop_pct", "first_conv", "classifier"} <= set(cfg)
 
 
+def test_an_export_is_readable_as_the_umask_allows(exported, tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        assert export_encoder([str(exported.runs / "mae"), "--out", str(tmp_path / "shared")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "shared").iterdir()}
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644, "README.md": 0o644}  # safetensors alone wrote 0600
+
+
 def test_model_card_has_hub_front_matter_the_recipe_and_the_probes_accuracy(exported):
     text = (exported.folder / "README.md").read_text()
     _, header, body = text.split("---\n", 2)

@@ -126,6 +126,33 @@ def test_states_are_kept_to_the_newest_k_and_no_temporary_folder_is_left(tmp_pat
     assert not list((tmp_path / "runs" / "run").glob(".*.tmp"))
 
 
+@pytest.mark.slow
+def test_a_damaged_rng_state_is_caught_and_the_run_still_ends_bitwise_equal(tmp_path, capsys):
+    """Accelerate only logs an RNG state it cannot load; the state's manifest catches it, the state before is loaded,
+    and the final weights are those of an uninterrupted run."""
+
+    def args(name, **extra):
+        return tiny_overrides(tmp_path, name=name, **{"run.save_every": 2, "run.keep_states": 3, **extra})
+
+    assert pretrain(args("whole")) == 0
+    reset_accelerate()
+    assert pretrain(args("cut", **{"schedule.max_steps": 6})) == 0
+    reset_accelerate()
+    run_dir = tmp_path / "runs" / "cut"
+    rng = run_dir / "states" / "step_00000006" / "random_states_0.pkl"
+    size = rng.stat().st_size
+    rng.write_bytes(rng.read_bytes()[:100])  # truncated on disk
+    capsys.readouterr()
+    assert pretrain(args("cut", **{"run.resume": "auto"})) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"step_00000006 is unreadable (random_states_0.pkl holds 100 bytes, {size:,} were written)" in warnings[0]
+    assert "step_00000004 at step 4" in captured.out
+    a, b = weights(tmp_path / "runs" / "whole"), weights(run_dir)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 # --------------------------------------------------------------------------- bad input: one line, exit 2, nothing touched
 
 

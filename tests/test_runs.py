@@ -1,6 +1,8 @@
 """vit/runs.py: reading a run folder, finished or not, resume states on disk, and metrics.jsonl."""
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -8,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vit.errors import ConfigError, UserError
+from vit.errors import CheckpointError, ConfigError, UserError
 from vit.runs import (
     CLASSIFICATION,
+    check_state,
     clear_outputs,
     complete_state,
     holds_run,
@@ -99,6 +102,41 @@ def test_the_newest_complete_state_skips_half_written_ones(tmp_path):
     assert [p.name for p in state_dirs(tmp_path)] == ["step_00000002", "step_00000004", "step_00000010"]
     assert newest_state(tmp_path) == state_path(tmp_path, 10) and read_state_progress(newest_state(tmp_path)) == {"step": 10, "epoch": 0}
     assert (newest_state(tmp_path) / "model.safetensors").read_bytes() == b"weights"
+
+
+@pytest.fixture
+def umask_027():
+    """Files the others may not read, the group may: what a 0600 file would hide from the group."""
+    old = os.umask(0o027)
+    yield 0o640
+    os.umask(old)
+
+
+def test_a_state_is_checked_against_its_manifest_and_its_files_are_readable_as_the_umask_says(tmp_path, umask_027):
+    import torch
+    from safetensors.torch import save_file
+
+    partial = partial_state_path(tmp_path, 6)
+    partial.mkdir(parents=True)
+    save_file({"w": torch.arange(1000.0)}, partial / "model.safetensors")  # safetensors writes 0600
+    torch.save({"rng": torch.arange(500)}, partial / "random_states_0.pkl")
+    state = complete_state(partial, state_path(tmp_path, 6), {"step": 6})
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in state.iterdir()}
+    assert modes == dict.fromkeys(["model.safetensors", "random_states_0.pkl", "trainer.json", "manifest.json"], umask_027)
+    check_state(state)  # intact
+    rng = state / "random_states_0.pkl"
+    good = rng.read_bytes()
+    rng.write_bytes(good[:100])
+    with pytest.raises(CheckpointError, match=f"random_states_0.pkl holds 100 bytes, {len(good):,} were written"):
+        check_state(state)
+    rng.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # the same size, one bit changed
+    with pytest.raises(CheckpointError, match="random_states_0.pkl differs from what was written"):
+        check_state(state)
+    rng.unlink()
+    with pytest.raises(CheckpointError, match="random_states_0.pkl is missing"):
+        check_state(state)
+    (state / "manifest.json").unlink()
+    check_state(state)  # a state written before manifests: taken as it is
 
 
 def test_trimming_keeps_the_newest_k_complete_states(tmp_path):

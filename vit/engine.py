@@ -11,7 +11,8 @@ handed to `prepare`, which would step once per process), gradient accumulation,
 clipping, mixed precision, the non-finite-loss guard, metrics, resume states and
 pre-emption signals. Resume states are Accelerate `save_state` folders written
 under a temporary name and renamed when complete, so `run.resume=auto` never
-picks up a half-written one.
+picks up a half-written one; their manifest (`vit.runs.check_state`) is verified
+before one is loaded, so a file damaged since is not loaded either.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from vit import tracking
 from vit.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
 from vit.config import RunConfig, dump_config, to_dict
 from vit.device import BusySampler, host, synchronize
-from vit.errors import ConfigError, UserError
+from vit.errors import CheckpointError, ConfigError, UserError
 from vit.guard import LossRing
 from vit.runs import (
     METRICS_FILE,
@@ -43,6 +44,7 @@ from vit.runs import (
     STATE_FILE,
     TENSORBOARD_DIR,
     append_metrics,
+    check_state,
     clear_outputs,
     complete_state,
     holds_run,
@@ -483,12 +485,16 @@ def load_state(run: Run) -> Progress | None:
         candidates = [path]
     for path in candidates:
         try:
+            # Every file is checked against the state's manifest first: Accelerate only logs an RNG state it cannot
+            # load, and the run would go on from another random state.
+            check_state(path)
             progress = Progress(**read_state_progress(path))
             run.accelerator.load_state(str(path))
         except Exception as e:
+            why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
             if resume != "auto":
-                raise ConfigError(f"run.resume={resume}: the state does not load ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
-            run.warn(f"resume state {path} is unreadable ({type(e).__name__}); trying the one before")
+                raise ConfigError(f"run.resume={resume}: the state does not load ({why})") from None
+            run.warn(f"resume state {path} is unreadable ({why}); trying the one before")
             continue
         run.print(f"resume: from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batch})")
         # The stage's clock (a time budget's stage_seconds) counts the training the processes before this one did; their

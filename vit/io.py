@@ -22,15 +22,21 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the renamed file gets the usual permissions
     try:
         write(tmp)
+        usual_permissions(tmp)  # after `write`: some writers (safetensors) replace the file with a 0600 one of their own
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def usual_permissions(path: str | os.PathLike) -> None:
+    """Give a file the permissions `open(path, "w")` would: 0666 less the umask. A file made through a temporary one
+    (mkstemp, safetensors' `save_file`) is 0600, unreadable by the others the umask lets read it."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def _umask() -> int:

@@ -7,7 +7,8 @@
       encoder.pt, mae.pt       pretraining: the encoder, and the whole MAE (formats: vit/checkpoint.py)
       classifier.pt            classification: the classifier (format: finetune/models.py)
       reconstruction.png, figures/, confusion_<split>.png
-      states/step_<8 digits>/  Accelerate resume states; `trainer.json`, written last, marks one complete
+      states/step_<8 digits>/  Accelerate resume states; `trainer.json` (the loop's progress) and `manifest.json`
+                               (every file's size and hash), written last, mark one complete
       tensorboard/
 
 What the checkpoint files hold belongs to their modules; where they lie, and what makes a
@@ -16,6 +17,7 @@ folder a run, finished or not, belongs here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from vit.errors import ConfigError, UserError
-from vit.io import atomic_write_text
+from vit.errors import CheckpointError, ConfigError, UserError
+from vit.io import atomic_write_text, usual_permissions
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -41,7 +43,8 @@ TENSORBOARD_DIR = "tensorboard"
 STATE_DIR = "states"
 STATE_PREFIX = "step_"
 PARTIAL_PREFIX = ".tmp_"  # a state being written; renamed to step_* once complete
-STATE_FILE = "trainer.json"  # written last: its presence marks a complete state
+STATE_FILE = "trainer.json"  # the loop's progress; with the manifest, written last: their presence marks a complete state
+MANIFEST_FILE = "manifest.json"  # {path in the state: [bytes, sha256]} of every other file of a state
 
 RUN_OUTPUTS = (METRICS_FILE, SUMMARY_FILE, ENCODER_FILE, MAE_FILE, CLASSIFIER_FILE, STATE_DIR)  # what makes a folder hold a run
 RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)  # what makes a folder a run folder to read
@@ -227,11 +230,49 @@ def newest_state(run_dir: Path) -> Path | None:
 
 
 def complete_state(partial: Path, final: Path, progress: dict[str, Any]) -> Path:
-    """Mark a fully written state complete (its marker last) and move it to its final name."""
+    """Mark a fully written state complete and move it to its final name: the progress, then the manifest of every
+    file (sizes and hashes, which `check_state` verifies before the state is loaded), are written last. Every file
+    gets the usual permissions (safetensors writes 0600)."""
     (partial / STATE_FILE).write_text(json.dumps(progress))
+    manifest = {}
+    for path in sorted(p for p in partial.rglob("*") if p.is_file()):
+        usual_permissions(path)
+        manifest[path.relative_to(partial).as_posix()] = [path.stat().st_size, _sha256(path)]
+    (partial / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    usual_permissions(partial / MANIFEST_FILE)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     return final
+
+
+def check_state(path: Path) -> None:
+    """Refuse (a CheckpointError naming the file) a state whose files are not those its manifest lists: one missing, cut
+    short or changed. A state written before manifests has none and is taken as it is."""
+    path = Path(path)
+    if not (path / MANIFEST_FILE).is_file():
+        return
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        entries = [(str(name), int(size), str(digest)) for name, (size, digest) in manifest.items()]
+    except (ValueError, TypeError, AttributeError):
+        raise CheckpointError(f"{MANIFEST_FILE} is damaged") from None
+    for name, size, digest in entries:
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{name} is missing")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"{name} holds {actual:,} bytes, {size:,} were written")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"{name} differs from what was written")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_state_progress(path: Path) -> dict[str, Any]:

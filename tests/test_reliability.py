@@ -1,8 +1,10 @@
 """Faults done for real: SIGKILL and SIGTERM mid-run, corrupt states on disk, and bad input that must cost nothing."""
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,6 +153,73 @@ def test_a_damaged_rng_state_is_caught_and_the_run_still_ends_bitwise_equal(tmp_
     a, b = weights(tmp_path / "runs" / "whole"), weights(run_dir)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def full_disk(form: str, calls: list):
+    """An `Accelerator.save_state` whose second call writes part of the state, then fails as a full disk makes each writer
+    fail: an OSError (plain writes), safetensors' error (it names the OS error), torch's zip writer (it does not)."""
+    from accelerate import Accelerator
+
+    original = Accelerator.save_state
+
+    def save_state(self, output_dir=None, **kwargs):
+        calls.append(output_dir)
+        if len(calls) < 2:
+            return original(self, output_dir, **kwargs)
+        Path(output_dir, "model.safetensors").write_bytes(b"\0" * 4096)  # what made it to disk
+        if form == "oserror":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if form == "safetensors":
+            raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    return save_state
+
+
+@pytest.mark.parametrize("form", ["oserror", "safetensors", "torch"])
+def test_a_full_disk_while_saving_a_state_is_one_line_and_keeps_the_last_good_state(tmp_path, form, monkeypatch, capsys):
+    from collections import namedtuple
+
+    from accelerate import Accelerator
+
+    calls = []
+    monkeypatch.setattr(Accelerator, "save_state", full_disk(form, calls))
+    if form == "torch":  # its message says nothing of the disk: the free space left tells
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("usage", "total used free")(10**9, 10**9, 0))
+    assert pretrain(tiny_overrides(tmp_path, **{"run.save_every": 2})) == 2
+    err = capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "run"
+    partial, kept = run_dir / "states" / ".tmp_step_00000004", run_dir / "states" / "step_00000002"
+    assert err.count("\n") == 1 and err.startswith(f"error: cannot write the resume state {partial}: No space left on device"), err
+    assert f"the last good state {kept} is kept" in err and "run.resume=auto" in err
+    assert sorted(p.name for p in (run_dir / "states").iterdir()) == ["step_00000002"]  # the partial state is gone
+
+
+def test_a_full_disk_under_an_atomic_write_names_the_file_and_keeps_the_old_one(tmp_path, capsys):
+    from vit.errors import StorageError, exit_on_user_error
+    from vit.io import atomic_write_text
+
+    target = tmp_path / "summary.json"
+    target.write_text("the old one")
+
+    def full(tmp):
+        Path(tmp).write_text("half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    from vit.io import atomic_write
+
+    with pytest.raises(StorageError, match=f"cannot write {target}: No space left on device"):
+        atomic_write(target, full)
+    assert target.read_text() == "the old one" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+    @exit_on_user_error
+    def appends():  # a plain write that the disk refuses, outside any atomic write
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "metrics.jsonl"))
+
+    assert appends() == 2
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device\n"
+    atomic_write_text(target, "new")  # nothing left behind in the way of the next write
+    assert target.read_text() == "new"
 
 
 # --------------------------------------------------------------------------- bad input: one line, exit 2, nothing touched

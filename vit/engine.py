@@ -36,8 +36,9 @@ from vit import tracking
 from vit.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
 from vit.config import RunConfig, dump_config, to_dict
 from vit.device import BusySampler, host, synchronize
-from vit.errors import CheckpointError, ConfigError, UserError
+from vit.errors import CheckpointError, ConfigError, StorageError, UserError
 from vit.guard import LossRing
+from vit.io import storage_failure
 from vit.runs import (
     METRICS_FILE,
     STATE_DIR,
@@ -451,18 +452,33 @@ class Progress:
 
 
 def save_state(run: Run, progress: Progress) -> Path:
-    """Write an Accelerate resume state atomically and keep the newest `run.keep_states`."""
+    """Write an Accelerate resume state atomically and keep the newest `run.keep_states`.
+
+    A write the disk refuses (full, over quota) removes the half-written state, which would keep the disk full, and
+    stops the run with one line (a StorageError) naming it; the states saved before are kept."""
     acc = run.accelerator
     final = state_path(run.dir, progress.step)
     tmp = partial_state_path(run.dir, progress.step)
+    try:
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            complete_state(tmp, final, progress.__dict__)
+    except Exception as e:
+        reason = storage_failure(e, tmp.parent)  # before the partial state frees its space
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if reason is None:
+            raise
+        last = newest_state(run.dir)
+        kept = f"the last good state {last} is kept" if last is not None else "no earlier state was saved"
+        raise StorageError(f"cannot write the resume state {tmp}: {reason}; it is removed and {kept}; free some space, "
+                           "then resume with run.resume=auto") from None  # fmt: skip
     if acc.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    acc.save_state(str(tmp))
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        complete_state(tmp, final, progress.__dict__)
         trim_states(run.dir, run.cfg.run.keep_states)
     acc.wait_for_everyone()
     return final

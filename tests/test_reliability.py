@@ -3,9 +3,11 @@
 import errno
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -18,7 +20,7 @@ import torch
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
-from vit.runs import state_dirs
+from vit.runs import lock_run, state_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -220,6 +222,69 @@ def test_a_full_disk_under_an_atomic_write_names_the_file_and_keeps_the_old_one(
     assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device\n"
     atomic_write_text(target, "new")  # nothing left behind in the way of the next write
     assert target.read_text() == "new"
+
+
+def _hold(run_dir, ready, done) -> None:
+    lock_run(run_dir)
+    ready.set()
+    done.wait(120)
+
+
+@pytest.fixture
+def held(tmp_path):
+    """`hold(run_dir)` holds the run folder's lock in another (forked) process until the test ends; returns its PID."""
+    context = multiprocessing.get_context("fork")
+    done, holders = context.Event(), []
+
+    def hold(run_dir: Path) -> int:
+        ready = context.Event()
+        holders.append(context.Process(target=_hold, args=(run_dir, ready, done)))
+        holders[-1].start()
+        assert ready.wait(30)
+        return holders[-1].pid
+
+    yield hold
+    done.set()
+    for p in holders:
+        p.join(30)
+
+
+def test_a_live_run_keeps_its_folder_from_any_second_run(finished, tmp_path, held, capsys):
+    shutil.copytree(finished / "runs", tmp_path / "runs")
+    run_dir = tmp_path / "runs" / "done"
+    pid = held(run_dir)
+    before = snapshot(run_dir)
+    for extra in (["run.resume=auto"], ["run.overwrite=true"], []):
+        assert pretrain(tiny_overrides(tmp_path, name="done", **{"schedule.epochs": 1}) + extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: run folder {run_dir} is in use by process {pid} on {socket.gethostname()}" in err, err
+    assert snapshot(run_dir) == before  # nothing trimmed, cleared or written
+
+
+@pytest.mark.slow
+def test_two_runs_of_one_folder_started_together_one_trains_and_the_other_refuses(tmp_path):
+    run_dir = tmp_path / "runs" / "twice"
+    args = long_run(tmp_path, "twice", **{"run.save_every": 1000}) + ["schedule.epochs=50"]
+    procs = [cli(args), cli(args)]
+    start = time.time()
+    while all(p.poll() is None for p in procs) and time.time() - start < 120:
+        time.sleep(0.05)
+    loser = next(p for p in procs if p.poll() is not None)
+    winner = procs[1 - procs.index(loser)]
+    out, err = loser.communicate(timeout=60)
+    assert loser.returncode == 2 and err.count("\n") == 1 and f"is in use by process {winner.pid}" in err, err
+    assert winner.poll() is None  # the winner trains on
+    # A resume started while it runs refuses the same way, and trims nothing.
+    while not (run_dir / "metrics.jsonl").exists() and time.time() - start < 120:
+        time.sleep(0.05)
+    resumed = cli(args + ["run.resume=auto"])
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 2 and f"is in use by process {winner.pid}" in err and "dropped" not in out, err
+    winner.kill()
+    winner.communicate(timeout=60)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+    assert steps[0] == 1 and steps == sorted(steps), steps  # one process's records (an epoch's end repeats its last step)
+    lock_run(run_dir).release()  # a killed run holds nothing: the OS released its lock
 
 
 # --------------------------------------------------------------------------- bad input: one line, exit 2, nothing touched

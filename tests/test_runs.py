@@ -13,12 +13,14 @@ import yaml
 from vit.errors import CheckpointError, ConfigError, UserError
 from vit.runs import (
     CLASSIFICATION,
+    LOCK_FILE,
     check_state,
     clear_outputs,
     complete_state,
     holds_run,
     is_run_folder,
     last_logged,
+    lock_run,
     newest_state,
     partial_state_path,
     read_config,
@@ -137,6 +139,37 @@ def test_a_state_is_checked_against_its_manifest_and_its_files_are_readable_as_t
         check_state(state)
     (state / "manifest.json").unlink()
     check_state(state)  # a state written before manifests: taken as it is
+
+
+def _hold(run_dir, ready, done) -> None:
+    lock_run(run_dir)
+    ready.set()
+    done.wait(60)
+
+
+def test_a_run_folder_is_held_by_one_process_and_freed_when_it_ends(tmp_path):
+    import multiprocessing
+    import socket
+
+    context = multiprocessing.get_context("fork")  # the child needs no fresh interpreter: it only takes the lock
+    ready, done = context.Event(), context.Event()
+    holder = context.Process(target=_hold, args=(tmp_path / "run", ready, done))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(UserError) as e:
+            lock_run(tmp_path / "run")
+        assert f"run folder {tmp_path / 'run'} is in use by process {holder.pid} on {socket.gethostname()}" in str(e.value)
+        assert "\n" not in str(e.value)
+    finally:
+        done.set()
+        holder.join(30)
+    # The holder ended without releasing it: the OS did. Its file is left, and taken over.
+    assert (tmp_path / "run" / LOCK_FILE).exists()
+    lock = lock_run(tmp_path / "run")
+    assert json.loads((tmp_path / "run" / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
 
 
 def test_trimming_keeps_the_newest_k_complete_states(tmp_path):

@@ -12,7 +12,8 @@ clipping, mixed precision, the non-finite-loss guard, metrics, resume states and
 pre-emption signals. Resume states are Accelerate `save_state` folders written
 under a temporary name and renamed when complete, so `run.resume=auto` never
 picks up a half-written one; their manifest (`vit.runs.check_state`) is verified
-before one is loaded, so a file damaged since is not loaded either.
+before one is loaded, so a file damaged since is not loaded either. The run folder
+is locked for the run's life (`vit.runs.lock_run`): a second run of it refuses.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from vit.runs import (
     STATE_DIR,
     STATE_FILE,
     TENSORBOARD_DIR,
+    RunLock,
     append_metrics,
     check_state,
     clear_outputs,
@@ -55,6 +57,7 @@ from vit.runs import (
     state_dirs,
     state_path,
     last_logged,
+    lock_run,
     newest_state,
     trim_metrics,
     read_budget,
@@ -250,6 +253,7 @@ class Run:
     compile_mode: str | None = None  # what `compile_for_run` chose
     first_step_seconds: float | None = None  # the first training step, compilation included, device drained
     gpu_busy: float | None = None  # mean GPU utilisation (%) over the training after the first step (CUDA with NVML)
+    lock: RunLock | None = None  # the run folder's, held by the main process until `finish` (or the process's end)
 
     @classmethod
     def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
@@ -263,7 +267,15 @@ class Run:
         cfg = replace(cfg, run=run_cfg)
         threads = set_threads(run_cfg, accelerator)
         run_dir = run_cfg.path
-        check_run_dir(run_dir, run_cfg)
+        # Before anything reads or clears the folder (an overwrite, a resume's trimming): a live run of it refuses this one.
+        # The main process alone holds it; the other ranks of this run follow it.
+        lock = lock_run(run_dir) if accelerator.is_main_process else None
+        try:
+            check_run_dir(run_dir, run_cfg)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         accelerator.wait_for_everyone()  # every rank checked the folder before the main one writes to it
         set_seed(run_cfg.seed, device_specific=True)  # each rank draws different dropout / masks
         meta = {
@@ -278,7 +290,8 @@ class Run:
             "torch": str(torch.__version__),
             "command": " ".join(sys.argv),
         }
-        run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta)
+        run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta,
+                  lock=lock)  # fmt: skip
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir, dump_config(cfg, meta))
@@ -392,6 +405,8 @@ class Run:
                 self.accelerator.end_training()
             except Exception as e:
                 self.warn(f"tracker did not close cleanly ({type(e).__name__})")
+        if self.lock is not None:
+            self.lock.release()
         return summary
 
 

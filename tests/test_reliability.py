@@ -172,7 +172,9 @@ def full_disk(form: str, calls: list):
         if form == "oserror":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if form == "safetensors":
-            raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+            from safetensors import SafetensorError
+
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
     return save_state

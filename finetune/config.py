@@ -61,3 +61,11 @@ class FinetuneSection:
 class FinetuneConfig(StageConfig):
     finetune: FinetuneSection = section(FinetuneSection)
     aug: AugmentConfig = section(AugmentConfig)
+
+    def validate(self) -> None:
+        """What the sections cannot check alone: patch dropout must leave each image at least one patch of the model's."""
+        if self.finetune.patch_keep < 1.0:
+            patches, keep = self.model.num_patches(), self.finetune.patch_keep
+            # The count the encoder's patch dropout keeps: int(N * (1 - drop rate)), drop rate = 1 - patch_keep.
+            _check(int(patches * (1 - (1.0 - keep))) >= 1, "finetune.patch_keep",
+                   f"{keep:g} keeps no patch of the model's {patches}: it must be at least 1/{patches}")  # fmt: skip

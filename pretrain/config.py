@@ -47,3 +47,9 @@ class MAEConfig:
 @dataclass
 class PretrainConfig(StageConfig):
     mae: MAEConfig = section(MAEConfig)
+
+    def validate(self) -> None:
+        """What the sections cannot check alone: the mask must leave the encoder at least one patch of the model's."""
+        patches, ratio = self.model.num_patches(), self.mae.mask_ratio
+        _check(int(patches * (1 - ratio)) >= 1, "mae.mask_ratio",
+               f"{ratio:g} leaves no visible patch of the model's {patches}: it must be at most 1 - 1/{patches}")  # fmt: skip

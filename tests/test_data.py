@@ -87,6 +87,25 @@ def test_tree_and_archive_decode_identically(tmp_path, imagefolder_tar):
     assert torch.equal(a.train.images, b.train.images) and torch.equal(a.train.labels, b.train.labels)
 
 
+def test_an_archive_reads_the_images_nested_below_class_folders_as_the_tree_does(tmp_path):
+    """24 training images, 12 of them in sub-folders of their class folder (two levels deep for some): the .tar.gz of
+    the tree reads all 24, in the tree reader's order."""
+    rng = np.random.default_rng(3)
+    root = tmp_path / "t"
+    for c in ("a", "b"):
+        for i in range(12):
+            sub = ("", "x/", "x/y/", "z/")[i % 4] if i % 2 else ""
+            png(root / "train" / c / f"{sub}{i:02d}.png", rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    png(root / "train" / "a" / ".hidden" / "h.png", rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))  # hidden at depth: not read
+    archive = tmp_path / "t.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(root / "train", arcname="train")
+    tree = load_splits(cfg_for(tmp_path, dataset="imagefolder", root=str(root)))
+    packed = load_splits(cfg_for(tmp_path, dataset="imagefolder", root=str(archive)))
+    assert len(tree.train) == len(packed.train) == 24
+    assert torch.equal(tree.train.images, packed.train.images) and torch.equal(tree.train.labels, packed.train.labels)
+
+
 def test_imagefolder_val_folder_replaces_carving_and_no_test_is_none(tmp_path):
     rng = np.random.default_rng(0)
     for split, n in (("train", 3), ("val", 2)):

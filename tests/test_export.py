@@ -70,6 +70,19 @@ def test_config_json_is_timms_hub_format_with_the_runs_normalisation(exported):
     assert {"interpolation", "crop_pct", "first_conv", "classifier"} <= set(cfg)
 
 
+def test_an_export_is_readable_as_the_umask_allows(exported, tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        assert export_encoder([str(exported.runs / "mae"), "--out", str(tmp_path / "shared")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "shared").iterdir()}
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644, "README.md": 0o644}  # safetensors alone wrote 0600
+
+
 def test_model_card_has_hub_front_matter_the_recipe_and_the_probes_accuracy(exported):
     text = (exported.folder / "README.md").read_text()
     _, header, body = text.split("---\n", 2)
@@ -145,6 +158,27 @@ def test_a_corrupt_or_foreign_folder_is_refused_naming_what_is_wrong(exported, t
     bad = broken_copy(exported.folder, tmp_path, case)
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_hub_weights(encoder_like_the_run(), f"local-dir:{bad}")
+
+
+def test_timms_own_arguments_in_model_args_never_reach_timm(exported, tmp_path, monkeypatch):
+    """A config.json whose model_args name another file for timm to load: only the ViT's fields reach timm, and the
+    folder's own weights are what loads."""
+    folder = tmp_path / "crafted"
+    shutil.copytree(exported.folder, folder)
+    other = tmp_path / "other.pth"
+    torch.save({"not": "these weights"}, other)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_args"].update(checkpoint_path=str(other), pretrained_cfg_overlay={"file": str(other)}, cache_dir=str(tmp_path / "elsewhere"))
+    (folder / "config.json").write_text(json.dumps(config))
+    called = []
+    real = timm.create_model
+    monkeypatch.setattr(timm, "create_model", lambda *a, **k: called.append(k) or real(*a, **k))
+    model = encoder_like_the_run()
+    load_hub_weights(model, f"local-dir:{folder}")
+    assert called and not {"checkpoint_path", "pretrained_cfg_overlay", "cache_dir"} & set(called[0])
+    expected = load_file(folder / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def test_a_bad_folder_stops_a_finetune_with_one_line(exported, tmp_path, capsys):

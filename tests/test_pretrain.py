@@ -242,6 +242,14 @@ def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_good_state(tmp_p
     assert not (run_dir / "summary.json").exists()
 
 
+def test_a_non_finite_loss_before_any_state_says_none_was_kept(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(MaskedAutoencoder, "forward_loss", nan_after(1))
+    assert main(tiny_overrides(tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "at step 0" in err[0] and err[0].endswith("no resume state was saved before it"), err
+    assert not (tmp_path / "runs" / "run" / "states").exists()
+
+
 def test_non_finite_steps_can_be_skipped_within_a_budget(tmp_path, monkeypatch, capsys):
     calls = {"n": 0}
     original = MaskedAutoencoder.forward_loss

@@ -80,3 +80,37 @@ def test_eval_refuses_a_val_split_that_holds_the_classifiers_training_images(pro
     assert finetune(tiny_overrides(tmp_path, name="eval") + ["finetune.mode=eval", f"finetune.init={tmp_path / 'classifier.pt'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "40 of this run's 40 val images were training images of the classifier" in err[0]
+
+
+def test_shards_streamed_in_order_record_no_positions_and_say_the_overlap_is_not_checked(tmp_path):
+    from test_stream import write_shards
+
+    from vit.data.loaders import open_data
+    from vit.data.provenance import check_overlap, split_record
+
+    pattern = write_shards(tmp_path / "shards", shards=2, per_shard=6)
+    for val_size in (0, 3):
+        cfg = DataConfig(dataset="webdataset", root=pattern, loader="stream", val_size=val_size, cache_dir=str(tmp_path / "cache"))
+        splits = open_data(cfg, out_size=16, say=lambda line: None).splits
+        record = split_record(cfg, splits)
+        assert record["trained_on"] is None and record["source_size"] == 12 - val_size
+        warning = check_overlap(record, splits, "the encoder", "finetune.allow_overlap", False)
+        assert "read in order with no positions recorded" in warning
+
+
+@pytest.mark.slow
+def test_pretraining_on_streamed_shards_without_a_val_split_then_probing_them(tmp_path, capsys):
+    from test_stream import write_shards
+
+    pattern = write_shards(tmp_path / "shards", shards=2, per_shard=8)
+    shards = {"data.dataset": "webdataset", "data.root": pattern, "data.loader": "stream", "data.workers": 0, "optim.batch_size": 4,
+              "schedule.epochs": 1}  # fmt: skip
+    assert pretrain(tiny_overrides(tmp_path, name="mae", **shards, **{"data.val_size": 0})) == 0
+    assert torch.load(tmp_path / "runs" / "mae" / "encoder.pt", weights_only=True)["meta"]["data"]["trained_on"] is None
+    reset_accelerate()
+    capsys.readouterr()
+    # probe_cache=false: a cached probe would read the training shards as an evaluation set, which shards are not
+    probe = tiny_overrides(tmp_path, name="probe", **shards, **{"data.val_size": 3})
+    probe += ["finetune.mode=linear", "finetune.probe_cache=false", f"finetune.init={tmp_path / 'runs' / 'mae'}"]
+    assert finetune(probe) == 0
+    assert "trained on these shards, read in order" in capsys.readouterr().err

@@ -1,9 +1,13 @@
 """Faults done for real: SIGKILL and SIGTERM mid-run, corrupt states on disk, and bad input that must cost nothing."""
 
+import errno
 import hashlib
 import json
+import multiprocessing
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -16,7 +20,7 @@ import torch
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
-from vit.store.runs import state_dirs
+from vit.store.runs import lock_run, state_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,6 +130,165 @@ def test_states_are_kept_to_the_newest_k_and_no_temporary_folder_is_left(tmp_pat
     assert not list((tmp_path / "runs" / "run").glob(".*.tmp"))
 
 
+@pytest.mark.slow
+def test_a_damaged_rng_state_is_caught_and_the_run_still_ends_bitwise_equal(tmp_path, capsys):
+    """Accelerate only logs an RNG state it cannot load; the state's manifest catches it, the state before is loaded,
+    and the final weights are those of an uninterrupted run."""
+
+    def args(name, **extra):
+        return tiny_overrides(tmp_path, name=name, **{"run.save_every": 2, "run.keep_states": 3, **extra})
+
+    assert pretrain(args("whole")) == 0
+    reset_accelerate()
+    assert pretrain(args("cut", **{"schedule.max_steps": 6})) == 0
+    reset_accelerate()
+    run_dir = tmp_path / "runs" / "cut"
+    rng = run_dir / "states" / "step_00000006" / "random_states_0.pkl"
+    size = rng.stat().st_size
+    rng.write_bytes(rng.read_bytes()[:100])  # truncated on disk
+    capsys.readouterr()
+    assert pretrain(args("cut", **{"run.resume": "auto"})) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"step_00000006 is unreadable (random_states_0.pkl holds 100 bytes, {size:,} were written)" in warnings[0]
+    assert "step_00000004 at step 4" in captured.out
+    a, b = weights(tmp_path / "runs" / "whole"), weights(run_dir)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def full_disk(form: str, calls: list):
+    """An `Accelerator.save_state` whose second call writes part of the state, then fails as a full disk makes each writer
+    fail: an OSError (plain writes), safetensors' error (it names the OS error), torch's zip writer (it does not)."""
+    from accelerate import Accelerator
+
+    original = Accelerator.save_state
+
+    def save_state(self, output_dir=None, **kwargs):
+        calls.append(output_dir)
+        if len(calls) < 2:
+            return original(self, output_dir, **kwargs)
+        Path(output_dir, "model.safetensors").write_bytes(b"\0" * 4096)  # what made it to disk
+        if form == "oserror":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if form == "safetensors":
+            from safetensors import SafetensorError
+
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    return save_state
+
+
+@pytest.mark.parametrize("form", ["oserror", "safetensors", "torch"])
+def test_a_full_disk_while_saving_a_state_is_one_line_and_keeps_the_last_good_state(tmp_path, form, monkeypatch, capsys):
+    from collections import namedtuple
+
+    from accelerate import Accelerator
+
+    calls = []
+    monkeypatch.setattr(Accelerator, "save_state", full_disk(form, calls))
+    if form == "torch":  # its message says nothing of the disk: the free space left tells
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("usage", "total used free")(10**9, 10**9, 0))
+    assert pretrain(tiny_overrides(tmp_path, **{"run.save_every": 2})) == 2
+    err = capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "run"
+    partial, kept = run_dir / "states" / ".tmp_step_00000004", run_dir / "states" / "step_00000002"
+    assert err.count("\n") == 1 and err.startswith(f"error: cannot write the resume state {partial}: No space left on device"), err
+    assert f"the last good state {kept} is kept" in err and "run.resume=auto" in err
+    assert sorted(p.name for p in (run_dir / "states").iterdir()) == ["step_00000002"]  # the partial state is gone
+
+
+def test_a_full_disk_under_an_atomic_write_names_the_file_and_keeps_the_old_one(tmp_path, capsys):
+    from vit.errors import StorageError, exit_on_user_error
+    from vit.store.atomic import atomic_write_text
+
+    target = tmp_path / "summary.json"
+    target.write_text("the old one")
+
+    def full(tmp):
+        Path(tmp).write_text("half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    from vit.store.atomic import atomic_write
+
+    with pytest.raises(StorageError, match=f"cannot write {target}: No space left on device"):
+        atomic_write(target, full)
+    assert target.read_text() == "the old one" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+    @exit_on_user_error
+    def appends():  # a plain write that the disk refuses, outside any atomic write
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "metrics.jsonl"))
+
+    assert appends() == 2
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device\n"
+    atomic_write_text(target, "new")  # nothing left behind in the way of the next write
+    assert target.read_text() == "new"
+
+
+def _hold(run_dir, ready, done) -> None:
+    lock_run(run_dir)
+    ready.set()
+    done.wait(120)
+
+
+@pytest.fixture
+def held(tmp_path):
+    """`hold(run_dir)` holds the run folder's lock in another (forked) process until the test ends; returns its PID."""
+    context = multiprocessing.get_context("fork")
+    done, holders = context.Event(), []
+
+    def hold(run_dir: Path) -> int:
+        ready = context.Event()
+        holders.append(context.Process(target=_hold, args=(run_dir, ready, done)))
+        holders[-1].start()
+        assert ready.wait(30)
+        return holders[-1].pid
+
+    yield hold
+    done.set()
+    for p in holders:
+        p.join(30)
+
+
+def test_a_live_run_keeps_its_folder_from_any_second_run(finished, tmp_path, held, capsys):
+    shutil.copytree(finished / "runs", tmp_path / "runs")
+    run_dir = tmp_path / "runs" / "done"
+    pid = held(run_dir)
+    before = snapshot(run_dir)
+    for extra in (["run.resume=auto"], ["run.overwrite=true"], []):
+        assert pretrain(tiny_overrides(tmp_path, name="done", **{"schedule.epochs": 1}) + extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: run folder {run_dir} is in use by process {pid} on {socket.gethostname()}" in err, err
+    assert snapshot(run_dir) == before  # nothing trimmed, cleared or written
+
+
+@pytest.mark.slow
+def test_two_runs_of_one_folder_started_together_one_trains_and_the_other_refuses(tmp_path):
+    run_dir = tmp_path / "runs" / "twice"
+    args = long_run(tmp_path, "twice", **{"run.save_every": 1000}) + ["schedule.epochs=50"]
+    procs = [cli(args), cli(args)]
+    start = time.time()
+    while all(p.poll() is None for p in procs) and time.time() - start < 120:
+        time.sleep(0.05)
+    loser = next(p for p in procs if p.poll() is not None)
+    winner = procs[1 - procs.index(loser)]
+    out, err = loser.communicate(timeout=60)
+    assert loser.returncode == 2 and err.count("\n") == 1 and f"is in use by process {winner.pid}" in err, err
+    assert winner.poll() is None  # the winner trains on
+    # A resume started while it runs refuses the same way, and trims nothing.
+    while not (run_dir / "metrics.jsonl").exists() and time.time() - start < 120:
+        time.sleep(0.05)
+    resumed = cli(args + ["run.resume=auto"])
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 2 and f"is in use by process {winner.pid}" in err and "dropped" not in out, err
+    winner.kill()
+    winner.communicate(timeout=60)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+    assert steps[0] == 1 and steps == sorted(steps), steps  # one process's records (an epoch's end repeats its last step)
+    lock_run(run_dir).release()  # a killed run holds nothing: the OS released its lock
+
+
 # --------------------------------------------------------------------------- bad input: one line, exit 2, nothing touched
 
 
@@ -187,6 +350,32 @@ def test_bad_pretrain_input_is_one_line_and_touches_nothing(finished, case, caps
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert snapshot(finished / "runs" / "done") == before
     assert not (finished / "runs" / "other" / "metrics.jsonl").exists()
+
+
+# Settings that cannot train, refused when the config is read: before the run folder exists.
+CANNOT_TRAIN = {
+    "no visible patch": (["mae.mask_ratio=0.999"], "mae.mask_ratio 0.999 leaves no visible patch of the model's 16"),
+    "infinite lr": (["optim.lr=.inf"], "optim.lr must be a finite number"),
+    "nan base lr": (["optim.base_lr=nan"], "optim.base_lr must be a finite number"),
+    "patch against the preset": (["model.patch_size=5"], "model.patch_size 5 does not divide the image size 32 of vit_cifar_tiny"),
+    "unknown preset": (["model.name=vit_huge"], "model.name 'vit_huge' is not a preset"),
+}
+
+
+@pytest.mark.parametrize("case", list(CANNOT_TRAIN))
+def test_settings_that_cannot_train_are_refused_before_the_run_folder_is_written(tmp_path, case, capsys):
+    extra, message = CANNOT_TRAIN[case]
+    assert pretrain(tiny_overrides(tmp_path, name="fresh") + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "runs" / "fresh").exists()
+
+
+def test_patch_dropout_that_keeps_no_patch_is_refused_before_the_run_folder_is_written(tmp_path, capsys):
+    assert finetune(tiny_overrides(tmp_path, name="fresh", **{"finetune.patch_keep": 0.05})) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "finetune.patch_keep 0.05 keeps no patch of the model's 16" in err, err
+    assert not (tmp_path / "runs" / "fresh").exists()
 
 
 @pytest.mark.parametrize("kind, message", [("empty_class", "empty class folder"), ("unreadable", "broken.png"), ("truncated", "bad.tar.gz")])

@@ -1,6 +1,8 @@
-"""vit/runs.py: reading a run folder, finished or not, resume states on disk, and metrics.jsonl."""
+"""vit/store/runs.py: reading a run folder, finished or not, resume states on disk, and metrics.jsonl."""
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -8,14 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vit.errors import ConfigError, UserError
+from vit.errors import CheckpointError, ConfigError, UserError
 from vit.store.runs import (
     CLASSIFICATION,
+    LOCK_FILE,
+    check_state,
     clear_outputs,
     complete_state,
     holds_run,
     is_run_folder,
     last_logged,
+    lock_run,
     newest_state,
     partial_state_path,
     read_config,
@@ -99,6 +104,72 @@ def test_the_newest_complete_state_skips_half_written_ones(tmp_path):
     assert [p.name for p in state_dirs(tmp_path)] == ["step_00000002", "step_00000004", "step_00000010"]
     assert newest_state(tmp_path) == state_path(tmp_path, 10) and read_state_progress(newest_state(tmp_path)) == {"step": 10, "epoch": 0}
     assert (newest_state(tmp_path) / "model.safetensors").read_bytes() == b"weights"
+
+
+@pytest.fixture
+def umask_027():
+    """Files the others may not read, the group may: what a 0600 file would hide from the group."""
+    old = os.umask(0o027)
+    yield 0o640
+    os.umask(old)
+
+
+def test_a_state_is_checked_against_its_manifest_and_its_files_are_readable_as_the_umask_says(tmp_path, umask_027):
+    import torch
+    from safetensors.torch import save_file
+
+    partial = partial_state_path(tmp_path, 6)
+    partial.mkdir(parents=True)
+    save_file({"w": torch.arange(1000.0)}, partial / "model.safetensors")  # safetensors writes 0600
+    torch.save({"rng": torch.arange(500)}, partial / "random_states_0.pkl")
+    state = complete_state(partial, state_path(tmp_path, 6), {"step": 6})
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in state.iterdir()}
+    assert modes == dict.fromkeys(["model.safetensors", "random_states_0.pkl", "trainer.json", "manifest.json"], umask_027)
+    check_state(state)  # intact
+    rng = state / "random_states_0.pkl"
+    good = rng.read_bytes()
+    rng.write_bytes(good[:100])
+    with pytest.raises(CheckpointError, match=f"random_states_0.pkl holds 100 bytes, {len(good):,} were written"):
+        check_state(state)
+    rng.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # the same size, one bit changed
+    with pytest.raises(CheckpointError, match="random_states_0.pkl differs from what was written"):
+        check_state(state)
+    rng.unlink()
+    with pytest.raises(CheckpointError, match="random_states_0.pkl is missing"):
+        check_state(state)
+    (state / "manifest.json").unlink()
+    check_state(state)  # a state written before manifests: taken as it is
+
+
+def _hold(run_dir, ready, done) -> None:
+    lock_run(run_dir)
+    ready.set()
+    done.wait(60)
+
+
+def test_a_run_folder_is_held_by_one_process_and_freed_when_it_ends(tmp_path):
+    import multiprocessing
+    import socket
+
+    context = multiprocessing.get_context("fork")  # the child needs no fresh interpreter: it only takes the lock
+    ready, done = context.Event(), context.Event()
+    holder = context.Process(target=_hold, args=(tmp_path / "run", ready, done))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(UserError) as e:
+            lock_run(tmp_path / "run")
+        assert f"run folder {tmp_path / 'run'} is in use by process {holder.pid} on {socket.gethostname()}" in str(e.value)
+        assert "\n" not in str(e.value)
+    finally:
+        done.set()
+        holder.join(30)
+    # The holder ended without releasing it: the OS did. Its file is left, and taken over.
+    assert (tmp_path / "run" / LOCK_FILE).exists()
+    lock = lock_run(tmp_path / "run")
+    assert json.loads((tmp_path / "run" / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
 
 
 def test_trimming_keeps_the_newest_k_complete_states(tmp_path):

@@ -1,4 +1,4 @@
-"""Data at any scale (vit/sources.py, vit/stream.py, vit/loaders.py, vit/decode.py): unlabelled folders, WebDataset
+"""Data at any scale (vit/data/: sources, stream, loaders, decode): unlabelled folders, WebDataset
 shards and Hugging Face datasets, read into memory or streamed through worker processes, on data the tests write."""
 
 import io
@@ -309,6 +309,27 @@ def test_auto_picks_memory_under_the_budget_and_stream_over_it(tmp_path):
     assert_one_line_naming(e, "data.loader=stream", "data.loader=memory")
 
 
+@pytest.mark.parametrize("source", ["folder", "webdataset", "hf"])
+def test_auto_stores_images_of_mixed_sizes_at_the_models_size_and_says_so(tmp_path, source):
+    if source == "folder":
+        write_folder(tmp_path / "p", 6, size=(30, 40))
+        write_folder(tmp_path / "p" / "more", 6, size=(50, 35), seed=1)
+        cfg = dict(dataset="folder", root=str(tmp_path / "p"))
+    elif source == "webdataset":
+        first = write_shards(tmp_path / "s", shards=1, per_shard=6, size=(30, 40))
+        second = write_shards(tmp_path / "s", shards=1, per_shard=6, size=(50, 35), seed=1, prefix="more")
+        cfg = dict(dataset="webdataset", root=f"{first}::{second}")
+    else:
+        cfg = dict(dataset="hf", root=str(hf_dataset(tmp_path)), image_column="picture", label_column="kind")  # 20x20 to 20x22
+    data, lines = open_quiet(data_cfg(tmp_path, **cfg), out_size=24)
+    assert lines[0].startswith("data: memory loader (auto: 12 images x 3x24x24") and "stored at the model's 24 px" in lines[0], lines[0]
+    assert data.kind == "memory" and data.splits.train.images.shape == (12, 3, 24, 24)
+    # Asked for by name, the memory loader keeps each image at its own size, and so needs data.image_size.
+    with pytest.raises(DataError) as e:
+        open_quiet(data_cfg(tmp_path, loader="memory", **cfg), out_size=24)
+    assert_one_line_naming(e, "set data.image_size")
+
+
 def test_stream_and_memory_agree_on_the_split_and_the_evaluation_images(tmp_path):
     write_tree(tmp_path / "t", per_class=5)
     base = dict(dataset="imagefolder", root=str(tmp_path / "t"), val_size=3)
@@ -417,6 +438,56 @@ def test_a_bad_image_stops_naming_it_or_is_skipped_and_counted(tmp_path, loader,
 # --------------------------------------------------------------------------- stages
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height and which holds no pixel data: only its header can be read."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_an_image_over_the_pixel_limit_is_refused_from_its_header_or_skipped(tmp_path, loader, capsys):
+    paths = write_folder(tmp_path / "p", 12, size=(20, 20))
+    paths[3].write_bytes(png_header(13000, 13000))  # 169 Mpx by its header, under PIL's own limit
+    cfg = data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "p"), loader=loader, image_size=16)
+
+    def images_read(cfg) -> int:
+        data, _ = open_quiet(cfg)
+        if loader == "memory":
+            return len(data.splits.train)
+        return sum(raw.labels.numel() for raw in data.loader(data.splits.train, 4, train=True).raw_epoch(0))
+
+    with pytest.raises(DataError) as e:
+        images_read(cfg)
+    assert_one_line_naming(e, paths[3], "13000x13000", "over data.max_image_pixels=64,000,000")
+    cfg.skip_bad_images = True
+    assert images_read(cfg) == 11
+    assert "13000x13000" in capsys.readouterr().err
+    # A real image over a lower limit is left out the same way, and the others (20x20 = 400 px) are read.
+    paths[7].write_bytes(encode(photo(np.random.default_rng(0), 40, 40), "PNG"))
+    cfg.max_image_pixels = 1000
+    assert images_read(cfg) == 10
+    assert f"{paths[7]} is 40x40" in capsys.readouterr().err
+
+
+def test_an_empty_or_foreign_image_file_is_named_and_said_what_it_is(tmp_path):
+    paths = write_folder(tmp_path / "p", 6, size=(20, 20))
+    paths[2].write_bytes(b"")
+    cfg = data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "p"), loader="memory", image_size=16)
+    with pytest.raises(DataError) as e:
+        open_quiet(cfg)
+    assert_one_line_naming(e, paths[2], "is empty (0 bytes)")
+    paths[2].write_text("a note saved as .png")
+    with pytest.raises(DataError) as e:
+        open_quiet(cfg)
+    assert_one_line_naming(e, paths[2], "in no image format PIL reads")
+    assert "BytesIO" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_pretrain_on_an_unlabelled_folder_at_64_then_finetune_at_32(tmp_path, capsys):
     """Pretrained at 64 px on unlabelled photos, fine-tuned at 32 px on synthetic labelled data: the positional
@@ -457,6 +528,21 @@ def peak_rss_of_pretraining(tmp_path, name: str, images: int) -> tuple[dict, flo
     summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
     decoded_gb = images * 3 * 224 * 224 / 1e9
     return summary, decoded_gb
+
+
+@pytest.mark.slow
+def test_the_readmes_photo_folder_example_runs_on_photos_of_mixed_sizes(tmp_path, capsys):
+    from pretrain.train import main as pretrain_main
+
+    write_folder(tmp_path / "photos", 12, size=(70, 90))
+    write_folder(tmp_path / "photos" / "phone", 12, size=(120, 80), seed=1)
+    small = tiny_overrides(tmp_path, "mae_photos", **{"data.val_size": 4, "optim.batch_size": 8, "schedule.max_steps": 2})
+    readme = ["data.dataset=folder", f"data.root={tmp_path / 'photos'}", "model.img_size=64", "run.name=mae_photos"]
+    assert pretrain_main(["--config", str(ROOT / "configs" / "pretrain" / "cpu.yaml"), *small, *readme]) == 0
+    first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data: "))
+    assert first.startswith("data: memory loader (auto: 24 images x 3x64x64") and "stored at the model's 64 px" in first, first
+    summary = json.loads((tmp_path / "runs" / "mae_photos" / "summary.json").read_text())
+    assert summary["data"]["image_size"] == 64 and summary["steps"] == 2
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ the key and the file (or the command line). Range checks live in each section's
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -26,6 +27,21 @@ import yaml
 from vit.errors import ConfigError
 
 # --------------------------------------------------------------------------- sections
+
+PIL_MAX_PIXELS = 2 * 89_478_485  # PIL's decompression-bomb error: twice its Image.MAX_IMAGE_PIXELS
+
+# The encoder presets (`model.name`), here rather than in `vit.models.encoder` so that a config is checked against the sizes it
+# will build (a patch that does not divide the image, a mask that hides every patch) before anything runs or is written,
+# without importing the model. `vit.models.encoder.create_model` builds them.
+PRESETS: dict[str, dict] = {
+    # CIFAR-size: 32x32 input, 8x8 grid of 4x4 patches.
+    "vit_cifar_tiny": dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4, mlp_ratio=4.0),
+    "vit_cifar_small": dict(img_size=32, patch_size=4, embed_dim=256, depth=8, num_heads=8, mlp_ratio=4.0),
+    # The ViT paper / DeiT sizes at ImageNet resolution; override img_size and patch_size for CIFAR.
+    "vit_tiny": dict(img_size=224, patch_size=16, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0),
+    "vit_small": dict(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0),
+    "vit_base": dict(img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0),
+}
 
 
 @dataclass
@@ -59,24 +75,31 @@ class ModelConfig:
             kwargs["attn_impl"] = "manual" if device is not None and getattr(device, "type", str(device)) == "cpu" else "sdpa"
         return {k: v for k, v in kwargs.items() if v is not None}
 
+    def sizes(self) -> dict[str, Any]:
+        """The preset's sizes with this config's overrides: what `create_model` will build (`name` must be a preset)."""
+        return {**PRESETS[self.name], **{k: v for k, v in dataclasses.asdict(self).items() if k in PRESETS[self.name] and v is not None}}
+
+    def num_patches(self) -> int:
+        sizes = self.sizes()
+        return (sizes["img_size"] // sizes["patch_size"]) ** 2
+
     def validate(self) -> None:
+        _check(self.name in PRESETS, "model.name", f"{self.name!r} is not a preset ({', '.join(PRESETS)})")
         for key in ("drop_rate", "attn_drop_rate", "drop_path_rate"):
             _check(0.0 <= getattr(self, key) < 1.0, f"model.{key}", "must be in [0, 1)")
         for key in ("img_size", "patch_size", "embed_dim", "depth", "num_heads"):
             value = getattr(self, key)
             _check(value is None or value > 0, f"model.{key}", "must be positive")
-        if self.img_size is not None and self.patch_size is not None:
-            _check(
-                self.img_size % self.patch_size == 0,
-                "model.img_size",
-                f"{self.img_size} is not divisible by model.patch_size={self.patch_size}",
-            )
-        if self.embed_dim is not None and self.num_heads is not None:
-            _check(
-                self.embed_dim % self.num_heads == 0,
-                "model.num_heads",
-                f"{self.num_heads} does not divide model.embed_dim={self.embed_dim}",
-            )
+        _check(self.mlp_ratio is None or self.mlp_ratio > 0, "model.mlp_ratio", "must be positive")
+        # Checked on the sizes that will be built, so an override that does not fit the preset's other size is refused
+        # here, before the run folder is written, not when the model is built.
+        sizes = self.sizes()
+        img, patch = sizes["img_size"], sizes["patch_size"]
+        _check(img % patch == 0, "model.img_size" if self.img_size is not None else "model.patch_size",
+               f"{self.img_size} is not divisible by model.patch_size={patch}" if self.img_size is not None
+               else f"{patch} does not divide the image size {img} of {self.name} (set model.img_size too)")  # fmt: skip
+        heads, dim = sizes["num_heads"], sizes["embed_dim"]
+        _check(dim % heads == 0, "model.num_heads", f"{heads} does not divide model.embed_dim={dim}")
 
 
 @dataclass
@@ -98,6 +121,9 @@ class DataConfig:
     workers: int | None = None  # stream: decoding processes per training process; None: the cores training leaves free (at least 1)
     shuffle_buffer: int = 1000  # stream from shards: samples shuffled in each worker's buffer
     skip_bad_images: bool = False  # an image that does not decode: stop naming it (false), or skip and count it (true)
+    # Images with more pixels (width x height, read from the header before decoding) are refused, or skipped with
+    # skip_bad_images: a 13000x13000 PNG decodes to 0.5 GB in one data worker. null: PIL's own limit alone.
+    max_image_pixels: int | None = 64_000_000
     image_column: str = "image"  # hf: the column holding the images
     label_column: str | None = "label"  # hf: the column holding class labels; null (or a dataset without it): unlabelled
     val_root: str | None = None  # webdataset: shards of the val split; none: the first val_size samples of the last shards
@@ -123,6 +149,8 @@ class DataConfig:
         _check(self.memory_budget_gb is None or self.memory_budget_gb > 0, "data.memory_budget_gb", "must be positive")
         _check(self.workers is None or self.workers >= 0, "data.workers", "must be >= 0")
         _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
+        _check(self.max_image_pixels is None or 0 < self.max_image_pixels <= PIL_MAX_PIXELS, "data.max_image_pixels",
+               f"must be in [1, {PIL_MAX_PIXELS:,}] (PIL refuses larger images whatever the setting), or null")  # fmt: skip
         _check(self.val_root is None or self.dataset == "webdataset", "data.val_root", "is for data.dataset=webdataset")
 
 
@@ -388,6 +416,10 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number in {source}, got {value!r}")
+        # No setting means anything by infinity or NaN, and range checks pass some of them (an infinite learning rate
+        # is "positive"): refused here, for every key.
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number in {source}, got {value!r}")
         return float(value)
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):

@@ -6,6 +6,7 @@ exit, instead of a traceback. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 from typing import Callable
@@ -27,11 +28,20 @@ class CheckpointError(UserError):
     pass
 
 
+class StorageError(UserError):
+    """The disk refused a write (full, over quota); the message names the path and what was kept."""
+
+
+# What a full disk, a quota or a file-size limit look like to a write.
+STORAGE_ERRNOS = tuple(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, name))
+
+
 EXIT_USER_ERROR = 2
 
 
 def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
-    """Wrap an entry point so a `UserError` ends the program with one line and exit code 2."""
+    """Wrap an entry point so a `UserError` ends the program with one line and exit code 2; so does a write that the
+    disk refused (full, over quota) wherever it happened, naming the file."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs) -> int:
@@ -39,6 +49,11 @@ def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
             code = main(*args, **kwargs)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
+        except OSError as e:
+            if e.errno not in STORAGE_ERRNOS:
+                raise
+            print(f"error: cannot write {e.filename or 'a file'}: {e.strerror}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
         return 0 if code is None else code
 

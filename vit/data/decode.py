@@ -3,6 +3,9 @@
     decode_image(data, name, image_size=32)        # (S, S, 3): shorter side resized to S, centre-cropped (caches, evaluation)
     decode_crop(data, name, out_size, box)         # (out, out, 3): a crop box of the original, resized (streamed training)
 
+Both refuse an empty file and, with `max_pixels` (`data.max_image_pixels`), an image whose header says it has
+more pixels, before decoding any (a `BadImage` naming the file, which `data.skip_bad_images` skips).
+
 Every mode PIL opens is turned into 8-bit RGB: grey and grey+alpha are replicated, palette
 images expanded (through RGBA when they carry transparency), CMYK converted, alpha dropped,
 and 16-bit images (PNG's `I;16`, `I`) scaled to 8 bits by their top byte rather than clipped
@@ -40,15 +43,26 @@ def is_image_name(name: str) -> bool:
     return not base.startswith(".") and base.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _open(data: bytes, name: str):
-    from PIL import Image
+def _open(data: bytes, name: str, max_pixels: int | None = None):
+    """The image's header parsed (no pixels decoded yet); refused when it has more than `max_pixels` pixels."""
+    from PIL import Image, UnidentifiedImageError
 
+    if not data:
+        raise BadImage(f"image {name} is empty (0 bytes)")
     try:
-        im = Image.open(io.BytesIO(data))
-        im.size  # noqa: B018 - the header is parsed here; a file that is not an image fails now
-        return im
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # `max_pixels` is the limit that speaks
+            im = Image.open(io.BytesIO(data))
+        w, h = im.size  # the header is parsed here; a file that is not an image fails now
+    except UnidentifiedImageError:  # its message names the in-memory buffer, not the file
+        raise BadImage(f"cannot decode image {name} ({len(data)} bytes in no image format PIL reads)") from None
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... on damaged files
         raise BadImage(f"cannot decode image {name} ({type(e).__name__}: {e})") from None
+    if max_pixels is not None and w * h > max_pixels:
+        im.close()
+        raise BadImage(f"image {name} is {w}x{h} = {w * h / 1e6:.1f} Mpx, over data.max_image_pixels={max_pixels:,} "
+                       f"(it would decode to {3 * w * h / 1e9:.2f} GB)")  # fmt: skip
+    return im
 
 
 def to_rgb(im):
@@ -90,12 +104,13 @@ def _load(im, name: str):
     return im
 
 
-def decode_image(data: bytes, name: str, image_size: int | None = None) -> np.ndarray:
+def decode_image(data: bytes, name: str, image_size: int | None = None, max_pixels: int | None = None) -> np.ndarray:
     """Encoded bytes -> (H, W, 3) uint8; with `image_size`, the shorter side resized to it (bilinear, antialiased),
-    then centre-cropped square: (image_size, image_size, 3)."""
+    then centre-cropped square: (image_size, image_size, 3). An image of more than `max_pixels` pixels is a BadImage,
+    told from its header before any pixel is decoded."""
     from PIL import Image
 
-    im = _open(data, name)
+    im = _open(data, name, max_pixels)
     with im:
         if image_size is not None:
             w, h = im.size
@@ -112,18 +127,18 @@ def decode_image(data: bytes, name: str, image_size: int | None = None) -> np.nd
         return np.asarray(rgb, dtype=np.uint8)
 
 
-def decode_crop(data: bytes, name: str, out_size: int, box: Callable[[int, int], Box]) -> np.ndarray:
+def decode_crop(data: bytes, name: str, out_size: int, box: Callable[[int, int], Box], max_pixels: int | None = None) -> np.ndarray:
     """Decode only what a crop needs and resize it: -> (out_size, out_size, 3) uint8.
 
     `box(width, height)` is called with the original size (read from the header, before decoding)
     and returns the crop (x0, y0, w, h) in its pixels. A JPEG is decoded at the largest DCT
     reduction that leaves the box at least `out_size` pixels on its shorter side; the box is then
     resampled to `out_size` in one bilinear, antialiased `resize(box=...)`, PIL's equivalent of
-    torchvision's `resized_crop`.
+    torchvision's `resized_crop`. An image of more than `max_pixels` pixels is a BadImage, as for `decode_image`.
     """
     from PIL import Image
 
-    im = _open(data, name)
+    im = _open(data, name, max_pixels)
     with im:
         w, h = im.size
         x0, y0, bw, bh = _pixel_box(box(w, h), w, h)

@@ -26,9 +26,9 @@ them here, and `vit/loaders.py` picks between the two (`data.loader`).
 
 Image files (ImageFolder trees and archives, folders, shards, Hugging Face datasets) are decoded
 once into `<cache_dir>/<dataset>-<hash>.pt`; the hash covers the source's path, size and mtime,
-the decode size and `FORMAT_VERSION`, so a changed source is decoded again. With
-`data.skip_bad_images` an image that does not decode is left out and listed (`Splits.bad_images`). CIFAR
-pickles and MNIST idx files are already raw uint8 arrays and are read directly.
+the decode settings (size, `data.max_image_pixels`) and `FORMAT_VERSION`, so a changed source is decoded again.
+With `data.skip_bad_images` an image that does not decode (or has more than `data.max_image_pixels` pixels) is left
+out and listed (`Splits.bad_images`). CIFAR pickles and MNIST idx files are already raw uint8 arrays and are read directly.
 
 The validation split is carved from the training split, class-balanced, by a
 generator seeded with `data.split_seed`; `data.train_fraction` then keeps a seeded,
@@ -509,7 +509,7 @@ def _download(title: str, torchvision_class: str, downloads: Path, where: str) -
 
 
 def _load_imagefolder_cached(cfg: DataConfig, source: Path, skipped: list) -> dict[str, ImageSet]:
-    return _cached(cfg, source, lambda bad: _read_imagefolder(source, cfg.image_size, cfg.skip_bad_images, bad), skipped)
+    return _cached(cfg, source, lambda bad: _read_imagefolder(source, cfg.image_size, cfg.skip_bad_images, bad, cfg.max_image_pixels), skipped)
 
 
 def _load_files_cached(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
@@ -540,17 +540,18 @@ def file_sets(cfg: DataConfig) -> dict[str, Any]:
 
 
 def _read_file_sets(cfg: DataConfig, bad: list) -> dict[str, ImageSet]:
-    return {split: decode_files(files, cfg.image_size, cfg.skip_bad_images, bad) for split, files in file_sets(cfg).items()}
+    return {split: decode_files(files, cfg.image_size, cfg.skip_bad_images, bad, cfg.max_image_pixels) for split, files in file_sets(cfg).items()}
 
 
-def decode_files(files, image_size: int | None, skip_bad: bool, bad: list) -> ImageSet:
-    """Decode every image of a `vit.data.sources.FileSet` in one process: -> ImageSet (skipped images appended to `bad`)."""
+def decode_files(files, image_size: int | None, skip_bad: bool, bad: list, max_pixels: int | None = None) -> ImageSet:
+    """Decode every image of a `vit.data.sources.FileSet` in one process: -> ImageSet (skipped images appended to `bad`;
+    images of more than `max_pixels` pixels are bad images)."""
     check = _SizeCheck()
     arrays, keep = [], []
     for i in range(len(files)):
         try:
             data, name = files.read(i)
-            arr = decode_image(data, name, image_size)
+            arr = decode_image(data, name, image_size, max_pixels)
         except BadImage as e:
             if not skip_bad:
                 raise
@@ -577,7 +578,7 @@ def _read_shards(urls: list[str], cfg: DataConfig, bad: list) -> dict[str, Image
         try:
             if found is None:
                 raise BadImage(f"sample {name} has no image member (.jpg, .png, ...)")
-            arr = decode_image(found[0], found[1], cfg.image_size)
+            arr = decode_image(found[0], found[1], cfg.image_size, cfg.max_image_pixels)
         except BadImage as e:
             if not cfg.skip_bad_images:
                 raise
@@ -596,7 +597,8 @@ def _read_shards(urls: list[str], cfg: DataConfig, bad: list) -> dict[str, Image
     return {"train": ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), classes)}
 
 
-def _read_imagefolder(source: Path, image_size: int | None, skip_bad: bool = False, bad: list | None = None) -> dict[str, ImageSet]:
+def _read_imagefolder(source: Path, image_size: int | None, skip_bad: bool = False, bad: list | None = None,
+                      max_pixels: int | None = None) -> dict[str, ImageSet]:  # fmt: skip
     """Decode an ImageFolder tree or .tar.gz: {"train": ImageSet, "val"?: ImageSet, "test"?: ImageSet}."""
     bad = [] if bad is None else bad
     if source.is_file() and not _is_archive(source):
@@ -607,10 +609,10 @@ def _read_imagefolder(source: Path, image_size: int | None, skip_bad: bool = Fal
         check = _SizeCheck()
         result = {}
         for split, files in sources.tree_files(source, SPLIT_NAMES).items():
-            result[split] = decode_files(files, image_size, skip_bad, bad)
+            result[split] = decode_files(files, image_size, skip_bad, bad, max_pixels)
             check(files.reader.name(0), result[split].images[0].permute(1, 2, 0).numpy())
         return result
-    entries = _read_archive(source, image_size, skip_bad, bad)
+    entries = _read_archive(source, image_size, skip_bad, bad, max_pixels)
     classes = sorted({c for split, c in entries if split == "train"})
     index = {c: i for i, c in enumerate(classes)}
     result = {}
@@ -646,8 +648,11 @@ class _SizeCheck:
             raise DataError(f"{name} is {w}x{h} but {self.first[0]} is {w0}x{h0}; set data.image_size to resize every image")
 
 
-def _read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: list) -> dict[tuple[str, str], list[tuple[str, np.ndarray]]]:
-    """Stream the members of a .tar.gz (no extraction to disk): `[prefix/]split/class/file` images are decoded."""
+def _read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: list,
+                  max_pixels: int | None = None) -> dict[tuple[str, str], list[tuple[str, np.ndarray]]]:  # fmt: skip
+    """Stream the members of a .tar.gz (no extraction to disk): `[prefix/]split/class/**/file` images are decoded, at
+    any depth below the class folder, as the folder reader (`vit.data.sources.tree_files`) reads them. Files are keyed by
+    their path below the class folder, so sorting them gives the folder reader's order."""
     check = _SizeCheck()
     entries: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
     class_dirs: set[tuple[str, str]] = set()
@@ -663,12 +668,12 @@ def _read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: li
                     continue
                 if member.isdir() and len(parts) == 2:
                     class_dirs.add((parts[0], parts[1]))
-                if not member.isfile() or len(parts) != 3 or not is_image_name(parts[2]):
+                if not member.isfile() or len(parts) < 3 or not is_image_name(parts[-1]):
                     continue
                 name = f"{archive}:{member.name}"
                 data = tar.extractfile(member).read()
                 try:
-                    arr = decode_image(data, name, image_size)
+                    arr = decode_image(data, name, image_size, max_pixels)
                 except BadImage as e:
                     if not skip_bad:
                         raise
@@ -676,7 +681,7 @@ def _read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: li
                     class_dirs.add((parts[0], parts[1]))
                     continue
                 check(name, arr)
-                entries.setdefault((parts[0], parts[1]), []).append((parts[2], arr))
+                entries.setdefault((parts[0], parts[1]), []).append(("/".join(parts[2:]), arr))
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         raise DataError(f"{archive} is truncated or not a readable .tar.gz ({type(e).__name__}: {e})") from None
     empty = sorted(class_dirs - set(entries))
@@ -701,7 +706,7 @@ def cache_path(cfg: DataConfig, source: Path | str, extra: tuple = ()) -> Path:
         identity = (str(source.resolve()), size, mtime)
     else:
         identity = (source,)
-    key = repr((FORMAT_VERSION, cfg.dataset, *identity, cfg.image_size, *extra))
+    key = repr((FORMAT_VERSION, cfg.dataset, *identity, cfg.image_size, cfg.max_image_pixels, *extra))
     return _cache_dir(cfg) / f"{cfg.dataset}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 

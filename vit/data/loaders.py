@@ -14,12 +14,15 @@
   with the number of images.
 - `auto`: `memory` when the decoded dataset (images x 3 x H x W bytes) fits in `data.memory_budget_gb`
   (default a quarter of the machine's RAM), else `stream`; the choice and its reason are printed.
+  Without `data.image_size`, `auto` stores image files (folders, trees, archives, shards, Hugging Face
+  datasets) at the model's input size, so photos of mixed sizes share one tensor; the first data line
+  says so. (`data.loader=memory` keeps them at their own size, and refuses mixed sizes.)
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -36,6 +39,7 @@ from vit.data.stream import BadImageLog, StreamLoader
 
 GB = 1e9
 ARRAY_SOURCES = ("mnist", "fashionmnist", "synthetic")  # read as arrays: always in memory
+MIXED_SIZE_SOURCES = ("imagefolder", "folder", "webdataset", "hf")  # image files of any size (CIFAR's are all 32x32)
 BUDGET_SHARE = 0.25  # of the machine's RAM, the default `data.memory_budget_gb`
 
 
@@ -111,6 +115,15 @@ def decoded_bytes(cfg: DataConfig, out_size: int, sets: dict[str, Any] | None = 
     return count, f"{h}x{w}", count * 3 * w * h
 
 
+def stored_size(cfg: DataConfig, out_size: int | None) -> int | None:
+    """The size the memory loader decodes images to: `data.image_size`; under `data.loader=auto` without it, image files
+    are stored at the model's input size `out_size` (at their own sizes, photos of mixed sizes could not share one
+    tensor); None: as they are."""
+    if cfg.image_size is not None or cfg.loader != "auto" or out_size is None or cfg.dataset not in MIXED_SIZE_SOURCES:
+        return cfg.image_size
+    return out_size
+
+
 def choose_loader(cfg: DataConfig, out_size: int, sets: dict[str, Any] | None = None) -> tuple[str, str]:
     """("memory" | "stream", why) for `data.loader`; `sets` as for `decoded_bytes`."""
     why_not = streamable(cfg)
@@ -154,12 +167,12 @@ class Data:
         if isinstance(images, ImageSet):
             return BatchLoader(images, batch_size, **kwargs)
         return StreamLoader(images, batch_size, workers=self.workers, skip_bad=c.skip_bad_images, bad_log=self.bad,
-                            shuffle_buffer=c.shuffle_buffer, **kwargs)  # fmt: skip
+                            shuffle_buffer=c.shuffle_buffer, max_pixels=c.max_image_pixels, **kwargs)  # fmt: skip
 
     def subset(self, images: Any, index: torch.Tensor) -> Any:
         """The images at `index` of an ImageSet or FileSet (shards are not indexable: their first len(index) samples, decoded)."""
         if isinstance(images, sources.ShardSet):
-            return shard_head(images, len(index), self.out_size, self.cfg.skip_bad_images, self.bad)[0]
+            return shard_head(images, len(index), self.out_size, self.cfg.skip_bad_images, self.bad, max_pixels=self.cfg.max_image_pixels)[0]
         return images.subset(index)
 
     def pixels(self, images: Any, index: torch.Tensor, size: int) -> torch.Tensor:
@@ -169,7 +182,7 @@ class Data:
             from vit.data.augment import resize
 
             return (resize(part.images.float() / 255, size) * 255).round().clamp(0, 255).to(torch.uint8)
-        return decode_files(part, size, self.cfg.skip_bad_images, []).images
+        return decode_files(part, size, self.cfg.skip_bad_images, [], self.cfg.max_image_pixels).images
 
     def bad_total(self, accelerator=None) -> int:
         """Images left out because they do not decode (`data.skip_bad_images`): those the memory loader's decode skipped
@@ -181,7 +194,7 @@ class Data:
 
 
 def shard_head(shards: sources.ShardSet, count: int, out_size: int, skip_bad: bool, bad: BadImageLog,
-               urls: list[str] | None = None) -> tuple[ImageSet, list[str]]:  # fmt: skip
+               urls: list[str] | None = None, max_pixels: int | None = None) -> tuple[ImageSet, list[str]]:  # fmt: skip
     """The first `count` images of `urls` (default the shards', in order, their excluded keys left out), decoded for
     evaluation (shorter side resized to `out_size`, centre crop), and the keys of every sample read (skipped ones too)."""
     arrays, labels, keys = [], [], []
@@ -196,7 +209,7 @@ def shard_head(shards: sources.ShardSet, count: int, out_size: int, skip_bad: bo
         try:
             if found is None:
                 raise BadImage(f"sample {name} has no image member (.jpg, .png, ...)")
-            arrays.append(decode_image(found[0], found[1], out_size))
+            arrays.append(decode_image(found[0], found[1], out_size, max_pixels))
         except BadImage as e:
             if not skip_bad:
                 raise BadImage(f"{e}; data.skip_bad_images=true skips such files") from None
@@ -219,13 +232,14 @@ def _shard_splits(cfg: DataConfig, out_size: int, bad: BadImageLog) -> Splits:
     val = ImageSet(torch.zeros(0, 3, out_size, out_size, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64), list(train.classes))
     if cfg.val_root is not None:
         held = sources.open_shards(cfg.val_root, cache_dir)
-        val, _ = shard_head(held, cfg.val_size or len(held), out_size, cfg.skip_bad_images, bad, urls=held.urls)
+        val, _ = shard_head(held, cfg.val_size or len(held), out_size, cfg.skip_bad_images, bad, urls=held.urls, max_pixels=cfg.max_image_pixels)
     elif cfg.val_size:
         if cfg.val_size >= len(train):
             raise DataError(f"the shards hold {len(train)} samples; data.val_size={cfg.val_size} needs more (or set data.val_root)")
         keys, parts = [], []
         for url in reversed(train.urls):
-            part, read = shard_head(train, cfg.val_size - sum(len(p) for p in parts), out_size, cfg.skip_bad_images, bad, urls=[url])
+            part, read = shard_head(train, cfg.val_size - sum(len(p) for p in parts), out_size, cfg.skip_bad_images, bad, urls=[url],
+                                    max_pixels=cfg.max_image_pixels)  # fmt: skip
             keys += read
             parts.append(part)
             if sum(len(p) for p in parts) >= cfg.val_size:
@@ -244,7 +258,12 @@ def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | s
     device = torch.device(device)
     listed = file_sets(cfg) if cfg.loader != "memory" and cfg.dataset in ("folder", "hf", "imagefolder", "cifar10", "cifar100") \
         and streamable(cfg) is None else None  # fmt: skip
+    stored = stored_size(cfg, out_size)
+    derived = stored != cfg.image_size
+    cfg = replace(cfg, image_size=stored)  # what the memory loader decodes to; `auto`'s estimate counts that size
     kind, why = choose_loader(cfg, out_size or cfg.image_size or 32, listed)
+    if kind == "memory" and derived:
+        why += f"; stored at the model's {stored} px (data.image_size unset; set it to store another size)"
     bad = BadImageLog(rank)
     workers = default_workers(cfg, device, threads, local_processes) if kind == "stream" else 0
     how = f"{workers} decoding worker(s) per process (data.workers)" if kind == "stream" else "decoded once, augmented on the device"

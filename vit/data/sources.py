@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from vit.data.decode import BadImage, is_image_name
-from vit.errors import DataError
+from vit.errors import DataError, UserError
 
 UNLABELLED = -1
 
@@ -392,7 +392,7 @@ def open_shards(pattern: str, cache_dir: Path) -> ShardSet:
 
         try:
             atomic_write_text(index_file, json.dumps({"pattern": pattern, "shards": scans}))
-        except OSError:
+        except (OSError, UserError):  # UserError: a full disk (vit.store.atomic's StorageError)
             pass  # the scan is only a cache: a read-only cache_dir costs a rescan next time
     empty = [u for u, s in zip(urls, scans) if s["samples"] == 0]
     if empty:

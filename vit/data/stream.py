@@ -90,13 +90,14 @@ class Decoder:
     seed: int = 0
     crop_scale: tuple[float, float] = (0.35, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    max_pixels: int | None = None  # `data.max_image_pixels`: larger images are bad images
 
     def __call__(self, data: bytes, name: str, *seed_parts: Any) -> np.ndarray:
         """-> (out_size, out_size, 3) uint8."""
         if not self.train:
-            return decode_image(data, name, self.out_size)
+            return decode_image(data, name, self.out_size, self.max_pixels)
         rng = random.Random(seed_of("crop", self.seed, *seed_parts))
-        return decode_crop(data, name, self.out_size, lambda w, h: crop_box(w, h, self.crop_scale, self.crop_ratio, rng))
+        return decode_crop(data, name, self.out_size, lambda w, h: crop_box(w, h, self.crop_scale, self.crop_ratio, rng), self.max_pixels)
 
 
 @dataclass
@@ -310,8 +311,9 @@ class StreamLoader(Loader):
     """
 
     def __init__(self, data: FileSet | ShardSet, batch_size: int, *, workers: int = 1, skip_bad: bool = False,
-                 bad_log: BadImageLog | None = None, shuffle_buffer: int = 1000, **settings) -> None:  # fmt: skip
-        """`settings`: those of `vit.data.augment.Loader` (device, mean, std, out_size, train, seed, rank, world_size, crop, ops)."""
+                 bad_log: BadImageLog | None = None, shuffle_buffer: int = 1000, max_pixels: int | None = None, **settings) -> None:  # fmt: skip
+        """`settings`: those of `vit.data.augment.Loader` (device, mean, std, out_size, train, seed, rank, world_size, crop, ops);
+        `max_pixels`: images with more pixels are bad images (`data.max_image_pixels`)."""
         train, world_size = settings.get("train"), settings.get("world_size", 1)
         if isinstance(data, ShardSet):
             if not train:
@@ -324,7 +326,7 @@ class StreamLoader(Loader):
         self.data, self.classes, self.workers = data, list(data.classes), workers
         self.skip_bad, self.shuffle_buffer = skip_bad, shuffle_buffer
         self.bad_log = bad_log if bad_log is not None else BadImageLog(self.rank)
-        self.decoder = Decoder(self.out_size, self.train, self.seed, self.crop_scale, self.crop_ratio)
+        self.decoder = Decoder(self.out_size, self.train, self.seed, self.crop_scale, self.crop_ratio, max_pixels)
         self.finisher = Finisher(self.train, self.seed, self.rank, self.hflip, self.ops, self._mean_t, self._std_t)
         self._files_loader = None  # training on files: one DataLoader whose workers live as long as this loader
 

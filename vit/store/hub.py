@@ -38,6 +38,11 @@ PREFIXES = ("local-dir:", "hf-hub:")
 TEMPLATE_ARCHITECTURE = "vit_base_patch16_224"
 # Fields that must agree between a Hub ViT and our encoder; image and patch size are resampled instead.
 MATCHED_FIELDS = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
+# The `model_args` of a config.json that reach `timm.create_model`: a ViT's shape, and the parts `timm_architecture`
+# refuses by name. Nothing else does: timm's own arguments there (`checkpoint_path`, `pretrained_cfg_overlay`,
+# `cache_dir`, ...) would make it read other files.
+VIT_ARGS = ("img_size", "patch_size", "in_chans", "num_classes", "global_pool", "embed_dim", "depth", "num_heads", "mlp_ratio",
+            "qkv_bias", "qk_norm", "init_values", "class_token", "reg_tokens", "no_embed_class", "pre_norm", "fc_norm", "act_layer")
 
 
 def is_hub_init(init: str) -> bool:
@@ -205,7 +210,8 @@ def read_hub_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str
 
 
 def timm_architecture(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """The encoder fields of the timm model that config.json describes, built on the meta device (no memory, no init cost).
+    """The encoder fields of the timm model that config.json describes, built on the meta device (no memory, no init cost)
+    from its `model_args` of VIT_ARGS alone.
 
     Refuses, naming `where`, an unknown architecture, a model that is not a ViT, or a ViT with parts our
     encoder does not have (register tokens, layer scale, fc_norm, pre-norm, ...).
@@ -214,6 +220,9 @@ def timm_architecture(config: dict[str, Any], where: str) -> dict[str, Any]:
     import timm.models.vision_transformer as tv
 
     arch, args = config["architecture"], config.get("model_args") or {}
+    if not isinstance(args, dict):
+        raise CheckpointError(f"{where}: config.json's model_args is not a mapping")
+    args = {k: v for k, v in args.items() if k in VIT_ARGS}
     try:
         with torch.device("meta"):
             m = timm.create_model(arch, pretrained=False, **args)

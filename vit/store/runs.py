@@ -4,11 +4,13 @@
       config.yaml              the resolved config, with `meta` (stage, job type, git commit, seed, parent, command)
       metrics.jsonl            one JSON record per logged step and per epoch end
       summary.json             written when the run finishes: without it a run is unfinished
-      encoder.pt, mae.pt       pretraining: the encoder, and the whole MAE (formats: vit/checkpoint.py)
+      encoder.pt, mae.pt       pretraining: the encoder, and the whole MAE (formats: vit/store/checkpoint.py)
       classifier.pt            classification: the classifier (format: finetune/models.py)
       reconstruction.png, figures/, confusion_<split>.png
-      states/step_<8 digits>/  Accelerate resume states; `trainer.json`, written last, marks one complete
+      states/step_<8 digits>/  Accelerate resume states; `trainer.json` (the loop's progress) and `manifest.json`
+                               (every file's size and hash), written last, mark one complete
       tensorboard/
+      run.lock                 held by the live process that runs here (its PID and host inside); gone when it ends
 
 What the checkpoint files hold belongs to their modules; where they lie, and what makes a
 folder a run, finished or not, belongs here.
@@ -16,17 +18,21 @@ folder a run, finished or not, belongs here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import socket
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from vit.errors import ConfigError, UserError
-from vit.store.atomic import atomic_write_text
+from vit.errors import CheckpointError, ConfigError, UserError
+from vit.store.atomic import atomic_write_text, usual_permissions
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -41,7 +47,9 @@ TENSORBOARD_DIR = "tensorboard"
 STATE_DIR = "states"
 STATE_PREFIX = "step_"
 PARTIAL_PREFIX = ".tmp_"  # a state being written; renamed to step_* once complete
-STATE_FILE = "trainer.json"  # written last: its presence marks a complete state
+STATE_FILE = "trainer.json"  # the loop's progress; with the manifest, written last: their presence marks a complete state
+MANIFEST_FILE = "manifest.json"  # {path in the state: [bytes, sha256]} of every other file of a state
+LOCK_FILE = "run.lock"  # see `lock_run`
 
 RUN_OUTPUTS = (METRICS_FILE, SUMMARY_FILE, ENCODER_FILE, MAE_FILE, CLASSIFIER_FILE, STATE_DIR)  # what makes a folder hold a run
 RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)  # what makes a folder a run folder to read
@@ -92,6 +100,85 @@ def clear_outputs(run_dir: Path) -> None:
     for name in RUN_OUTPUTS:
         path = Path(run_dir) / name
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- one live run per folder
+
+
+class RunLock:
+    """The run folder's lock (`run.lock`, an `flock`), held for the run's life by the one process that writes the
+    folder. The OS releases it when that process ends, however it ends (a kill, a crash), so a dead run never
+    keeps its folder locked."""
+
+    def __init__(self, path: Path, file):
+        self.path, self.file = path, file
+
+    def release(self) -> None:
+        if self.file is None:
+            return
+        _HELD.pop(str(self.path), None)
+        # Removed while still held: a process that opened the file before the removal finds it gone once it holds
+        # the lock, and takes the new one (see `lock_run`).
+        self.path.unlink(missing_ok=True)
+        self.file.close()
+        self.file = None
+
+
+_HELD: dict[str, RunLock] = {}  # this process's locks: a later run here (tests, a notebook) takes its folder's over
+
+
+def lock_run(run_dir: Path) -> RunLock | None:
+    """Hold `run_dir`'s lock, or refuse in one line naming the process that holds it (a UserError).
+
+    None where the OS or file system has no `flock` (Windows, some network mounts): the run goes on unlocked,
+    after one warning."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        print(f"warning: no file locks on this system: nothing stops a second run from writing {run_dir} at the same time",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    if str(path) in _HELD:
+        _HELD[str(path)].release()
+    while True:
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read()
+            f.close()
+            raise UserError(f"run folder {run_dir} is in use by {_describe_holder(holder)}: two runs would write the same "
+                            "states and metrics; wait for it to end (or stop it), or choose another run.name") from None  # fmt: skip
+        except OSError as e:  # a file system without locks
+            f.close()
+            print(f"warning: cannot lock {path} ({e.strerror}): nothing stops a second run from writing {run_dir} at the same time",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return None
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(os.fstat(f.fileno()), current):
+            break
+        f.close()  # the last holder removed the file between our open and our lock: lock the one there now
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    f.flush()
+    lock = _HELD[str(path)] = RunLock(path, f)
+    return lock
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        holder = json.loads(text)
+        return f"process {holder['pid']} on {holder['host']} (since {holder['since']})"
+    except (ValueError, KeyError, TypeError):  # written this instant, or by something else
+        return "another process"
 
 
 # --------------------------------------------------------------------------- reading
@@ -227,11 +314,49 @@ def newest_state(run_dir: Path) -> Path | None:
 
 
 def complete_state(partial: Path, final: Path, progress: dict[str, Any]) -> Path:
-    """Mark a fully written state complete (its marker last) and move it to its final name."""
+    """Mark a fully written state complete and move it to its final name: the progress, then the manifest of every
+    file (sizes and hashes, which `check_state` verifies before the state is loaded), are written last. Every file
+    gets the usual permissions (safetensors writes 0600)."""
     (partial / STATE_FILE).write_text(json.dumps(progress))
+    manifest = {}
+    for path in sorted(p for p in partial.rglob("*") if p.is_file()):
+        usual_permissions(path)
+        manifest[path.relative_to(partial).as_posix()] = [path.stat().st_size, _sha256(path)]
+    (partial / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    usual_permissions(partial / MANIFEST_FILE)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     return final
+
+
+def check_state(path: Path) -> None:
+    """Refuse (a CheckpointError naming the file) a state whose files are not those its manifest lists: one missing, cut
+    short or changed. A state written before manifests has none and is taken as it is."""
+    path = Path(path)
+    if not (path / MANIFEST_FILE).is_file():
+        return
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        entries = [(str(name), int(size), str(digest)) for name, (size, digest) in manifest.items()]
+    except (ValueError, TypeError, AttributeError):
+        raise CheckpointError(f"{MANIFEST_FILE} is damaged") from None
+    for name, size, digest in entries:
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{name} is missing")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"{name} holds {actual:,} bytes, {size:,} were written")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"{name} differs from what was written")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_state_progress(path: Path) -> dict[str, Any]:

@@ -11,7 +11,9 @@ handed to `prepare`, which would step once per process), gradient accumulation,
 clipping, mixed precision, the non-finite-loss guard, metrics, resume states and
 pre-emption signals. Resume states are Accelerate `save_state` folders written
 under a temporary name and renamed when complete, so `run.resume=auto` never
-picks up a half-written one.
+picks up a half-written one; their manifest (`vit.store.runs.check_state`) is verified
+before one is loaded, so a file damaged since is not loaded either. The run folder
+is locked for the run's life (`vit.store.runs.lock_run`): a second run of it refuses.
 """
 
 from __future__ import annotations
@@ -35,14 +37,17 @@ from vit.train import tracking
 from vit.train.budget import FORWARD_SHARE, BudgetPlan, StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
 from vit.config import RunConfig, dump_config, to_dict
 from vit.device import BusySampler, host, synchronize
-from vit.errors import ConfigError, UserError
+from vit.errors import CheckpointError, ConfigError, StorageError, UserError
 from vit.train.guard import LossRing
+from vit.store.atomic import storage_failure
 from vit.store.runs import (
     METRICS_FILE,
     STATE_DIR,
     STATE_FILE,
     TENSORBOARD_DIR,
+    RunLock,
     append_metrics,
+    check_state,
     clear_outputs,
     complete_state,
     holds_run,
@@ -52,6 +57,8 @@ from vit.store.runs import (
     state_dirs,
     state_path,
     last_logged,
+    lock_run,
+    newest_state,
     trim_metrics,
     read_budget,
     write_budget,
@@ -246,6 +253,7 @@ class Run:
     compile_mode: str | None = None  # what `compile_for_run` chose
     first_step_seconds: float | None = None  # the first training step, compilation included, device drained
     gpu_busy: float | None = None  # mean GPU utilisation (%) over the training after the first step (CUDA with NVML)
+    lock: RunLock | None = None  # the run folder's, held by the main process until `finish` (or the process's end)
 
     @classmethod
     def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
@@ -259,7 +267,15 @@ class Run:
         cfg = replace(cfg, run=run_cfg)
         threads = set_threads(run_cfg, accelerator)
         run_dir = run_cfg.path
-        check_run_dir(run_dir, run_cfg)
+        # Before anything reads or clears the folder (an overwrite, a resume's trimming): a live run of it refuses this one.
+        # The main process alone holds it; the other ranks of this run follow it.
+        lock = lock_run(run_dir) if accelerator.is_main_process else None
+        try:
+            check_run_dir(run_dir, run_cfg)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         accelerator.wait_for_everyone()  # every rank checked the folder before the main one writes to it
         set_seed(run_cfg.seed, device_specific=True)  # each rank draws different dropout / masks
         meta = {
@@ -274,7 +290,8 @@ class Run:
             "torch": str(torch.__version__),
             "command": " ".join(sys.argv),
         }
-        run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta)
+        run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta,
+                  lock=lock)  # fmt: skip
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir, dump_config(cfg, meta))
@@ -388,6 +405,8 @@ class Run:
                 self.accelerator.end_training()
             except Exception as e:
                 self.warn(f"tracker did not close cleanly ({type(e).__name__})")
+        if self.lock is not None:
+            self.lock.release()
         return summary
 
 
@@ -448,18 +467,33 @@ class Progress:
 
 
 def save_state(run: Run, progress: Progress) -> Path:
-    """Write an Accelerate resume state atomically and keep the newest `run.keep_states`."""
+    """Write an Accelerate resume state atomically and keep the newest `run.keep_states`.
+
+    A write the disk refuses (full, over quota) removes the half-written state, which would keep the disk full, and
+    stops the run with one line (a StorageError) naming it; the states saved before are kept."""
     acc = run.accelerator
     final = state_path(run.dir, progress.step)
     tmp = partial_state_path(run.dir, progress.step)
+    try:
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            complete_state(tmp, final, progress.__dict__)
+    except Exception as e:
+        reason = storage_failure(e, tmp.parent)  # before the partial state frees its space
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if reason is None:
+            raise
+        last = newest_state(run.dir)
+        kept = f"the last good state {last} is kept" if last is not None else "no earlier state was saved"
+        raise StorageError(f"cannot write the resume state {tmp}: {reason}; it is removed and {kept}; free some space, "
+                           "then resume with run.resume=auto") from None  # fmt: skip
     if acc.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    acc.save_state(str(tmp))
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        complete_state(tmp, final, progress.__dict__)
         trim_states(run.dir, run.cfg.run.keep_states)
     acc.wait_for_everyone()
     return final
@@ -482,12 +516,16 @@ def load_state(run: Run) -> Progress | None:
         candidates = [path]
     for path in candidates:
         try:
+            # Every file is checked against the state's manifest first: Accelerate only logs an RNG state it cannot
+            # load, and the run would go on from another random state.
+            check_state(path)
             progress = Progress(**read_state_progress(path))
             run.accelerator.load_state(str(path))
         except Exception as e:
+            why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
             if resume != "auto":
-                raise ConfigError(f"run.resume={resume}: the state does not load ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
-            run.warn(f"resume state {path} is unreadable ({type(e).__name__}); trying the one before")
+                raise ConfigError(f"run.resume={resume}: the state does not load ({why})") from None
+            run.warn(f"resume state {path} is unreadable ({why}); trying the one before")
             continue
         run.print(f"resume: from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batch})")
         # The stage's clock (a time budget's stage_seconds) counts the training the processes before this one did; their
@@ -841,7 +879,9 @@ class TrainLoop:
         first, loss = bad[0]
         where = f"step {first}, lr {self.spec.lr(first):.3g}, precision {run.cfg.run.precision}, loss {run.stage}"
         if p.nan_skips > budget:
-            raise NonFiniteLoss(f"non-finite loss ({loss}) at {where}; the last good resume state is kept in {run.dir / STATE_DIR}")
+            last = newest_state(run.dir)
+            kept = f"the last good resume state is kept in {last.parent}" if last is not None else "no resume state was saved before it"
+            raise NonFiniteLoss(f"non-finite loss ({loss}) at {where}; {kept}")
         what = "step skipped" if len(bad) == 1 else f"{len(bad)} steps skipped from there to step {bad[-1][0]}"
         run.warn(f"non-finite loss at {where}; {what} ({p.nan_skips}/{budget})")
 

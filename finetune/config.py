@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from vit.config import AugmentConfig, StageConfig, _check, section
+from vit.config import AugmentConfig, StageConfig, check, section
 
 
 @dataclass
@@ -41,20 +41,20 @@ class FinetuneSection:
     confusion_matrix: bool = True
 
     def validate(self) -> None:
-        _check(self.layer_decay is None or 0.0 < self.layer_decay <= 1.0, "finetune.layer_decay", "must be in (0, 1]")
-        _check(0.0 <= self.label_smoothing < 1.0, "finetune.label_smoothing", "must be in [0, 1)")
-        _check(self.eval_every > 0, "finetune.eval_every", "must be positive")
-        _check(0.0 < self.patch_keep <= 1.0, "finetune.patch_keep", "must be in (0, 1]")
-        _check(self.patch_keep == 1.0 or (self.arch in ("vit", "timm_vit") and self.mode == "full"), "finetune.patch_keep",
+        check(self.layer_decay is None or 0.0 < self.layer_decay <= 1.0, "finetune.layer_decay", "must be in (0, 1]")
+        check(0.0 <= self.label_smoothing < 1.0, "finetune.label_smoothing", "must be in [0, 1)")
+        check(self.eval_every > 0, "finetune.eval_every", "must be positive")
+        check(0.0 < self.patch_keep <= 1.0, "finetune.patch_keep", "must be in (0, 1]")
+        check(self.patch_keep == 1.0 or (self.arch in ("vit", "timm_vit") and self.mode == "full"), "finetune.patch_keep",
                "< 1 needs finetune.mode=full and a ViT (finetune.arch=vit or timm_vit)")
-        _check(self.mode != "eval" or self.init != "scratch", "finetune.init", "must name a finished run folder or classifier.pt in eval mode")
+        check(self.mode != "eval" or self.init != "scratch", "finetune.init", "must name a finished run folder or classifier.pt in eval mode")
         for prefix, what in (("timm:", "model name"), ("local-dir:", "folder"), ("hf-hub:", "user/name")):
             if self.init.startswith(prefix):
-                _check(len(self.init) > len(prefix), "finetune.init", f"must look like {prefix}<{what}>")
-        _check(self.arch == "vit" or self.mode not in ("linear", "knn"), "finetune.arch", f"must be vit for finetune.mode={self.mode}")
-        _check(self.knn_k > 0, "finetune.knn_k", "must be positive")
-        _check(self.knn_temperature > 0, "finetune.knn_temperature", "must be positive")
-        _check(self.arch != "resnet18" or self.init == "scratch", "finetune.init", "must be scratch for the resnet18 baseline")
+                check(len(self.init) > len(prefix), "finetune.init", f"must look like {prefix}<{what}>")
+        check(self.arch == "vit" or self.mode not in ("linear", "knn"), "finetune.arch", f"must be vit for finetune.mode={self.mode}")
+        check(self.knn_k > 0, "finetune.knn_k", "must be positive")
+        check(self.knn_temperature > 0, "finetune.knn_temperature", "must be positive")
+        check(self.arch != "resnet18" or self.init == "scratch", "finetune.init", "must be scratch for the resnet18 baseline")
 
 
 @dataclass
@@ -67,5 +67,5 @@ class FinetuneConfig(StageConfig):
         if self.finetune.patch_keep < 1.0:
             patches, keep = self.model.num_patches(), self.finetune.patch_keep
             # The count the encoder's patch dropout keeps: int(N * (1 - drop rate)), drop rate = 1 - patch_keep.
-            _check(int(patches * (1 - (1.0 - keep))) >= 1, "finetune.patch_keep",
+            check(int(patches * (1 - (1.0 - keep))) >= 1, "finetune.patch_keep",
                    f"{keep:g} keeps no patch of the model's {patches}: it must be at least 1/{patches}")  # fmt: skip

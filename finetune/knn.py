@@ -11,7 +11,7 @@ import time
 
 from finetune.config import FinetuneConfig
 from finetune.models import Built
-from vit.train.engine import Run
+from vit.train.run import Run
 from vit.eval.knn import encode, knn_accuracy
 from vit.data.loaders import Data
 

@@ -24,7 +24,13 @@ from vit.train import tracking
 from vit.store.checkpoint import read_encoder, unwrap
 from vit.cli import parse
 from vit.data.images import Splits
-from vit.train.engine import LoopSpec, Preempted, Progress, Run, compile_for_run, fit, load_state, loop_spec, make_optimizer, param_groups
+from vit.train.accelerator import compile_for_run
+from vit.train.budget import Evaluation
+from vit.train.loop import Preempted, fit
+from vit.train.optim import make_optimizer, param_groups
+from vit.train.run import Run
+from vit.train.schedule import LoopSpec, loop_spec
+from vit.train.states import Progress, load_state
 from vit.errors import DataError, exit_on_user_error
 from vit.data.loaders import Data, open_data
 from vit.models.encoder import preset_image_size
@@ -194,11 +200,10 @@ def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> T
     module, optimizer = acc.prepare(task.module, optimizer)
     # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
     forward = module if cached else compile_for_run(run, module)
-    spec = loop_spec(cfg, len(task.train), acc.num_processes)
-    if spec.budget is not None:
-        val_images = len(splits.val) if "val" in task.evals else 0
-        spec.budget.eval_images, spec.budget.eval_every = val_images, cfg.finetune.eval_every
-        spec.budget.final_images = sum(len(s) for s in (splits.val, splits.test) if s is not None)
+    # For a time budget: the val split every `finetune.eval_every` epochs, then val and test once at the end.
+    evaluation = Evaluation(images=len(splits.val) if "val" in task.evals else 0, every=cfg.finetune.eval_every,
+                            final_images=sum(len(s) for s in (splits.val, splits.test) if s is not None))  # fmt: skip
+    spec = loop_spec(cfg, len(task.train), acc.num_processes, evaluation)
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
     return Training(task, module, optimizer, forward, spec, make_loss(cfg, len(splits.train.classes)), cached)
 

@@ -25,7 +25,9 @@ from vit.tools.bench_cases import Pipeline, bare_step, pipeline_overrides
 from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
 from vit.data.images import CIFAR10_MEAN, CIFAR10_STD, ImageSet
-from vit.train.engine import Progress, Run, TrainLoop, batches_forever
+from vit.train.loop import TrainLoop, batches_forever
+from vit.train.run import Run
+from vit.train.states import Progress
 from vit.models.encoder import PRESETS, create_model, flops_per_image
 from vit.tools.reference import ReferenceMAE, hf_vitmae, usual_loader
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from vit.config import StageConfig, _check, section
+from vit.config import StageConfig, check, section
 
 
 @dataclass
@@ -29,19 +29,19 @@ class MAEConfig:
     knn_pool: Literal["token", "avg"] = "avg"  # the feature: [CLS], or the mean of the patch tokens
 
     def validate(self) -> None:
-        _check(0.0 < self.mask_ratio < 1.0, "mae.mask_ratio", "must be in (0, 1)")
+        check(0.0 < self.mask_ratio < 1.0, "mae.mask_ratio", "must be in (0, 1)")
         for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
             value = getattr(self, key)
-            _check(value is None or value > 0, f"mae.{key}", "must be positive")
+            check(value is None or value > 0, f"mae.{key}", "must be positive")
         if self.decoder_embed_dim is not None and self.decoder_num_heads is not None:
-            _check(self.decoder_embed_dim % self.decoder_num_heads == 0, "mae.decoder_num_heads",
+            check(self.decoder_embed_dim % self.decoder_num_heads == 0, "mae.decoder_num_heads",
                    f"{self.decoder_num_heads} does not divide mae.decoder_embed_dim={self.decoder_embed_dim}")
-        _check(self.figure_images >= 0, "mae.figure_images", "must be >= 0")
-        _check(self.knn_every >= 0, "mae.knn_every", "must be >= 0")
-        _check(self.knn_bank_size > 0, "mae.knn_bank_size", "must be positive")
-        _check(self.knn_val_size >= 0, "mae.knn_val_size", "must be >= 0")
-        _check(self.knn_k > 0, "mae.knn_k", "must be positive")
-        _check(self.knn_temperature > 0, "mae.knn_temperature", "must be positive")
+        check(self.figure_images >= 0, "mae.figure_images", "must be >= 0")
+        check(self.knn_every >= 0, "mae.knn_every", "must be >= 0")
+        check(self.knn_bank_size > 0, "mae.knn_bank_size", "must be positive")
+        check(self.knn_val_size >= 0, "mae.knn_val_size", "must be >= 0")
+        check(self.knn_k > 0, "mae.knn_k", "must be positive")
+        check(self.knn_temperature > 0, "mae.knn_temperature", "must be positive")
 
 
 @dataclass
@@ -51,5 +51,5 @@ class PretrainConfig(StageConfig):
     def validate(self) -> None:
         """What the sections cannot check alone: the mask must leave the encoder at least one patch of the model's."""
         patches, ratio = self.model.num_patches(), self.mae.mask_ratio
-        _check(int(patches * (1 - ratio)) >= 1, "mae.mask_ratio",
+        check(int(patches * (1 - ratio)) >= 1, "mae.mask_ratio",
                f"{ratio:g} leaves no visible patch of the model's {patches}: it must be at most 1 - 1/{patches}")  # fmt: skip

@@ -13,7 +13,13 @@ from pretrain.figures import save_reconstruction_figure
 from pretrain.model import MaskedAutoencoder, build_mae
 from vit.store.checkpoint import save_encoder, save_mae, unwrap
 from vit.cli import parse
-from vit.train.engine import LoopSpec, Preempted, Run, compile_for_run, fit, load_state, loop_spec, make_optimizer, param_groups
+from vit.train.accelerator import compile_for_run
+from vit.train.budget import Evaluation
+from vit.train.loop import Preempted, fit
+from vit.train.optim import make_optimizer, param_groups
+from vit.train.run import Run
+from vit.train.schedule import LoopSpec, loop_spec
+from vit.train.states import load_state
 from vit.errors import exit_on_user_error
 from vit.eval.knn import knn_evaluate, seeded_subset
 from vit.data.loaders import Data, open_data
@@ -113,16 +119,20 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
     model, optimizer = acc.prepare(mae, optimizer)
     train_loader = data.loader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed)
     val_loader = data.loader(splits.val, cfg.optim.batch_size, train=False) if len(splits.val) else None
-    spec = loop_spec(cfg, len(train_loader), acc.num_processes)
-    if spec.budget is not None:
-        spec.budget.eval_images = len(splits.val)  # the val loss after every epoch
-        if cfg.mae.knn_every and len(splits.val) and splits.labelled:
-            # The kNN monitor embeds its bank and queries with every patch visible: about 3 masked-MAE forwards an image.
-            knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
-            spec.budget.eval_images += 3 * knn_images // cfg.mae.knn_every
+    spec = loop_spec(cfg, len(train_loader), acc.num_processes, evaluation(cfg, splits))
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
               f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")
     return Pretraining(cfg, run, data, mae, model, optimizer, compile_for_run(run, model), train_loader, val_loader, spec)
+
+
+def evaluation(cfg: PretrainConfig, splits) -> Evaluation:
+    """What pretraining evaluates after every epoch, for a time budget: the val loss, and the kNN monitor, which embeds
+    its bank and queries with every patch visible (about 3 masked-MAE forwards an image)."""
+    images = len(splits.val)
+    if cfg.mae.knn_every and len(splits.val) and splits.labelled:
+        knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
+        images += 3 * knn_images // cfg.mae.knn_every
+    return Evaluation(images=images)
 
 
 @exit_on_user_error

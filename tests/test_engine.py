@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from finetune.models import load_classifier
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
-from vit.train.engine import lr_at, param_groups
+from vit.train.optim import lr_at, param_groups
 from vit.models.encoder import VisionTransformer
 
 # Full fine-tuning with nothing random after the data order: no crop, flip, augmentation, mixup or dropout.

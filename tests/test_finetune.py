@@ -13,7 +13,7 @@ from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.config import load_config
-from vit.train.engine import param_groups, set_lr
+from vit.train.optim import param_groups, set_lr
 from vit.models.encoder import VisionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,9 @@ from pretrain.config import PretrainConfig
 from pretrain.train import setup
 from vit.device import count_host_reads
 from vit.config import load_config
-from vit.train.engine import Progress, Run, SignalGuard, TrainLoop, batches_forever
+from vit.train.loop import SignalGuard, TrainLoop, batches_forever
+from vit.train.run import Run
+from vit.train.states import Progress
 from vit.train.guard import LossRing, takes_found_inf
 from vit.train.lars import LARS
 

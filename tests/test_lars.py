@@ -3,7 +3,7 @@
 import torch
 
 from vit.config import OptimConfig
-from vit.train.engine import make_optimizer, param_groups
+from vit.train.optim import make_optimizer, param_groups
 from vit.train.lars import LARS
 
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 import yaml
 
-import vit.train.engine as engine
+import vit.train.accelerator as accelerator
 from helpers import tiny_overrides
 from pretrain.config import PretrainConfig
 from pretrain.train import main
 from vit.config import load_config
-from vit.train.engine import resolve_precision
+from vit.train.accelerator import resolve_precision
+from vit.train.run import Run
 from vit.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -36,7 +37,7 @@ def test_fp16_off_the_gpu_is_refused():
 # True trains in bf16, which a CPU without it natively emulates at many times the cost: slow.
 @pytest.mark.parametrize("native", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_a_run_records_the_precision_auto_chose(tmp_path, monkeypatch, native):
-    monkeypatch.setattr(engine, "native_bf16", lambda device: native)
+    monkeypatch.setattr(accelerator, "native_bf16", lambda device: native)
     overrides = tiny_overrides(tmp_path, **{"run.precision": "auto", "schedule.epochs": 1})
     assert main(overrides) == 0
     chosen = "bf16" if native else "no"
@@ -49,16 +50,16 @@ def test_a_run_records_the_precision_auto_chose(tmp_path, monkeypatch, native):
 
 
 def test_the_run_holds_the_resolved_precision_and_the_callers_config_is_left_as_asked(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine, "native_bf16", lambda device: True)
+    monkeypatch.setattr(accelerator, "native_bf16", lambda device: True)
     cfg = load_config(PretrainConfig, None, tiny_overrides(tmp_path, **{"run.precision": "auto"}))
-    run = engine.Run.start(cfg, stage="pretrain")
+    run = Run.start(cfg, stage="pretrain")
     assert run.cfg.run.precision == "bf16" == run.accelerator.mixed_precision
     assert cfg.run.precision == "auto"
     assert run.cfg.optim is cfg.optim  # the other sections are shared, not copied
 
 
 def test_explicit_bf16_without_native_support_warns_once(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(engine, "native_bf16", lambda device: False)
+    monkeypatch.setattr(accelerator, "native_bf16", lambda device: False)
     assert main(tiny_overrides(tmp_path, **{"run.precision": "bf16", "schedule.epochs": 1, "schedule.max_steps": 1})) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: run.precision=bf16")]
     assert len(warnings) == 1 and "emulated" in warnings[0]

@@ -17,7 +17,7 @@ from pretrain.model import MaskedAutoencoder, mae_from_checkpoint, patchify, ran
 from pretrain.train import build_mae, main
 from vit.store.checkpoint import encoder_from_checkpoint, save_encoder, save_mae
 from vit.config import load_config
-from vit.train.engine import lr_at
+from vit.train.optim import lr_at
 from vit.errors import CheckpointError
 from vit.models.encoder import VisionTransformer
 from vit.store.runs import state_path
@@ -282,7 +282,7 @@ def test_training_mode_predicts_masked_patches_exactly_as_eval_mode():
 
 
 def test_pretraining_decays_cls_and_mask_tokens_as_the_paper_does():
-    from vit.train.engine import param_groups
+    from vit.train.optim import param_groups
 
     mae = tiny_mae(norm_pix_loss=True)
     decay = {id(p) for g in param_groups(mae, weight_decay=0.05) if g["weight_decay"] > 0 for p in g["params"]}

@@ -20,7 +20,8 @@ import torch
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
-from vit.store.runs import lock_run, state_dirs
+from vit.store.lock import lock_run
+from vit.store.runs import state_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from vit.errors import CheckpointError, ConfigError, UserError
+from vit.store.lock import lock_run
 from vit.store.runs import (
     CLASSIFICATION,
     LOCK_FILE,
@@ -20,7 +21,6 @@ from vit.store.runs import (
     holds_run,
     is_run_folder,
     last_logged,
-    lock_run,
     newest_state,
     partial_state_path,
     read_config,
@@ -201,7 +201,7 @@ def test_last_logged_is_the_last_record_with_the_key(tmp_path):
 
 def test_the_run_folder_and_io_modules_do_not_import_the_model():
     code = (
-        "import sys, vit.data.images, vit.train.engine, vit.store.atomic, vit.store.runs; print(sorted(m for m in sys.modules if m in ('vit.models.encoder', 'vit.store.checkpoint')))"
+        "import sys, vit.data.images, vit.train.loop, vit.store.atomic, vit.store.runs; print(sorted(m for m in sys.modules if m in ('vit.models.encoder', 'vit.store.checkpoint')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

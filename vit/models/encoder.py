@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vit.config import PRESETS
+from vit.models.presets import PRESETS
 from vit.device import to_device
 from vit.models.pos_embed import sincos_2d
 
@@ -364,8 +364,7 @@ class VisionTransformer(nn.Module):
 
 # --------------------------------------------------------------------------- presets
 
-# PRESETS (imported from vit.config, re-exported here): the table lives with `ModelConfig`, which checks a config's
-# overrides against it when the config is loaded.
+# PRESETS (`vit.models.presets`, re-exported here): plain sizes, which `vit.config` checks a config's overrides against.
 
 
 def preset_image_size(name: str, img_size: int | None = None) -> int:

@@ -22,9 +22,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,85 +97,6 @@ def clear_outputs(run_dir: Path) -> None:
     for name in RUN_OUTPUTS:
         path = Path(run_dir) / name
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-# --------------------------------------------------------------------------- one live run per folder
-
-
-class RunLock:
-    """The run folder's lock (`run.lock`, an `flock`), held for the run's life by the one process that writes the
-    folder. The OS releases it when that process ends, however it ends (a kill, a crash), so a dead run never
-    keeps its folder locked."""
-
-    def __init__(self, path: Path, file):
-        self.path, self.file = path, file
-
-    def release(self) -> None:
-        if self.file is None:
-            return
-        _HELD.pop(str(self.path), None)
-        # Removed while still held: a process that opened the file before the removal finds it gone once it holds
-        # the lock, and takes the new one (see `lock_run`).
-        self.path.unlink(missing_ok=True)
-        self.file.close()
-        self.file = None
-
-
-_HELD: dict[str, RunLock] = {}  # this process's locks: a later run here (tests, a notebook) takes its folder's over
-
-
-def lock_run(run_dir: Path) -> RunLock | None:
-    """Hold `run_dir`'s lock, or refuse in one line naming the process that holds it (a UserError).
-
-    None where the OS or file system has no `flock` (Windows, some network mounts): the run goes on unlocked,
-    after one warning."""
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        print(f"warning: no file locks on this system: nothing stops a second run from writing {run_dir} at the same time",
-              file=sys.stderr, flush=True)  # fmt: skip
-        return None
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_FILE
-    if str(path) in _HELD:
-        _HELD[str(path)].release()
-    while True:
-        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read()
-            f.close()
-            raise UserError(f"run folder {run_dir} is in use by {_describe_holder(holder)}: two runs would write the same "
-                            "states and metrics; wait for it to end (or stop it), or choose another run.name") from None  # fmt: skip
-        except OSError as e:  # a file system without locks
-            f.close()
-            print(f"warning: cannot lock {path} ({e.strerror}): nothing stops a second run from writing {run_dir} at the same time",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            return None
-        try:
-            current = os.stat(path)
-        except FileNotFoundError:
-            current = None
-        if current is not None and os.path.samestat(os.fstat(f.fileno()), current):
-            break
-        f.close()  # the last holder removed the file between our open and our lock: lock the one there now
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
-    f.flush()
-    lock = _HELD[str(path)] = RunLock(path, f)
-    return lock
-
-
-def _describe_holder(text: str) -> str:
-    try:
-        holder = json.loads(text)
-        return f"process {holder['pid']} on {holder['host']} (since {holder['since']})"
-    except (ValueError, KeyError, TypeError):  # written this instant, or by something else
-        return "another process"
 
 
 # --------------------------------------------------------------------------- reading

@@ -35,7 +35,8 @@ from vit.config import DataConfig, ModelConfig, OptimConfig
 from vit.data.images import ImageSet, load_splits
 from vit.device import BusySampler, cpu_model_and_flags, synchronize
 from vit.errors import ConfigError
-from vit.train.engine import compile_mode, make_optimizer, native_bf16, param_groups
+from vit.train.accelerator import compile_mode, native_bf16
+from vit.train.optim import make_optimizer, param_groups
 
 NUM_CLASSES = 10
 # name in the table -> (preset, overrides): every model runs on 32x32 images with 4x4 patches.

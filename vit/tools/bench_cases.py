@@ -20,7 +20,8 @@ from vit.device import count_host_reads, synchronize
 from vit.models.encoder import create_model, flops_per_image
 from vit.tools.bench import MODELS, NUM_CLASSES, Case, Settings, Step, classify, compile_note, models, our_defaults, training_step
 from vit.tools.reference import timm_vit
-from vit.train.engine import SignalGuard, compile_mode, resolve_precision
+from vit.train.accelerator import compile_mode, resolve_precision
+from vit.train.loop import SignalGuard
 
 def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[Case]:
     """Forward + backward + AdamW step of our `VisionTransformer` against timm's with the same configuration, per model and precision."""
@@ -46,10 +47,10 @@ def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> l
 
 @dataclass
 class Pipeline:
-    """A stage's training loop as its run builds it (`vit.train.engine.TrainLoop` over the stage's loader, loss, guard and
+    """A stage's training loop as its run builds it (`vit.train.loop.TrainLoop` over the stage's loader, loss, guard and
     records), and the bare step of the same model and optimiser on one fixed batch, for the pipeline section."""
 
-    loop: Any  # vit.train.engine.TrainLoop
+    loop: Any  # vit.train.loop.TrainLoop
     batches: Iterator  # the loader's batches, epoch after epoch
     bare: Step
     log_every: int

@@ -4,14 +4,15 @@ A run with a budget measures its own speed over a few steps after warm-up, then 
 the total step count once, so that the stage (setup, training, the evaluations it does
 along the way and at the end) ends within the budget on whatever machine runs it:
 
-    meter = StepMeter(warmup=3, min_steps=8, min_seconds=5.0)
-    ...each optimiser step: meter.tick(progress.step)
-    if meter.done: plan = plan_budget(...)      # once; stored in the resume state
+    budget = Budget(minutes, Evaluation(images=5000, every=1, final_images=15000))   # the stage says what it evaluates
+    meter = StepMeter(warmup=3, min_steps=8, min_seconds=measure_seconds(minutes))
+    ...each optimiser step: meter.tick()
+    if meter.done: plan = make_plan(budget, meter.seconds_per_step, ...)    # once; stored in the resume state
 
-The plan is stored in the run folder and the resume state, so a resumed run keeps
-the same schedule: the learning-rate curve never changes mid-run. Evaluation cost is
-an estimate (a forward pass costs about a third of a training step per image), so the
-summary records the planned and the actual wall time side by side.
+The plan is made in one place (`make_plan`), in one pass, and kept in the resume state, so a resumed run keeps
+the same schedule: the learning-rate curve never changes mid-run. Evaluation cost is an estimate (a forward pass
+costs about a third of a training step per image, or what the epochs' ends took where some closed before the
+plan), so the summary records the planned and the actual wall time side by side.
 """
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ from dataclasses import asdict, dataclass
 
 # A forward pass is about a third of a training step's work per image (backward ~ 2x forward).
 FORWARD_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What a stage evaluates while it trains and after: what a time budget must leave time for."""
+
+    images: int = 0  # images each evaluation during training looks at (0: none)
+    every: int = 1  # epochs between those evaluations
+    final_images: int = 0  # images evaluated once after the last step
+    cost: float = FORWARD_SHARE  # an evaluated image's cost, in training images
+
+
+@dataclass(frozen=True)
+class Budget:
+    """`schedule.budget_minutes` and what the stage evaluates."""
+
+    minutes: float
+    evaluation: Evaluation = Evaluation()
 
 
 @dataclass
@@ -38,6 +57,23 @@ class BudgetPlan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def make_plan(budget: Budget, seconds_per_step: float, elapsed: float, done_steps: int, images_per_step: int, processes: int,
+              steps_per_epoch: int, epoch_end_seconds: list[float], measured_steps: int) -> BudgetPlan:  # fmt: skip
+    """The plan of `budget`, from the measured seconds per step and the stage's seconds so far. Every process evaluates
+    its share of the images, so an evaluation takes its images / processes; where epochs closed before the plan, what
+    their ends took (evaluation, figures, weights, states) is used if it outweighs the estimate (a GPU closes an epoch a
+    second, each with work that does not run at the training rate)."""
+    ev = budget.evaluation
+    rate = images_per_step / seconds_per_step
+    per_rank = max(1, processes)
+    eval_s = eval_seconds_estimate(ev.images // per_rank, rate / per_rank, ev.cost)
+    if epoch_end_seconds:
+        eval_s = max(eval_s, sum(epoch_end_seconds) / len(epoch_end_seconds) * ev.every)
+    final_s = eval_seconds_estimate(ev.final_images // per_rank, rate / per_rank, ev.cost)
+    steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s, ev.every, final_s)
+    return BudgetPlan(budget.minutes, steps, round(seconds_per_step, 4), round(eval_s, 1), round(final_s, 1), round(elapsed, 1), measured_steps)
 
 
 def plan_steps(

@@ -1,6 +1,6 @@
 """What a run sends to wandb besides its metric lines: run identity, summaries, tables, images and model lineage.
 
-The run folder is always the record; `vit.train.engine.Run` calls these on the main process and turns any
+The run folder is always the record; `vit.train.run.Run` calls these on the main process and turns any
 failure into one warning. What a wandb user gets:
 
 - every run of one `run.dir` writes into one wandb directory, `<run.dir>/wandb/`: `wandb leet <run.dir>/wandb`

@@ -1,0 +1,19 @@
+"""Typed configs: YAML files and dotted command-line overrides -> dataclasses.
+
+Every stage's config is a `StageConfig` (sections `model`, `data`, `optim`,
+`schedule`, `run`) plus its own sections, such as `mae` or `finetune`. The shared
+sections live here so that `optim.lr=...` means the same thing in every stage.
+
+    cfg = load_config(PretrainConfig, "configs/pretrain/quick.yaml", ["optim.lr=1e-3"])
+
+Unknown keys and values of the wrong type are refused with a `ConfigError` naming
+the key and the file (or the command line). Range checks live in each section's
+`validate()` and name the key too.
+"""
+
+from vit.config.loading import apply_override, dump_config, load_config, to_dict, validate
+from vit.config.sections import (PIL_MAX_PIXELS, AugmentConfig, DataConfig, DataOnly, ModelConfig, OptimConfig, RunConfig, ScheduleConfig,
+                                 StageConfig, check, section)  # fmt: skip
+
+__all__ = ["PIL_MAX_PIXELS", "AugmentConfig", "DataConfig", "DataOnly", "ModelConfig", "OptimConfig", "RunConfig", "ScheduleConfig",
+           "StageConfig", "apply_override", "check", "dump_config", "load_config", "section", "to_dict", "validate"]  # fmt: skip

@@ -1,0 +1,196 @@
+"""Configs read from YAML and dotted command-line overrides, type-checked against the dataclasses they fill."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Sequence, Union
+
+import yaml
+
+from vit.errors import ConfigError
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] = (), only: Sequence[str] | None = None) -> Any:
+    """Build `cls` from a YAML file and `key.sub=value` overrides, type-checked and validated. `only`: read these sections
+    of the file and leave the others unread (a run folder's config.yaml read for its data, say)."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    if only is not None:
+        data = {k: v for k, v in data.items() if k in only}
+    cfg = _build(cls, data, prefix="", source=source)
+    for item in overrides:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def apply_override(cfg: Any, item: str) -> None:
+    """Set `a.b=value` on a config; the value is parsed as YAML and type-checked."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    *parents, leaf = key.strip().split(".")
+    node = cfg
+    for i, part in enumerate(parents):
+        if not dataclasses.is_dataclass(node) or part not in _field_names(node):
+            raise ConfigError(f"unknown config key {'.'.join(parents[: i + 1])!r} (command line)")
+        node = getattr(node, part)
+    if not dataclasses.is_dataclass(node) or leaf not in _field_names(node):
+        raise ConfigError(f"unknown config key {key!r} (command line)")
+    hint = typing.get_type_hints(type(node))[leaf]
+    if dataclasses.is_dataclass(hint):
+        raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<key>=...")
+    setattr(node, leaf, _coerce(value, hint, key, "command line"))
+
+
+def validate(cfg: Any) -> None:
+    """Run `validate()` on every section that has one."""
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if hasattr(section, "validate"):
+            section.validate()
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) for YAML and trackers."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def dump_config(cfg: Any, extra: dict[str, Any] | None = None) -> str:
+    """YAML text of the resolved config, with `extra` (git commit, seed, ...) under `meta`."""
+    data = to_dict(cfg)
+    if extra:
+        data["meta"] = extra
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _field_names(obj: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj)}
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping in {source}, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = _field_names(cls)
+    for key in data:
+        if key not in names:
+            if key == "meta" and not prefix:
+                continue  # written into run folders next to the config; ignored on reload
+            raise ConfigError(f"unknown config key {prefix + str(key)!r} in {source}")
+    kwargs = {}
+    for key, value in data.items():
+        if key == "meta" and not prefix:
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, f"{prefix}{key}.", source)
+        else:
+            kwargs[key] = _coerce(value, hint, prefix + key, source)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    """Return `value` as type `hint`, or raise a ConfigError naming the key."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        return _choice(value, args, key, source)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} must be a list of {len(args)} values in {source}, got {value!r}")
+        return tuple(_coerce(v, a, key, source) for v, a in zip(value, args))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list in {source}, got {value!r}")
+        return [_coerce(v, args[0], key, source) for v in value]
+    if hint is float:
+        return _number(value, key, source)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer in {source}, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false in {source}, got {value!r}")
+        return value
+    if hint is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{key} must be a string in {source}, got {value!r}")
+        return str(value)
+    if hint is Any:
+        return value
+    raise TypeError(f"config field {key} has an unsupported type {hint!r}")
+
+
+def _choice(value: Any, choices: tuple, key: str, source: str) -> Any:
+    if isinstance(value, bool) and all(isinstance(a, str) for a in choices):
+        # YAML 1.1 reads no/off/false (yes/on/true) as booleans: map them back to a choice of that spelling.
+        spellings = ("no", "off", "false") if not value else ("yes", "on", "true")
+        value = next((a for a in choices if a in spellings), value)
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {' | '.join(repr(a) for a in choices)} in {source}, got {value!r}")
+    return value
+
+
+def _number(value: Any, key: str, source: str) -> float:
+    if isinstance(value, str):
+        # PyYAML reads exponent floats without a dot (1e-3) as strings.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key} must be a number in {source}, got {value!r}")
+    # No setting means anything by infinity or NaN, and range checks pass some of them (an infinite learning rate
+    # is "positive"): refused here, for every key.
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number in {source}, got {value!r}")
+    return float(value)
+
+

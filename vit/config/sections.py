@@ -1,0 +1,260 @@
+"""The config sections every stage shares (`model`, `data`, `optim`, `schedule`, `run`, and `aug` for the
+classification stage), each a dataclass whose `validate()` checks its ranges and names the key it refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from vit.errors import ConfigError
+from vit.models.presets import PRESETS
+
+# --------------------------------------------------------------------------- sections
+
+PIL_MAX_PIXELS = 2 * 89_478_485  # PIL's decompression-bomb error: twice its Image.MAX_IMAGE_PIXELS
+
+@dataclass
+class ModelConfig:
+    """The encoder: a preset name plus optional overrides of its fields."""
+
+    name: str = "vit_cifar_tiny"
+    img_size: int | None = None
+    patch_size: int | None = None
+    embed_dim: int | None = None
+    depth: int | None = None
+    num_heads: int | None = None
+    mlp_ratio: float | None = None
+    qkv_bias: bool = True
+    drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    pos_embed: Literal["learned", "sincos"] = "learned"
+    global_pool: Literal["token", "avg"] = "token"
+    # auto: `manual` on CPUs, where it measured faster for ViT's short sequences (docs/performance.md), else `sdpa`.
+    attn_impl: Literal["auto", "sdpa", "manual"] = "auto"
+
+    def encoder_kwargs(self, device: Any = None) -> dict[str, Any]:
+        """The keyword arguments for `vit.create_model(self.name, **kwargs)`; unset fields keep the preset's.
+
+        `device` (a torch.device) resolves `attn_impl: auto`.
+        """
+        kwargs = dataclasses.asdict(self)
+        kwargs.pop("name")
+        if kwargs["attn_impl"] == "auto":
+            kwargs["attn_impl"] = "manual" if device is not None and getattr(device, "type", str(device)) == "cpu" else "sdpa"
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+    def sizes(self) -> dict[str, Any]:
+        """The preset's sizes with this config's overrides: what `create_model` will build (`name` must be a preset)."""
+        return {**PRESETS[self.name], **{k: v for k, v in dataclasses.asdict(self).items() if k in PRESETS[self.name] and v is not None}}
+
+    def num_patches(self) -> int:
+        sizes = self.sizes()
+        return (sizes["img_size"] // sizes["patch_size"]) ** 2
+
+    def validate(self) -> None:
+        check(self.name in PRESETS, "model.name", f"{self.name!r} is not a preset ({', '.join(PRESETS)})")
+        for key in ("drop_rate", "attn_drop_rate", "drop_path_rate"):
+            check(0.0 <= getattr(self, key) < 1.0, f"model.{key}", "must be in [0, 1)")
+        for key in ("img_size", "patch_size", "embed_dim", "depth", "num_heads"):
+            value = getattr(self, key)
+            check(value is None or value > 0, f"model.{key}", "must be positive")
+        check(self.mlp_ratio is None or self.mlp_ratio > 0, "model.mlp_ratio", "must be positive")
+        # Checked on the sizes that will be built, so an override that does not fit the preset's other size is refused
+        # here, before the run folder is written, not when the model is built.
+        sizes = self.sizes()
+        img, patch = sizes["img_size"], sizes["patch_size"]
+        check(img % patch == 0, "model.img_size" if self.img_size is not None else "model.patch_size",
+               f"{self.img_size} is not divisible by model.patch_size={patch}" if self.img_size is not None
+               else f"{patch} does not divide the image size {img} of {self.name} (set model.img_size too)")  # fmt: skip
+        heads, dim = sizes["num_heads"], sizes["embed_dim"]
+        check(dim % heads == 0, "model.num_heads", f"{heads} does not divide model.embed_dim={dim}")
+
+
+@dataclass
+class DataConfig:
+    """Where the images come from and how they are split and augmented."""
+
+    # folder: every image file under `root` at any depth, unlabelled; webdataset: tar shards
+    # (`root=shards/train-{000000..000127}.tar`, .jpg/.png + optional .cls); hf: a Hugging Face dataset
+    # saved with save_to_disk (`root` its folder) or a Hub name.
+    dataset: Literal["cifar10", "cifar100", "imagefolder", "folder", "webdataset", "hf", "mnist", "fashionmnist", "synthetic"] = "cifar10"
+    root: str | None = None  # dataset folder, ImageFolder .tar.gz, shard pattern or HF dataset; None: download (where allowed) into cache_dir
+    download: bool = True  # allow torchvision downloads when `root` has no copy
+    cache_dir: str = "~/.cache/vit-mae"  # decoded uint8 tensors; never written next to the input
+    image_size: int | None = None  # memory loader: decode size for images of mixed sizes (shorter side + centre crop)
+    # memory: decode once into one uint8 tensor, augment batches on the device; stream: decode (and crop) each epoch
+    # in DataLoader worker processes; auto: memory when the decoded dataset fits in memory_budget_gb, else stream.
+    loader: Literal["auto", "memory", "stream"] = "auto"
+    memory_budget_gb: float | None = None  # auto's limit for the decoded dataset; None: a quarter of the machine's RAM
+    workers: int | None = None  # stream: decoding processes per training process; None: the cores training leaves free (at least 1)
+    shuffle_buffer: int = 1000  # stream from shards: samples shuffled in each worker's buffer
+    skip_bad_images: bool = False  # an image that does not decode: stop naming it (false), or skip and count it (true)
+    # Images with more pixels (width x height, read from the header before decoding) are refused, or skipped with
+    # skip_bad_images: a 13000x13000 PNG decodes to 0.5 GB in one data worker. null: PIL's own limit alone.
+    max_image_pixels: int | None = 64_000_000
+    image_column: str = "image"  # hf: the column holding the images
+    label_column: str | None = "label"  # hf: the column holding class labels; null (or a dataset without it): unlabelled
+    val_root: str | None = None  # webdataset: shards of the val split; none: the first val_size samples of the last shards
+    val_size: int = 5000  # seeded, class-balanced validation split carved from the training split
+    split_seed: int = 0
+    train_fraction: float = 1.0  # seeded class-balanced subset of the training split, for quick experiments
+    synthetic_size: int = 1024  # images in the synthetic dataset (training split before the val split)
+    crop_scale: tuple[float, float] = (0.35, 1.0)  # random-resized-crop area range
+    crop_ratio: tuple[float, float] = (0.75, 1.3333333)
+    hflip: bool = True
+
+    def validate(self) -> None:
+        check(self.val_size >= 0, "data.val_size", "must be >= 0")
+        check(0.0 < self.train_fraction <= 1.0, "data.train_fraction", "must be in (0, 1]")
+        check(self.synthetic_size > 0, "data.synthetic_size", "must be positive")
+        check(self.image_size is None or self.image_size > 0, "data.image_size", "must be positive")
+        lo, hi = self.crop_scale
+        check(0.0 < lo <= hi <= 1.0, "data.crop_scale", "must satisfy 0 < min <= max <= 1")
+        lo, hi = self.crop_ratio
+        check(0.0 < lo <= hi, "data.crop_ratio", "must satisfy 0 < min <= max")
+        for name in ("imagefolder", "folder", "webdataset", "hf"):
+            check(self.dataset != name or self.root is not None, "data.root", f"is required for data.dataset={name}")
+        check(self.memory_budget_gb is None or self.memory_budget_gb > 0, "data.memory_budget_gb", "must be positive")
+        check(self.workers is None or self.workers >= 0, "data.workers", "must be >= 0")
+        check(self.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
+        check(self.max_image_pixels is None or 0 < self.max_image_pixels <= PIL_MAX_PIXELS, "data.max_image_pixels",
+               f"must be in [1, {PIL_MAX_PIXELS:,}] (PIL refuses larger images whatever the setting), or null")  # fmt: skip
+        check(self.val_root is None or self.dataset == "webdataset", "data.val_root", "is for data.dataset=webdataset")
+
+
+@dataclass
+class AugmentConfig:
+    """Batched training augmentation on top of the crop and flip of `data`."""
+
+    policy: Literal["none", "trivial", "randaug"] = "trivial"
+    randaug_ops: int = 2
+    randaug_magnitude: int = 9  # M of 30: M/30 of torchvision's ranges (timm's rand-m9 is about M=27 here)
+    random_erase: float = 0.25  # probability per image
+    mixup: float = 0.8  # Beta(alpha, alpha); 0 turns it off
+    cutmix: float = 1.0  # Beta(alpha, alpha); 0 turns it off
+    mix_prob: float = 1.0  # probability a batch is mixed at all
+    switch_prob: float = 0.5  # with both on: probability of cutmix rather than mixup
+
+    def validate(self) -> None:
+        check(self.randaug_ops >= 0, "aug.randaug_ops", "must be >= 0")
+        check(0 <= self.randaug_magnitude <= 30, "aug.randaug_magnitude", "must be in [0, 30]")
+        for key in ("random_erase", "mix_prob", "switch_prob"):
+            check(0.0 <= getattr(self, key) <= 1.0, f"aug.{key}", "must be in [0, 1]")
+        check(self.mixup >= 0 and self.cutmix >= 0, "aug.mixup", "and aug.cutmix must be >= 0")
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser. The learning rate is `lr` if set, else `base_lr * effective_batch / 256`."""
+
+    name: Literal["adamw", "sgd", "lars"] = "adamw"
+    lr: float | None = None
+    base_lr: float = 1.5e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = 0.9  # sgd / lars
+    batch_size: int = 256  # per process
+    grad_accum_steps: int = 1
+    clip_grad: float | None = None  # max global gradient norm; None: no clipping
+    fused: bool | None = None  # fused AdamW; None: where the device supports it
+
+    def validate(self) -> None:
+        check(self.lr is None or self.lr > 0, "optim.lr", "must be positive")
+        check(self.base_lr > 0, "optim.base_lr", "must be positive")
+        check(self.min_lr >= 0, "optim.min_lr", "must be >= 0")
+        check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        check(all(0.0 <= b < 1.0 for b in self.betas), "optim.betas", "must be in [0, 1)")
+        check(self.batch_size > 0, "optim.batch_size", "must be positive")
+        check(self.grad_accum_steps > 0, "optim.grad_accum_steps", "must be positive")
+        check(self.clip_grad is None or self.clip_grad > 0, "optim.clip_grad", "must be positive")
+
+
+@dataclass
+class ScheduleConfig:
+    """Linear warmup then cosine decay to `optim.min_lr`, computed per optimiser step."""
+
+    epochs: int = 10
+    warmup_epochs: float = 1.0
+    max_steps: int | None = None  # stop after this many optimiser steps (smoke runs); the schedule still spans `epochs`
+    # Minutes for the whole stage: the run measures its step time after warm-up and fixes its step count
+    # (and so its schedule) once, to end within the budget on this machine; `epochs` is then unused.
+    budget_minutes: float | None = None
+
+    def validate(self) -> None:
+        check(self.epochs > 0, "schedule.epochs", "must be positive")
+        check(self.budget_minutes is None or self.budget_minutes > 0, "schedule.budget_minutes", "must be positive")
+        check(self.warmup_epochs >= 0, "schedule.warmup_epochs", "must be >= 0")
+        check(self.max_steps is None or self.max_steps > 0, "schedule.max_steps", "must be positive")
+
+
+@dataclass
+class RunConfig:
+    """Where a run is written, how it is tracked, and on what it runs."""
+
+    name: str = "run"
+    dir: str = "runs"
+    seed: int = 0
+    resume: str = ""  # "": fresh run; "auto": newest complete state in the run folder; or a state folder
+    overwrite: bool = False  # allow a fresh run into a folder that already holds one
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 where the device has it natively, else fp32
+    threads: int | None = None  # CPU threads per process; None: cores / local processes
+    # torch.compile of the training forward: `auto` is on for one CUDA process (reduce-overhead: CUDA graphs) and for
+    # several (default mode), off on CPUs and MPS, where compilation cost more minutes than it saved; `on` is
+    # torch.compile's default mode. Its time is the first steps' and counts in a time budget.
+    compile: Literal["auto", "off", "on", "reduce-overhead", "max-autotune"] = "auto"
+    log_every: int = 20  # optimiser steps between metric lines
+    save_every: int = 500  # optimiser steps between resume states (and at each epoch end)
+    keep_states: int = 2  # newest resume states kept
+    figure_every: int = 0  # epochs between figures; 0: only at the end
+    tracker: Literal["wandb", "tensorboard", "none"] = "wandb"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "vit-mae"
+    group: str | None = None  # wandb group: runs of one experiment
+    progress: bool = True  # progress bar on the main process
+    nan_skip_budget: int = 0  # non-finite losses skipped before the run stops
+
+    def validate(self) -> None:
+        check(bool(self.name) and "/" not in self.name, "run.name", "must be a non-empty folder name without '/'")
+        check(self.threads is None or self.threads > 0, "run.threads", "must be positive")
+        for key in ("log_every", "save_every", "keep_states"):
+            check(getattr(self, key) > 0, f"run.{key}", "must be positive")
+        check(self.figure_every >= 0, "run.figure_every", "must be >= 0")
+        check(self.nan_skip_budget >= 0, "run.nan_skip_budget", "must be >= 0")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir).expanduser() / self.name
+
+
+def check(ok: bool, key: str, what: str) -> None:
+    """A range check of a section's `validate()`: a ConfigError naming the key unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key} {what}")
+
+
+def section(cls: type) -> Any:
+    """`field(default_factory=cls)` for nesting a section in a stage config."""
+    return field(default_factory=cls)
+
+
+@dataclass
+class StageConfig:
+    """The sections every stage shares; a stage's config adds its own after them (`mae`; `finetune`, `aug`)."""
+
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    optim: OptimConfig = section(OptimConfig)
+    schedule: ScheduleConfig = section(ScheduleConfig)
+    run: RunConfig = section(RunConfig)
+
+
+@dataclass
+class DataOnly:
+    """The data section alone, for reading any stage's config for its data (`load_config(DataOnly, path, only=("data",))`)."""
+
+    data: DataConfig = section(DataConfig)

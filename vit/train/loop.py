@@ -1,0 +1,390 @@
+"""The training loop every stage runs.
+
+    progress = fit(run, model, optimizer, loader, loss_fn, spec, load_state(run), on_epoch_end=...)
+
+`fit` owns the schedule (the learning rate set per optimiser step), gradient accumulation, clipping, mixed precision,
+the non-finite-loss guard, metrics records, resume states, the time budget's measurement and pre-emption signals. A
+step never waits for the device: the host reads the losses only at records and resume states (`vit.train.guard`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from vit.device import BusySampler, synchronize
+from vit.errors import UserError
+from vit.store.runs import is_complete_state, newest_state, state_path, write_budget
+from vit.train.budget import StepMeter, make_plan, measure_seconds
+from vit.train.guard import LossRing
+from vit.train.optim import set_lr
+from vit.train.run import Run
+from vit.train.schedule import LoopSpec
+from vit.train.states import Progress, save_state
+
+
+class NonFiniteLoss(UserError):
+    pass
+
+
+class Preempted(Exception):
+    """SIGTERM / SIGINT arrived; a resume state has been saved."""
+
+
+class SignalGuard:
+    """Turns SIGTERM / SIGINT into a flag the loop checks between steps, so it can save and exit cleanly."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self.handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def handle(self, signum, frame) -> None:
+        if self.received is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# Steps between the exchanges through which several processes agree on a host fact (a signal, the budget's measurement):
+# each exchange is a host read, which a step otherwise never makes.
+AGREE_EVERY = 10
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+EpochEnd = Callable[[int, Progress], dict[str, float] | None]
+
+
+def fit(
+    run: Run,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader,
+    loss_fn: LossFn,
+    spec: LoopSpec,
+    progress: Progress | None = None,
+    on_epoch_end: EpochEnd | None = None,
+) -> Progress:
+    """Train `model` on `loader` up to `spec.stop_step` (resuming from `progress`); returns the final progress.
+
+    `loss_fn(model, images, labels) -> (loss, extras)` runs under autocast; extras are scalar
+    tensors averaged into the logged metrics. Every epoch starts with `model.train()` (a linear
+    probe's `train` keeps its frozen encoder in eval mode). `on_epoch_end(epoch, progress)` may
+    evaluate and return metrics, logged with the epoch's last record. SIGTERM / SIGINT save a
+    resume state and raise `Preempted`.
+    """
+    loop = TrainLoop(run, model, optimizer, loader, loss_fn, spec, progress or Progress())
+    with SignalGuard() as signals:
+        while loop.progress.epoch < spec.epoch_limit and loop.progress.step < spec.stop_step:
+            if not loop.train_epoch(signals):
+                break  # stop_step reached mid-epoch
+            loop.end_epoch(on_epoch_end)
+    return loop.finish()
+
+
+@dataclass
+class MetricWindow:
+    """The optimiser steps since the last record: their count and images, and the loss function's extras summed on the
+    device over the steps whose loss was finite (the loss itself stays in the loop's `LossRing`)."""
+
+    first_step: int  # the window's first step
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    finite: torch.Tensor | int = 0  # steps with a finite loss, on the device once extras were added
+    steps: int = 0
+    images: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add_step(self, extras: dict[str, torch.Tensor], bad: torch.Tensor, images: int) -> None:
+        """One step: its extras (device scalars) unless its loss was not finite (`bad`, a device bool)."""
+        if extras:
+            for key, value in extras.items():
+                self.sums[key] = self.sums.get(key, 0) + torch.where(bad, 0.0, value)
+            self.finite = self.finite + ~bad
+        self.steps += 1
+        self.images += images
+
+    def extra_means(self) -> dict[str, float]:
+        """{key: mean over the finite steps} of the extras (nan when none was finite), in one host read."""
+        if not self.sums:
+            return {}
+        keys = list(self.sums)
+        return dict(zip(keys, (torch.stack([self.sums[k] for k in keys]) / self.finite).tolist()))
+
+
+class TrainLoop:
+    """The parts of `fit`, in the order it calls them, around the state they share: `progress`
+    (saved with every resume state), the metrics window, the learning rate and the clock.
+
+    A training step never waits for the device: its loss stays there (`vit.train.guard.LossRing`, which also decides the
+    non-finite guard there), and the host reads the losses at check points only (a metrics record every
+    `run.log_every` steps, a resume state, the end). Processes agree on host facts (a signal, the budget's
+    measurement) every `AGREE_EVERY` steps."""
+
+    def __init__(self, run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, loader, loss_fn: LossFn, spec: LoopSpec, progress: Progress):
+        self.run, self.model, self.optimizer, self.loader, self.loss_fn, self.spec = run, model, optimizer, loader, loss_fn, spec
+        self.progress = progress
+        self.accum = run.cfg.optim.grad_accum_steps
+        self.images_per_step = loader.batch_size * self.accum * run.accelerator.num_processes
+        self.lr = spec.lr(progress.step)  # the last step's learning rate, logged with each record
+        self.window = MetricWindow(progress.step)
+        self.losses = LossRing(run.accelerator, optimizer, slots=run.cfg.run.log_every)  # records come at most log_every steps apart
+        self.checked = progress.step  # steps before this one were checked for non-finite losses
+        self.read_at: tuple[int, dict[int, list[float]]] | None = None  # (step, the ring as read then)
+        self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here
+        spec.planned_steps = progress.planned_steps  # a resumed budget run keeps its plan
+        run.budget_plan = progress.plan
+        device = run.accelerator.device
+        self.meter = StepMeter(min_seconds=measure_seconds(spec.budget.minutes), sync=lambda: synchronize(device)) \
+            if spec.budget is not None and spec.planned_steps is None else None  # fmt: skip
+        self.bar = make_bar(run, spec.stop_step if spec.stop_step < sys.maxsize else None, progress.step)
+        self.busy = BusySampler(device)
+        self.epoch_ends: list[float] = []  # seconds each epoch's end took while the budget was being measured
+        self.first = True  # this process's first step: timed apart (compilation), then the GPU's busy share is sampled
+
+    def train_epoch(self, signals: SignalGuard) -> bool:
+        """The optimiser steps left in the current epoch; False when `spec.stop_step` cut it short."""
+        p = self.progress
+        self.model.train()
+        batches = self.loader.epoch(p.epoch, start_batch=p.batch)
+        steps_left = (len(self.loader) - p.batch) // self.accum
+        for i in range(steps_left):
+            if p.step >= self.spec.stop_step:
+                return False
+            # The last step of an epoch is saved after its evaluation (end_epoch), so that a state at step S
+            # always follows every metrics record of steps <= S (see trim_metrics).
+            self.advance(batches, signals, may_save=i < steps_left - 1)
+        return True
+
+    def advance(self, batches: Iterator, signals: SignalGuard, may_save: bool = True) -> None:
+        """One step of the loop as a run takes it: the optimiser step, its record, and the resume state that
+        `run.save_every` or a signal asks for (`may_save=False`: none but the signal's)."""
+        p = self.progress
+        if self.first:
+            self.first_step(batches)
+        else:
+            self.step(batches)
+        self.log_step()
+        preempted = self.agreed(signals.received is not None)
+        if preempted or (may_save and p.step % self.run.cfg.run.save_every == 0):
+            self.save()
+        if preempted:
+            self.close_bar()
+            raise Preempted(f"stopped by signal at step {p.step}; resume with run.resume=auto")
+
+    def first_step(self, batches: Iterator) -> None:
+        """The first step of this process, timed with the device drained on both sides: it holds torch.compile's
+        compilation. The GPU's busy share is sampled from its end on."""
+        device = self.run.accelerator.device
+        synchronize(device)
+        start = time.perf_counter()
+        self.step(batches)
+        synchronize(device)
+        self.run.first_step_seconds = round(time.perf_counter() - start, 2)
+        if self.run.compile_mode is not None:
+            self.run.print(f"compile: the first step took {self.run.first_step_seconds:.1f} s (compilation included)")
+        self.first = False
+        self.busy.start()
+
+    def agreed(self, flag: bool) -> bool:
+        """`flag` as every process sees it: true on all if true on any. One process: `flag` itself, every step. Several:
+        they exchange it every `AGREE_EVERY` steps (a host read each time), and it reads False in between."""
+        acc = self.run.accelerator
+        if acc.num_processes == 1:
+            return flag
+        if self.progress.step % AGREE_EVERY:
+            return False
+        return _any_rank(acc, flag)
+
+    def step(self, batches: Iterator) -> None:
+        """One optimiser step over `grad_accum_steps` micro-batches. A non-finite loss skips the update (see `vit.train.guard`)."""
+        acc, p, accum = self.run.accelerator, self.progress, self.accum
+        self.lr = self.spec.lr(p.step)
+        set_lr(self.optimizer, self.lr)
+        loss_sum = None
+        extras_sum: dict[str, torch.Tensor] = {}
+        for micro in range(accum):
+            images, labels = next(batches)
+            # No gradient all-reduce until the last micro-batch of the step.
+            sync = micro == accum - 1
+            with acc.no_sync(self.model) if not sync and acc.num_processes > 1 else contextlib.nullcontext():
+                with acc.autocast():
+                    loss, extras = self.loss_fn(self.model, images, labels)
+                acc.backward(loss / accum if accum > 1 else loss)
+            # Only copies of the loss are kept: a CUDA-graphed model reuses its output's memory at the next call.
+            loss = loss.detach() / accum if accum > 1 else loss.detach()
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            for k, v in extras.items():
+                extras_sum[k] = extras_sum.get(k, 0) + v.detach().float() / accum
+        p.batch += accum
+        stepped, bad = self.losses.put(loss_sum, p.step)
+        if stepped:
+            clip = self.run.cfg.optim.clip_grad
+            if clip is not None:
+                acc.clip_grad_norm_(self.model.parameters(), clip)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        p.step += 1
+        p.images += self.images_per_step
+        self.window.add_step(extras_sum, bad, self.images_per_step)
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.meter is not None:
+            self.meter.tick()
+            if self.agreed(self.meter.done):
+                self.plan_budget()
+
+    def plan_budget(self) -> None:
+        """Fix the step count from the measured step time, once, identically on every rank; it goes into every resume state."""
+        acc, spec, p = self.run.accelerator, self.spec, self.progress
+        measured = torch.tensor([self.meter.seconds_per_step, time.perf_counter() - self.run.started], device=acc.device)
+        seconds_per_step, elapsed = (acc.reduce(measured, reduction="max") if acc.num_processes > 1 else measured).tolist()
+        plan = make_plan(spec.budget, seconds_per_step, elapsed, p.step, self.images_per_step, acc.num_processes, spec.steps_per_epoch,
+                         self.epoch_ends, self.meter.steps)  # fmt: skip
+        spec.planned_steps = p.planned_steps = plan.total_steps
+        p.plan = self.run.budget_plan = plan.to_dict()
+        self.meter = None
+        if self.run.is_main:
+            write_budget(self.run.dir, p.plan)  # for readers of the run folder (results tables); the run keeps its own
+        if self.bar is not None:
+            self.bar.reset(total=min(spec.stop_step, plan.total_steps))
+            self.bar.update(p.step)
+        self.run.print(f"budget: {plan.budget_minutes:g} min -> {plan.total_steps} steps ({plan.total_steps / spec.steps_per_epoch:.2f} epochs) "
+                       f"at {seconds_per_step:.3f} s/step measured over {plan.measured_steps} steps, {elapsed:.0f} s spent, evaluations "
+                       f"~{plan.eval_seconds:.0f} s each + {plan.final_seconds:.0f} s at the end")
+
+    def host_losses(self) -> dict[int, list[float]]:
+        """{step: every process's loss} of the steps since the last record, read from the device once per step."""
+        step = self.progress.step
+        if self.read_at is None or self.read_at[0] != step:
+            self.read_at = (step, self.losses.read(self.window.first_step, step))
+        return self.read_at[1]
+
+    def check_finite(self) -> None:
+        """A check point: say which steps since the last one had a non-finite loss (their updates were skipped); stop once
+        more than `run.nan_skip_budget` were."""
+        run, p, budget = self.run, self.progress, self.run.cfg.run.nan_skip_budget
+        bad = [(s, next(v for v in row if not math.isfinite(v))) for s, row in self.host_losses().items()
+               if s >= self.checked and not all(math.isfinite(v) for v in row)]  # fmt: skip
+        self.checked = p.step
+        if not bad:
+            return
+        p.nan_skips += len(bad)
+        first, loss = bad[0]
+        where = f"step {first}, lr {self.spec.lr(first):.3g}, precision {run.cfg.run.precision}, loss {run.stage}"
+        if p.nan_skips > budget:
+            last = newest_state(run.dir)
+            kept = f"the last good resume state is kept in {last.parent}" if last is not None else "no resume state was saved before it"
+            raise NonFiniteLoss(f"non-finite loss ({loss}) at {where}; {kept}")
+        what = "step skipped" if len(bad) == 1 else f"{len(bad)} steps skipped from there to step {bad[-1][0]}"
+        run.warn(f"non-finite loss at {where}; {what} ({p.nan_skips}/{budget})")
+
+    def log_step(self) -> None:
+        """A metrics record every `run.log_every` steps and at the last one."""
+        step = self.progress.step
+        if step % self.run.cfg.run.log_every and step != self.spec.stop_step:
+            return
+        self.check_finite()
+        rec = self.record()
+        self.run.log(rec)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{self.lr:.2e}", img_s=f"{rec['images_per_sec']:.0f}")
+
+    def record(self, extra: dict[str, float] | None = None) -> dict[str, Any]:
+        """The record of the steps since the last one (metrics are their means over finite steps); starts a new window."""
+        p, w = self.progress, self.window
+        rank = self.run.accelerator.process_index
+        finite = [row[rank] for row in self.host_losses().values() if all(math.isfinite(v) for v in row)]
+        metrics = {"loss": sum(finite) / len(finite) if finite else float("nan"), **w.extra_means()}
+        elapsed = time.perf_counter() - w.start  # after the host read: the device has finished the window's steps
+        self.window = MetricWindow(p.step)
+        return {"step": p.step, "epoch": round(p.epoch + p.batch / max(1, len(self.loader)), 4), "lr": self.lr, **metrics,
+                "images_per_sec": w.images / elapsed if elapsed > 0 else 0.0,
+                "time": round(p.train_time + time.perf_counter() - self.segment_start, 2), **(extra or {})}  # fmt: skip
+
+    def end_epoch(self, on_epoch_end: EpochEnd | None) -> None:
+        """Close the epoch: its evaluation, its last record (with the evaluation's metrics), and the resume state of its
+        last step when `run.save_every` falls there (a GPU epoch can take a second: a state per epoch would cost more
+        than the steps it guards)."""
+        p = self.progress
+        p.epoch += 1
+        p.batch = 0
+        start = time.perf_counter()
+        self.check_finite()
+        extra = on_epoch_end(p.epoch, p) if on_epoch_end else None
+        if self.window.steps:
+            self.run.log(self.record(extra))
+        elif extra:
+            self.run.log({"step": p.step, "epoch": p.epoch, **extra})
+        if p.step % self.run.cfg.run.save_every == 0:
+            self.save()
+        if self.meter is not None:
+            self.epoch_ends.append(time.perf_counter() - start)
+            self.meter.pause()  # the evaluation and the state are not a training step's time (the plan estimates evaluations apart)
+
+    def save(self) -> None:
+        self.check_finite()  # a state never holds a step past a non-finite loss the run stops at
+        self.count_time()
+        save_state(self.run, self.progress)
+
+    def count_time(self) -> None:
+        """Add the time since the last call to `progress.train_time` (which resume states carry)."""
+        now = time.perf_counter()
+        self.progress.train_time += now - self.segment_start
+        self.segment_start = now
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def finish(self) -> Progress:
+        """The end of training is always resumable (e.g. to extend it): saved unless the last epoch's state is that step."""
+        self.close_bar()
+        self.busy.stop()
+        self.run.gpu_busy = self.busy.mean()
+        self.check_finite()
+        self.losses.close()
+        self.count_time()
+        p = self.progress
+        if not is_complete_state(state_path(self.run.dir, p.step)):
+            save_state(self.run, p)
+        return p
+
+
+def _any_rank(acc, flag: bool) -> bool:
+    """True on every rank if it is true on any (so all ranks save and stop together)."""
+    if acc.num_processes == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
+    return bool(acc.reduce(t, reduction="sum").item() > 0)
+
+
+def make_bar(run: Run, total: int, initial: int):
+    if not (run.is_main and run.cfg.run.progress):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=run.stage, dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
+
+
+def batches_forever(loader, start_epoch: int = 0) -> Iterator:
+    epoch = start_epoch
+    while True:
+        yield from loader.epoch(epoch)
+        epoch += 1

@@ -1,0 +1,69 @@
+"""The optimiser and its learning rate: parameter groups (no decay on 1-D tensors, layer-wise decay), the optimiser a
+config names, and the warmup-then-cosine learning rate, set per optimiser step (never a scheduler handed to
+`accelerator.prepare`, which would step once per process)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, peak_lr: float, min_lr: float = 0.0) -> float:
+    """Linear warmup from 0 to `peak_lr` over `warmup_steps`, then cosine decay to `min_lr` at `total_steps`."""
+    if step < warmup_steps:
+        return peak_lr * step / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + (peak_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None, num_layers: int | None = None) -> list[dict]:
+    """Optimiser groups: no decay on 1-D tensors (norms, biases) and on `model.no_weight_decay()` names.
+
+    With `layer_decay`, each group carries `lr_scale = layer_decay ** (num_layers + 1 - layer_id)`:
+    embeddings are layer 0, block i is layer i + 1, everything after the blocks (norm, head)
+    is layer num_layers + 1 with scale 1 (BEiT / MAE fine-tuning).
+    """
+    skip = set(getattr(model, "no_weight_decay", lambda: set())())
+    groups: dict[tuple[int, bool], dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        decay = p.ndim >= 2 and name not in skip
+        layer = layer_id(name, num_layers) if layer_decay is not None else 0
+        key = (layer, decay)
+        if key not in groups:
+            scale = layer_decay ** (num_layers + 1 - layer) if layer_decay is not None else 1.0
+            groups[key] = {"params": [], "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale, "layer": layer}
+        groups[key]["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's learning rate to `lr` times its `lr_scale` (layer-wise decay)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def layer_id(name: str, num_layers: int) -> int:
+    """Depth of a parameter for layer-wise decay: 0 embeddings, i + 1 for blocks.i, num_layers + 1 after."""
+    for prefix in ("", "encoder.", "module."):
+        if name.startswith(prefix + "blocks."):
+            return int(name[len(prefix) + len("blocks.") :].split(".")[0]) + 1
+        if any(name.startswith(prefix + k) for k in ("cls_token", "pos_embed", "patch_embed")):
+            return 0
+    return num_layers + 1
+
+
+def make_optimizer(groups: list[dict], optim_cfg, device: torch.device) -> torch.optim.Optimizer:
+    if optim_cfg.name == "adamw":
+        fused = optim_cfg.fused
+        if fused is None:
+            fused = device.type in ("cuda", "cpu")
+        return torch.optim.AdamW(groups, lr=0.0, betas=optim_cfg.betas, fused=fused)
+    if optim_cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=0.0, momentum=optim_cfg.momentum)
+    from vit.train.lars import LARS
+
+    return LARS(groups, lr=0.0, momentum=optim_cfg.momentum)

@@ -1,0 +1,251 @@
+"""One training run: its accelerator, folder, trackers and summary.
+
+    run = Run.start(cfg, stage="pretrain")   # accelerator, threads, seed, the run folder (locked for the run's life), trackers
+    ...train...
+    run.finish(summary)                       # summary.json with the run's facts; trackers closed; the folder unlocked
+
+The run folder's files are `vit.store.runs`'s; a second run of a live folder refuses (`vit.store.lock.lock_run`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vit.config import RunConfig, dump_config, to_dict
+from vit.device import host
+from vit.errors import ConfigError
+from vit.store.lock import RunLock, lock_run
+from vit.store.runs import METRICS_FILE, append_metrics, clear_outputs, holds_run, last_logged, write_config, write_summary
+from vit.train import tracking
+from vit.train.accelerator import make_accelerator, set_threads
+
+
+@dataclass
+class Run:
+    """One training run: its config, accelerator, folder and metric sinks."""
+
+    cfg: Any
+    stage: str
+    accelerator: Any
+    dir: Path
+    threads: int
+    trackers_on: bool = False
+    job_type: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)  # written under `meta` in config.yaml
+    started: float = field(default_factory=time.perf_counter)  # the stage's clock, for time budgets
+    compile_mode: str | None = None  # what `compile_for_run` chose
+    first_step_seconds: float | None = None  # the first training step, compilation included, device drained
+    gpu_busy: float | None = None  # mean GPU utilisation (%) over the training after the first step (CUDA with NVML)
+    lock: RunLock | None = None  # the run folder's, held by the main process until `finish` (or the process's end)
+    budget_plan: dict[str, Any] | None = None  # a time budget's plan, once the loop has made it (or resumed it)
+
+    @classmethod
+    def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
+        from accelerate.utils import set_seed
+
+        run_cfg: RunConfig = cfg.run
+        accelerator = make_accelerator(run_cfg, log_with=None if run_cfg.tracker == "none" else run_cfg.tracker)
+        # The run holds a copy of the config with the precision that runs, so the run folder, the trackers
+        # and the summary record what ran, not `auto`; the caller's config is left as it was.
+        run_cfg = replace(run_cfg, precision=accelerator.mixed_precision)
+        cfg = replace(cfg, run=run_cfg)
+        threads = set_threads(run_cfg, accelerator)
+        run_dir = run_cfg.path
+        # Before anything reads or clears the folder (an overwrite, a resume's trimming): a live run of it refuses this one.
+        # The main process alone holds it; the other ranks of this run follow it.
+        lock = lock_run(run_dir) if accelerator.is_main_process else None
+        try:
+            check_run_dir(run_dir, run_cfg)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        accelerator.wait_for_everyone()  # every rank checked the folder before the main one writes to it
+        set_seed(run_cfg.seed, device_specific=True)  # each rank draws different dropout / masks
+        meta = {
+            "stage": stage,
+            "job_type": job_type or stage,
+            "git_commit": git_commit(),
+            "seed": run_cfg.seed,
+            "parent": parent,
+            "processes": accelerator.num_processes,
+            "device": str(accelerator.device),
+            "threads_per_process": threads,
+            "torch": str(torch.__version__),
+            "command": " ".join(sys.argv),
+        }
+        run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta,
+                  lock=lock)  # fmt: skip
+        if accelerator.is_main_process:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_config(run_dir, dump_config(cfg, meta))
+        run.print(
+            f"{stage}: run folder {run_dir} | device {accelerator.device} x {accelerator.num_processes} process(es), "
+            f"{threads} thread(s) each | precision {run_cfg.precision} | seed {run_cfg.seed}"
+        )
+        run.start_trackers(parent)
+        return run
+
+    # ------------------------------------------------------------------ output
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def local_processes(self) -> int:
+        """Processes of this run on this machine (they share its cores)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
+
+    def print(self, *args) -> None:
+        if self.is_main:
+            print(*args, flush=True)
+
+    def warn(self, message: str) -> None:
+        if self.is_main:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def start_trackers(self, parent: str | None) -> None:
+        run_cfg = self.cfg.run
+        if run_cfg.tracker == "none" or not self.accelerator.log_with:
+            return
+        init_kwargs: dict[str, Any] = {}
+        if run_cfg.tracker == "wandb":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            init_kwargs["wandb"] = tracking.wandb_init_kwargs(run_cfg, self.job_type)
+        config = flatten({**to_dict(self.cfg), "meta": self.meta})
+        try:
+            self.accelerator.init_trackers(run_cfg.project, config=config, init_kwargs=init_kwargs)
+            self.trackers_on = True
+        except Exception as e:  # a tracker must never take a run down: the run folder is the record
+            self.warn(f"tracker {run_cfg.tracker!r} failed to start ({type(e).__name__}: {str(e).splitlines()[0][:160]}); continuing with the run folder only")
+            self.accelerator.log_with = []
+            self.accelerator.trackers = []
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one JSON line to metrics.jsonl and send it to the trackers (main process only)."""
+        if not self.is_main:
+            return
+        append_metrics(self.dir, record)
+        if self.trackers_on:
+            try:
+                self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
+            except Exception as e:
+                self.warn(f"tracker log failed ({type(e).__name__}); metrics stay in {METRICS_FILE}")
+
+    def last_logged(self, key: str) -> Any:
+        """The last value of `key` in metrics.jsonl (main process), or None."""
+        return last_logged(self.dir, key) if self.is_main else None
+
+    def _wandb(self):
+        """The live wandb run on the main process, or None."""
+        return tracking.wandb_run(self.accelerator) if self.is_main and self.trackers_on else None
+
+    def _to_wandb(self, what: str, send: Callable[..., None], *args) -> None:
+        """`send(wandb_run, *args)` when wandb is on; a failure costs one warning, never the run."""
+        wrun = self._wandb()
+        if wrun is None:
+            return
+        try:
+            send(wrun, *args)
+        except Exception as e:
+            first = (str(e).splitlines() or [""])[0][:160]
+            self.warn(f"wandb {what} failed ({type(e).__name__}: {first}); the run folder keeps it")
+
+    def log_images(self, images: dict[str, Path], step: int | None = None) -> None:
+        """PNG figures to wandb; `step=None`: at the last logged step (a final figure)."""
+        self._to_wandb("image log", tracking.log_images, images, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        self._to_wandb("table log", tracking.log_table, name, columns, rows)
+
+    def log_encoder(self, path: Path) -> None:
+        """This run's `encoder.pt` as a wandb model artifact (the start of the lineage)."""
+        self._to_wandb("model artifact", tracking.log_encoder, Path(path))
+
+    def use_encoder(self, path: Path) -> None:
+        """Mark the `encoder.pt` this run starts from as its input (the lineage edge from the run that made it)."""
+        self._to_wandb("artifact use", tracking.use_encoder, Path(path))
+
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Write summary.json (with the run's facts) and close the trackers, which get the same final values."""
+        summary = {"stage": self.stage, "job_type": self.job_type, **summary, "processes": self.accelerator.num_processes,
+                   "device": str(self.accelerator.device), "threads_per_process": self.threads, "precision": self.cfg.run.precision,
+                   "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir),
+                   "host": host(self.accelerator.device), "memory": peak_memory(),
+                   "compile": {"mode": self.compile_mode, "first_step_sec": self.first_step_seconds}, "gpu_busy_percent": self.gpu_busy}  # fmt: skip
+        schedule = getattr(self.cfg, "schedule", None)
+        if schedule is not None and schedule.budget_minutes is not None:
+            # The plan beside what the stage took, so an estimate that missed shows.
+            summary["budget"] = {**(self.budget_plan or {}), "stage_seconds": round(time.perf_counter() - self.started, 1)}
+        wrun = self._wandb()
+        if wrun is not None:
+            summary["wandb_run"] = tracking.wandb_run_dir(wrun)
+        if self.is_main:
+            write_summary(self.dir, summary)
+        self._to_wandb("summary", tracking.log_summary, summary)
+        if self.trackers_on:
+            try:
+                self.accelerator.end_training()
+            except Exception as e:
+                self.warn(f"tracker did not close cleanly ({type(e).__name__})")
+        if self.lock is not None:
+            self.lock.release()
+        return summary
+
+
+def peak_memory() -> dict[str, float] | None:
+    """Peak resident memory of this (main) process and of its largest finished child (data workers), in MiB; None where
+    the OS does not report it. What a run needed, for summary.json and for planning the next one."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    unit = 1.0 if sys.platform == "darwin" else 1024.0  # ru_maxrss: bytes on macOS, KiB on Linux
+    this = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit / 2**20
+    return {"peak_rss_mib": round(this, 1), "children_peak_rss_mib": round(children, 1)}
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    return out
+
+
+def check_run_dir(run_dir: Path, run_cfg: RunConfig) -> None:
+    """Refuse to start a fresh run over an existing one unless told to overwrite."""
+    if run_cfg.resume or not run_dir.exists():
+        return
+    if not holds_run(run_dir):
+        return  # an empty folder, or one holding only the config of a run that failed to start
+    if not run_cfg.overwrite:
+        raise ConfigError(
+            f"run folder {run_dir} already holds a run; resume it with run.resume=auto, "
+            "choose another run.name, or pass run.overwrite=true to replace it"
+        )
+    # Overwrite: clear the previous run's outputs so they cannot be mistaken for this one's.
+    if int(os.environ.get("RANK", "0")) == 0:
+        clear_outputs(run_dir)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5)
+        commit = out.stdout.strip() if out.returncode == 0 else "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5)
+        return commit + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -1,0 +1,76 @@
+"""How long a stage trains and at what learning rate: `loop_spec` reads `optim` and `schedule` once into a `LoopSpec`,
+with the time budget (`schedule.budget_minutes`) and what the stage evaluates, which the budget's plan leaves time for."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from vit.errors import ConfigError
+from vit.train.budget import Budget, Evaluation
+from vit.train.optim import lr_at
+
+
+@dataclass
+class LoopSpec:
+    """What `fit` needs to know about the schedule, from the stage's config."""
+
+    epochs: int
+    steps_per_epoch: int
+    peak_lr: float
+    min_lr: float
+    warmup_steps: int
+    max_steps: int | None = None
+    budget: Budget | None = None  # `schedule.budget_minutes`: the step count is fixed by measuring the step time
+    planned_steps: int | None = None  # set once by a budget (and restored from the resume state)
+
+    @property
+    def total_steps(self) -> int:
+        """The schedule's length: the budget's plan, else `epochs`."""
+        if self.planned_steps is not None:
+            return self.planned_steps
+        if self.budget is not None:
+            return sys.maxsize  # measuring: warmup, then the peak rate until the plan fixes the length
+        return self.epochs * self.steps_per_epoch
+
+    @property
+    def epoch_limit(self) -> int:
+        if self.budget is None:
+            return self.epochs
+        if self.planned_steps is None:
+            return sys.maxsize  # measuring: the plan decides
+        return math.ceil(self.planned_steps / self.steps_per_epoch)
+
+    @property
+    def stop_step(self) -> int:
+        """Where training stops: the schedule's end, or `max_steps` (the schedule still spans every epoch)."""
+        return self.total_steps if self.max_steps is None else min(self.total_steps, self.max_steps)
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.total_steps, self.warmup_steps, self.peak_lr, self.min_lr)
+
+
+def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluation: Evaluation = Evaluation()) -> LoopSpec:
+    """Steps and learning rate from `optim` and `schedule`: lr = base_lr * effective batch / 256 unless `optim.lr` is set.
+    With `schedule.budget_minutes`, `evaluation` says what the stage evaluates along the way and at the end, which the
+    budget's plan leaves time for."""
+    accum = cfg.optim.grad_accum_steps
+    steps_per_epoch = batches_per_epoch // accum
+    if steps_per_epoch < 1:
+        raise ConfigError(
+            f"optim.batch_size={cfg.optim.batch_size} x grad_accum_steps={accum} x {num_processes} process(es) "
+            f"is larger than the training set; lower optim.batch_size"
+        )
+    effective = cfg.optim.batch_size * accum * num_processes
+    peak = cfg.optim.lr if cfg.optim.lr is not None else cfg.optim.base_lr * effective / 256
+    return LoopSpec(
+        epochs=cfg.schedule.epochs,
+        steps_per_epoch=steps_per_epoch,
+        peak_lr=peak,
+        min_lr=cfg.optim.min_lr,
+        warmup_steps=round(cfg.schedule.warmup_epochs * steps_per_epoch),
+        max_steps=cfg.schedule.max_steps,
+        budget=Budget(cfg.schedule.budget_minutes, evaluation) if cfg.schedule.budget_minutes is not None else None,
+    )

@@ -27,7 +27,8 @@ from vit.tools.bench import NUM_CLASSES, Case, Settings, Step, bench_images, cla
 from vit.tools.bench_cases import Pipeline, bare_step, pipeline_overrides
 from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
-from vit.data.images import CIFAR10_MEAN, CIFAR10_STD, ImageSet
+from vit.data.sources import CIFAR10_MEAN, CIFAR10_STD
+from vit.data.splits import ImageSet
 from vit.device import synchronize
 from vit.train.loop import TrainLoop, batches_forever
 from vit.train.run import Run

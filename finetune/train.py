@@ -23,7 +23,7 @@ from finetune.models import Built, build_classifier, encoder_init, load_classifi
 from vit.train import tracking
 from vit.store.checkpoint import read_encoder, unwrap
 from vit.cli import parse
-from vit.data.images import Splits
+from vit.data.splits import Splits
 from vit.train.accelerator import compile_for_run
 from vit.train.budget import Evaluation
 from vit.train.loop import Preempted, fit

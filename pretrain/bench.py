@@ -24,7 +24,8 @@ from vit.tools.bench import MODELS, Case, Settings, Step, compile_note, models, 
 from vit.tools.bench_cases import Pipeline, bare_step, pipeline_overrides
 from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
-from vit.data.images import CIFAR10_MEAN, CIFAR10_STD, ImageSet
+from vit.data.sources import CIFAR10_MEAN, CIFAR10_STD
+from vit.data.splits import ImageSet
 from vit.train.loop import TrainLoop, batches_forever
 from vit.train.run import Run
 from vit.train.states import Progress

@@ -20,8 +20,7 @@ class MAEConfig:
     figure_images: int = 8  # validation images shown in the reconstruction figure
     # kNN monitor (weighted kNN of Wu et al. 2018, as DINO uses it) on the val split at epoch ends; needs a val split.
     knn_every: int = 1  # epochs between kNN evaluations (and the last epoch); 0: never
-    # The cost is one encoder pass over bank + val images, each about 0.7 of a training image's cost on a CPU: the
-    # defaults (3000 images) took about 5% of a 45,000-image epoch (docs/stages.md, the kNN monitor).
+    # The cost is one encoder pass over bank + val images (docs/stages.md, the kNN monitor, has what it measured).
     knn_bank_size: int = 2000  # a seeded subset of the training images whose features are the memory bank
     knn_val_size: int = 1000  # a seeded subset of the val images classified; 0: all of them
     knn_k: int = 20  # neighbours that vote

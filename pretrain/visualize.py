@@ -22,7 +22,7 @@ import torch
 from pretrain.figures import save_reconstruction_figure
 from pretrain.model import mae_from_checkpoint
 from vit.store.checkpoint import CLASSIFIER_FORMAT, ENCODER_FORMAT, classifier_encoder, encoder_from_checkpoint, read_payload
-from vit.data.images import IMAGENET_MEAN, IMAGENET_STD, NORMALIZATION
+from vit.data.sources import IMAGENET_MEAN, IMAGENET_STD, NORMALIZATION
 from vit.errors import CheckpointError, DataError, UserError
 from vit.models.encoder import VisionTransformer
 from vit.tools.plots import figure_attention_heads, figure_patch_grid, figure_pos_similarity, figure_rollout, figure_sincos_table
@@ -94,7 +94,7 @@ def spread(n_total: int, n: int) -> torch.Tensor:
 
 def images_from_folder(folder: Path, size: int, n: int) -> torch.Tensor:
     """Image files under `folder` (or one file), sorted by path, `n` spread over them: -> (n, 3, size, size) in [0, 1]."""
-    from vit.data.images import decode_image
+    from vit.data.decode import decode_image
 
     if folder.is_file():
         files = [folder]

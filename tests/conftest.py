@@ -3,6 +3,7 @@
 import os
 import pickle
 import tarfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,7 +23,7 @@ def fresh_accelerate_state():
 
 
 # --------------------------------------------------------------------------- on-disk data fixtures (tests/test_data.py)
-# Tiny copies of each format vit.data.images reads, written into tmp_path, with the arrays they hold.
+# Tiny copies of each format the data sources read, written into tmp_path, with the arrays they hold.
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -148,3 +149,16 @@ def mnist_root(tmp_path):
             (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(header + labels.tobytes())
     return SimpleNamespace(root=root, train_images=arrays["train"][0], train_labels=arrays["train"][1].astype(np.int64),
                            test_images=arrays["t10k"][0], test_labels=arrays["t10k"][1].astype(np.int64))  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def mae_run(tmp_path_factory) -> Path:
+    """A short MAE pretraining run shared by the tests that start from one (fine-tuning, kNN, provenance): two epochs of
+    the tiny encoder, with the kNN monitor on the whole training split as its bank and every val image."""
+    from helpers import reset_accelerate, tiny_overrides
+    from pretrain.train import main as pretrain
+
+    tmp = tmp_path_factory.mktemp("mae")
+    assert pretrain(tiny_overrides(tmp, name="mae", **{"mae.knn_bank_size": 1000, "mae.knn_val_size": 0})) == 0
+    reset_accelerate()
+    return tmp / "runs" / "mae"

@@ -1,4 +1,4 @@
-"""vit.data.images (loaders, splits, cache, errors) and vit.data.augment (BatchLoader, batched crop/flip), on fixtures written to tmp_path."""
+"""vit.data (sources, loaders, splits, cache, errors) and vit.data.augment (BatchLoader, batched crop/flip), on fixtures written to tmp_path."""
 
 import tarfile
 import urllib.error
@@ -8,10 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import vit.data.images
+import vit.data.cache
+import vit.data.sources.trees
 from vit.data.augment import BatchLoader, eval_shard, normalize, random_resized_crop_flip, resize, sample_crop_params
 from vit.config import DataConfig
-from vit.data.images import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, ImageSet, Splits, cache_path, load_splits
+from vit.data.cache import cache_path
+from vit.data.sources import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, load_splits
+from vit.data.splits import ImageSet, Splits
 from vit.errors import DataError
 
 
@@ -224,7 +227,7 @@ def test_cache_is_reused_and_a_corrupt_cache_is_rebuilt(tmp_path, imagefolder_ta
         raise AssertionError("decoded again although the cache is valid")
 
     with monkeypatch.context() as m:
-        m.setattr(vit.data.images, "_read_imagefolder", no_decode)
+        m.setattr(vit.data.sources.trees, "read_tree", no_decode)
         second = load_splits(cfg)
     assert torch.equal(first.train.images, second.train.images) and torch.equal(first.test.labels, second.test.labels)
     assert path.stat().st_mtime_ns == mtime
@@ -235,7 +238,7 @@ def test_cache_is_reused_and_a_corrupt_cache_is_rebuilt(tmp_path, imagefolder_ta
     captured = capsys.readouterr()
     assert f"warning: data cache {path} is unreadable" in captured.err and len(captured.err.strip().splitlines()) == 1
     assert torch.equal(first.train.images, third.train.images)
-    assert torch.load(path, weights_only=True)["format"] == vit.data.images.FORMAT_VERSION
+    assert torch.load(path, weights_only=True)["format"] == vit.data.cache.FORMAT_VERSION
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left behind
     assert sorted(p.name for p in imagefolder_tar.path.parent.iterdir()) == ["tree.tar.gz"]  # nothing written next to the input
 

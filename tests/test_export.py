@@ -22,7 +22,7 @@ from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.store.checkpoint import CheckpointError, encoder_from_checkpoint, save_encoder
 import vit.store.hub
-from vit.data.images import CIFAR10_MEAN, SYNTHETIC_MEAN, SYNTHETIC_STD
+from vit.data.sources import CIFAR10_MEAN, SYNTHETIC_MEAN, SYNTHETIC_STD
 from vit.store.export import encoder_export
 from pretrain.export import main as export_encoder
 from vit.store.hub import load_hub_weights

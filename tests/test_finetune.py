@@ -11,21 +11,11 @@ from finetune.config import FinetuneConfig
 from finetune.models import LinearProbe, build_classifier, load_classifier
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
-from pretrain.train import main as pretrain
 from vit.config import load_config
 from vit.train.optim import param_groups, set_lr
 from vit.models.encoder import VisionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def mae_run(tmp_path_factory) -> Path:
-    """A short MAE pretraining run (shared by the tests of this module)."""
-    tmp = tmp_path_factory.mktemp("mae")
-    assert pretrain(tiny_overrides(tmp, name="mae", **{"schedule.epochs": 1})) == 0
-    reset_accelerate()
-    return tmp / "runs" / "mae"
 
 
 def summary(tmp_path, name) -> dict:
@@ -237,7 +227,7 @@ def test_cached_features_are_extracted_in_eval_mode_even_with_dropout_and_drop_p
     from vit.models.encoder import create_model
     from finetune.features import extract_features
     from vit.data.augment import BatchLoader
-    from vit.data.images import make_synthetic
+    from vit.data.sources.arrays import make_synthetic
     from accelerate import Accelerator
 
     torch.manual_seed(0)

@@ -48,15 +48,6 @@ def test_bank_and_queries_are_seeded_sorted_subsets():
     assert torch.equal(seeded_subset(50, 100, 0, "knn_bank"), torch.arange(50))
 
 
-@pytest.fixture(scope="module")
-def mae_run(tmp_path_factory) -> Path:
-    """Two epochs of MAE with the kNN monitor on the whole training split as its bank and every val image."""
-    tmp = tmp_path_factory.mktemp("knn")
-    assert pretrain(tiny_overrides(tmp, name="mae", **{"mae.knn_bank_size": 1000, "mae.knn_val_size": 0})) == 0
-    reset_accelerate()
-    return tmp / "runs" / "mae"
-
-
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -11,15 +11,7 @@ from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.config import DataConfig
-from vit.data.images import load_splits
-
-
-@pytest.fixture(scope="module")
-def mae_run(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("prov")
-    assert pretrain(tiny_overrides(tmp, name="mae", **{"schedule.epochs": 1, "mae.knn_every": 0})) == 0
-    reset_accelerate()
-    return tmp / "runs" / "mae"
+from vit.data.sources import load_splits
 
 
 def summary(tmp_path, name) -> dict:

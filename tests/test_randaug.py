@@ -6,7 +6,7 @@ import torchvision.transforms.functional as TF
 
 from vit.data.augment import BatchLoader
 from vit.config import AugmentConfig
-from vit.data.images import ImageSet
+from vit.data.splits import ImageSet
 from vit.data.randaug import (
     GEOMETRIC,
     OP_INDEX,

@@ -201,7 +201,7 @@ def test_last_logged_is_the_last_record_with_the_key(tmp_path):
 
 def test_the_run_folder_and_io_modules_do_not_import_the_model():
     code = (
-        "import sys, vit.data.images, vit.train.loop, vit.store.atomic, vit.store.runs; print(sorted(m for m in sys.modules if m in ('vit.models.encoder', 'vit.store.checkpoint')))"
+        "import sys, vit.data.loaders, vit.train.loop, vit.store.atomic, vit.store.runs; print(sorted(m for m in sys.modules if m in ('vit.models.encoder', 'vit.store.checkpoint')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -530,3 +530,20 @@ def test_quickstart_budget_splits_minutes_between_pretraining_and_fine_tuning(tm
     assert budgets == [["schedule.budget_minutes=15"], [], ["schedule.budget_minutes=45"], []]  # mae, probe, fine-tune, report
     proc = run_script("quickstart", "--budget-minutes", "60", "--pretrain-share", "1.5")
     assert proc.returncode == 2 and "--pretrain-share must be between 0 and 1" in proc.stderr
+
+
+def test_modules_and_functions_stay_a_size_a_reader_can_hold():
+    """No module of the packages over 450 lines, no function over 60, and at most 12 modules at vit/'s top level (a
+    subpackage counts as one): what docs/layout.md promises a newcomer."""
+    long_modules, long_functions = [], []
+    for package in ("vit", "pretrain", "finetune", "scripts"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            if len(text.splitlines()) > 450:
+                long_modules.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())}")
+            for node in ast.walk(ast.parse(text, str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
+                    long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    top = [p.name for p in (ROOT / "vit").iterdir() if (p.suffix == ".py" or (p / "__init__.py").is_file())]
+    assert long_modules == [] and long_functions == []
+    assert len(top) <= 12, sorted(top)

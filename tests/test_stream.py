@@ -16,11 +16,12 @@ from PIL import Image
 
 from helpers import ROOT, free_port, tiny_overrides
 from vit.config import DataConfig
-from vit.data.images import ImageSet
+from vit.data.splits import ImageSet
 from vit.data.decode import decode_crop, decode_image, to_rgb
 from vit.errors import DataError
 from vit.data.loaders import choose_loader, open_data
-from vit.data.sources import FileSet, ShardSet
+from vit.data.sources import source_for
+from vit.data.files import FileSet, ShardSet
 from vit.data.stream import StreamLoader, crop_box
 
 CLASSES = ("cat", "dog", "emu")
@@ -292,20 +293,20 @@ def test_hub_name_without_network_is_one_line(tmp_path, monkeypatch):
 def test_auto_picks_memory_under_the_budget_and_stream_over_it(tmp_path):
     write_tree(tmp_path / "t", per_class=4, size=(24, 24))
     small = data_cfg(tmp_path, dataset="imagefolder", root=str(tmp_path / "t"), memory_budget_gb=1.0)
-    kind, why = choose_loader(small, 24)
+    kind, why = choose_loader(source_for(small), 24)
     assert kind == "memory" and "18 images x 3x24x24" in why and "<= memory budget 1.00 GB" in why
     tight = data_cfg(tmp_path, dataset="imagefolder", root=str(tmp_path / "t"), memory_budget_gb=1e-6)
-    kind, why = choose_loader(tight, 24)
+    kind, why = choose_loader(source_for(tight), 24)
     assert kind == "stream" and "> memory budget" in why
     data, lines = open_quiet(tight, out_size=24, need_labels=True)
     assert isinstance(data.splits.train, FileSet) and "stream loader (auto: 18 images" in lines[0]
     # The default budget is a quarter of the machine's RAM, and says so.
-    assert "a quarter of this machine's" in choose_loader(data_cfg(tmp_path, dataset="imagefolder", root=str(tmp_path / "t")), 24)[1]
+    assert "a quarter of this machine's" in choose_loader(source_for(data_cfg(tmp_path, dataset="imagefolder", root=str(tmp_path / "t"))), 24)[1]
     # Arrays and archives are read into memory: streaming them is refused with the reason.
-    kind, why = choose_loader(data_cfg(tmp_path, dataset="synthetic"), 32)
+    kind, why = choose_loader(source_for(data_cfg(tmp_path, dataset="synthetic")), 32)
     assert kind == "memory" and "arrays" in why
     with pytest.raises(DataError) as e:
-        choose_loader(data_cfg(tmp_path, dataset="synthetic", loader="stream"), 32)
+        choose_loader(source_for(data_cfg(tmp_path, dataset="synthetic", loader="stream")), 32)
     assert_one_line_naming(e, "data.loader=stream", "data.loader=memory")
 
 

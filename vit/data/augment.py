@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from vit.data.images import ImageSet, seeded_generator
+from vit.data.splits import ImageSet, seeded_generator
 from vit.device import to_device
 from vit.errors import DataError
 
@@ -90,13 +90,7 @@ def crop_params(u: torch.Tensor, flip_draws: torch.Tensor, height: int, width: i
         return t.gather(1, first).squeeze(1)  # (N, A) -> (N,)
 
     w, h, ux, uy = pick(w_try), pick(h_try), pick(u[..., 2]), pick(u[..., 3])
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        fallback_w, fallback_h = width, width / ratio[0]
-    elif in_ratio > ratio[1]:
-        fallback_w, fallback_h = height * ratio[1], height
-    else:
-        fallback_w, fallback_h = width, height
+    fallback_w, fallback_h = fallback_size(width, height, ratio)
     found = fits.any(dim=1)
     w = torch.where(found, w, torch.full_like(w, fallback_w))
     h = torch.where(found, h, torch.full_like(h, fallback_h))
@@ -104,6 +98,17 @@ def crop_params(u: torch.Tensor, flip_draws: torch.Tensor, height: int, width: i
     y0 = torch.where(found, uy, torch.full_like(uy, 0.5)) * (height - h)
     flips = flip_draws < 0.5 if hflip else torch.zeros(flip_draws.shape, dtype=torch.bool)
     return torch.stack([x0, y0, w, h], dim=1), flips
+
+
+def fallback_size(width: int, height: int, ratio: tuple[float, float]) -> tuple[float, float]:
+    """The crop where no draw fits (torchvision's fallback): the whole image with its aspect clamped to `ratio`, (w, h) in
+    pixels; centred by the caller. Shared by the batched crops here and the stream loader's per-image ones."""
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        return width, width / ratio[0]
+    if in_ratio > ratio[1]:
+        return height * ratio[1], height
+    return width, height
 
 
 def crop_flip_theta(boxes: torch.Tensor, flips: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -182,3 +182,11 @@ def _crop_jpeg_torch(data: bytes, box: tuple[int, int, int, int], out_size: int)
         return None  # the decoder's size disagrees with the header's: let PIL judge the file
     out = F.interpolate(crop, size=(out_size, out_size), mode="bilinear", antialias=True, align_corners=False)[0]
     return out.permute(1, 2, 0).numpy()
+
+
+def first_image_size(files) -> tuple[int, int]:
+    """(width, height) of the first image of a `vit.data.files.FileSet`, read from its header."""
+    data, name = files.read(0)
+    im = _open(data, name)
+    with im:
+        return im.size

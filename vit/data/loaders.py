@@ -6,7 +6,7 @@
     val = data.loader(data.splits.val, 256, train=False)
 
 `data.loader`:
-- `memory`: `vit.data.images.load_splits` decodes the dataset once into uint8 tensors (cached on disk) and
+- `memory`: the source (`vit.data.sources`) decodes the dataset once into uint8 tensors (cached on disk) and
   `vit.data.augment.BatchLoader` crops and augments batches on the device. The fastest path for data
   that fits in memory (CIFAR, MNIST, small folders).
 - `stream`: the splits stay lists of files, rows or shards (`vit.data.sources`) and `vit.data.stream.StreamLoader`
@@ -23,23 +23,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
-from vit.data.augment import BatchLoader, BatchOp
 from vit.config import DataConfig
-from vit.data.images import ImageSet, SourceIndex, Splits, carve_splits, decode_files, file_sets, load_splits, _is_archive
-from vit.data.decode import BadImage, decode_image
-from vit.data import sources
-from vit.errors import DataError
+from vit.data.augment import BatchLoader, BatchOp
+from vit.data.files import ShardSet, decode_files
+from vit.data.sources import Source, source_for
+from vit.data.sources.shards import shard_head
+from vit.data.splits import ImageSet, Splits
 from vit.data.stream import BadImageLog, StreamLoader
+from vit.errors import DataError
 
 GB = 1e9
-ARRAY_SOURCES = ("mnist", "fashionmnist", "synthetic")  # read as arrays: always in memory
-MIXED_SIZE_SOURCES = ("imagefolder", "folder", "webdataset", "hf")  # image files of any size (CIFAR's are all 32x32)
 BUDGET_SHARE = 0.25  # of the machine's RAM, the default `data.memory_budget_gb`
 
 
@@ -71,62 +68,10 @@ def default_workers(cfg: DataConfig, device: torch.device, threads: int, local_p
     return max(1, per_process - used)
 
 
-def streamable(cfg: DataConfig) -> str | None:
-    """Why this source cannot be streamed, or None when it can."""
-    if cfg.dataset in ARRAY_SOURCES:
-        return f"data.dataset={cfg.dataset} is read as arrays, not image files"
-    if cfg.dataset in ("cifar10", "cifar100", "imagefolder"):
-        root = Path(cfg.root).expanduser() if cfg.root is not None else None
-        if root is None or not root.exists():
-            return f"data.dataset={cfg.dataset} without a local train/<class>/ tree is read as torchvision's arrays"
-        if _is_archive(root):
-            return f"{root} is a .tar.gz, which can only be read from start to end (unpack it, or write WebDataset shards)"
-        if not (root / "train").is_dir():
-            return f"{root} is not a train/<class>/ tree (CIFAR pickles are read as arrays)"
-    return None
-
-
-def _first_image_size(files) -> tuple[int, int]:
-    import io
-
-    from PIL import Image
-
-    data, name = files.read(0)
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            return im.size
-    except Exception as e:
-        raise BadImage(f"cannot decode image {name} ({type(e).__name__}: {e})") from None
-
-
-def decoded_bytes(cfg: DataConfig, out_size: int, sets: dict[str, Any] | None = None) -> tuple[int, str, int]:
-    """(images, "HxW", bytes) the memory loader would hold: every image at `data.image_size` (else the first image's size).
-    `sets`: the source's file sets when the caller listed them already (a large tree is listed once)."""
-    if cfg.dataset == "webdataset":
-        shards = sources.open_shards(cfg.root, Path(cfg.cache_dir).expanduser())
-        side = cfg.image_size or out_size
-        return len(shards), f"{side}x{side}", len(shards) * 3 * side * side
-    sets = sets if sets is not None else file_sets(cfg)
-    count = sum(len(s) for s in sets.values())
-    if cfg.image_size is not None:
-        side = cfg.image_size
-        return count, f"{side}x{side}", count * 3 * side * side
-    w, h = _first_image_size(sets["train"])
-    return count, f"{h}x{w}", count * 3 * w * h
-
-
-def stored_size(cfg: DataConfig, out_size: int | None) -> int | None:
-    """The size the memory loader decodes images to: `data.image_size`; under `data.loader=auto` without it, image files
-    are stored at the model's input size `out_size` (at their own sizes, photos of mixed sizes could not share one
-    tensor); None: as they are."""
-    if cfg.image_size is not None or cfg.loader != "auto" or out_size is None or cfg.dataset not in MIXED_SIZE_SOURCES:
-        return cfg.image_size
-    return out_size
-
-
-def choose_loader(cfg: DataConfig, out_size: int, sets: dict[str, Any] | None = None) -> tuple[str, str]:
-    """("memory" | "stream", why) for `data.loader`; `sets` as for `decoded_bytes`."""
-    why_not = streamable(cfg)
+def choose_loader(source: Source, out_size: int, listed: dict[str, Any] | None = None) -> tuple[str, str]:
+    """("memory" | "stream", why) for `data.loader`; `listed`: the source's file sets when the caller listed them already."""
+    cfg = source.cfg
+    why_not = source.why_not_streamed()
     if cfg.loader == "memory":
         return "memory", "data.loader=memory"
     if cfg.loader == "stream":
@@ -135,7 +80,7 @@ def choose_loader(cfg: DataConfig, out_size: int, sets: dict[str, Any] | None = 
         return "stream", "data.loader=stream"
     if why_not:
         return "memory", f"auto: {why_not}"
-    count, hw, size = decoded_bytes(cfg, out_size, sets)
+    count, hw, size = source.decoded_size(out_size, listed)
     budget, how = memory_budget(cfg)
     what = f"{count:,} images x 3x{hw} = {size / GB:.2f} GB decoded"
     if size <= budget:
@@ -171,7 +116,7 @@ class Data:
 
     def subset(self, images: Any, index: torch.Tensor) -> Any:
         """The images at `index` of an ImageSet or FileSet (shards are not indexable: their first len(index) samples, decoded)."""
-        if isinstance(images, sources.ShardSet):
+        if isinstance(images, ShardSet):
             return shard_head(images, len(index), self.out_size, self.cfg.skip_bad_images, self.bad, max_pixels=self.cfg.max_image_pixels)[0]
         return images.subset(index)
 
@@ -193,89 +138,26 @@ class Data:
         return len(self.splits.bad_images) + int(streamed.item())
 
 
-def shard_head(shards: sources.ShardSet, count: int, out_size: int, skip_bad: bool, bad: BadImageLog,
-               urls: list[str] | None = None, max_pixels: int | None = None) -> tuple[ImageSet, list[str]]:  # fmt: skip
-    """The first `count` images of `urls` (default the shards', in order, their excluded keys left out), decoded for
-    evaluation (shorter side resized to `out_size`, centre crop), and the keys of every sample read (skipped ones too)."""
-    arrays, labels, keys = [], [], []
-    for sample in sources.shard_samples(urls or shards.urls):
-        if len(arrays) >= count:
-            break
-        if urls is None and sample["__key__"] in shards.exclude:
-            continue
-        keys.append(sample["__key__"])
-        found = sources.sample_image(sample)
-        name = f"{sample.get('__url__')}:{sample['__key__']}"
-        try:
-            if found is None:
-                raise BadImage(f"sample {name} has no image member (.jpg, .png, ...)")
-            arrays.append(decode_image(found[0], found[1], out_size, max_pixels))
-        except BadImage as e:
-            if not skip_bad:
-                raise BadImage(f"{e}; data.skip_bad_images=true skips such files") from None
-            bad.add([(name, str(e))])
-            continue
-        labels.append(sources.sample_label(sample))
-    images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous() if arrays else torch.zeros(0, 3, out_size, out_size, dtype=torch.uint8)
-    return ImageSet(images, torch.tensor(labels, dtype=torch.int64), list(shards.classes)), keys
-
-
-def _shard_splits(cfg: DataConfig, out_size: int, bad: BadImageLog) -> Splits:
-    """Shards: the training ShardSet and a val split decoded into memory (`data.val_root`'s first val_size samples, or
-    the first val_size samples of the last shards, which training then leaves out)."""
-    from vit.data.images import NORMALIZATION
-
-    if cfg.train_fraction < 1.0:
-        raise DataError("data.train_fraction needs an indexable source; shards are read in order (write fewer shards instead)")
-    cache_dir = Path(cfg.cache_dir).expanduser()
-    train = sources.open_shards(cfg.root, cache_dir)
-    val = ImageSet(torch.zeros(0, 3, out_size, out_size, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64), list(train.classes))
-    if cfg.val_root is not None:
-        held = sources.open_shards(cfg.val_root, cache_dir)
-        val, _ = shard_head(held, cfg.val_size or len(held), out_size, cfg.skip_bad_images, bad, urls=held.urls, max_pixels=cfg.max_image_pixels)
-    elif cfg.val_size:
-        if cfg.val_size >= len(train):
-            raise DataError(f"the shards hold {len(train)} samples; data.val_size={cfg.val_size} needs more (or set data.val_root)")
-        keys, parts = [], []
-        for url in reversed(train.urls):
-            part, read = shard_head(train, cfg.val_size - sum(len(p) for p in parts), out_size, cfg.skip_bad_images, bad, urls=[url],
-                                    max_pixels=cfg.max_image_pixels)  # fmt: skip
-            keys += read
-            parts.append(part)
-            if sum(len(p) for p in parts) >= cfg.val_size:
-                break
-        val = ImageSet(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), list(train.classes))
-        train.exclude = frozenset(keys)
-    mean, std = NORMALIZATION[cfg.dataset]
-    return Splits(cfg.dataset, train, val, None, mean, std, SourceIndex(train.fingerprint, len(train), None, None), "stream", out_size)
-
-
 def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,
               threads: int = 1, local_processes: int = 1, need_labels: bool = False,
               say: Callable[[str], None] = print) -> Data:  # fmt: skip
     """Open `cfg`'s data for a stage whose model takes `out_size` images (None: as stored; memory loader only);
     `need_labels` refuses an unlabelled source with one line."""
     device = torch.device(device)
-    listed = file_sets(cfg) if cfg.loader != "memory" and cfg.dataset in ("folder", "hf", "imagefolder", "cifar10", "cifar100") \
-        and streamable(cfg) is None else None  # fmt: skip
-    stored = stored_size(cfg, out_size)
+    source = source_for(cfg)  # the one place `data.dataset` is looked up
+    # A large tree is listed once: for `auto`'s estimate, then for the stream loader's splits.
+    listed = source.file_sets() if cfg.loader != "memory" and source.lists_files and source.why_not_streamed() is None else None
+    stored = source.stored_size(out_size)
     derived = stored != cfg.image_size
-    cfg = replace(cfg, image_size=stored)  # what the memory loader decodes to; `auto`'s estimate counts that size
-    kind, why = choose_loader(cfg, out_size or cfg.image_size or 32, listed)
+    source.cfg = cfg = replace(cfg, image_size=stored)  # what the memory loader decodes to; `auto`'s estimate counts that size
+    kind, why = choose_loader(source, out_size or cfg.image_size or 32, listed)
     if kind == "memory" and derived:
         why += f"; stored at the model's {stored} px (data.image_size unset; set it to store another size)"
     bad = BadImageLog(rank)
     workers = default_workers(cfg, device, threads, local_processes) if kind == "stream" else 0
     how = f"{workers} decoding worker(s) per process (data.workers)" if kind == "stream" else "decoded once, augmented on the device"
     say(f"data: {kind} loader ({why}) | {how}")  # before any decoding, so the first data line says what happens and why
-    if kind == "memory":
-        splits = load_splits(cfg)
-    else:
-        if cfg.dataset == "webdataset":
-            splits = _shard_splits(cfg, out_size, bad)
-        else:
-            raw = listed if listed is not None else file_sets(cfg)
-            splits = carve_splits(cfg, raw, sources.files_fingerprint(raw["train"]), "stream", out_size)
+    splits = source.memory_splits() if kind == "memory" else source.stream_splits(out_size, bad, listed)
     if out_size is None:  # a model that takes the images as they are stored (ResNet-18)
         if kind == "stream":
             raise DataError("streamed images are decoded to the model's size: set data.image_size for this model")

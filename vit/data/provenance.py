@@ -3,7 +3,7 @@
 `encoder.pt` (under `meta["data"]`) and `classifier.pt` (under `data["split"]`) record
 
     {"dataset", "val_size", "split_seed", "train_fraction",     # the data settings of the run
-     "fingerprint", "source_size",                              # the source's training split (`vit.data.images.fingerprint`)
+     "fingerprint", "source_size",                              # the source's training split (`vit.data.splits.fingerprint`)
      "trained_on": (ceil(source_size / 8),) uint8 | None}       # packed bit mask: which of its images the run trained on
 
 A later run on the same source (same fingerprint) knows exactly which of its val images the
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vit.config import DataConfig
-from vit.data.images import Splits
+from vit.data.splits import Splits
 from vit.errors import DataError
 
 SPLIT_KEYS = ("dataset", "val_size", "split_seed", "train_fraction")

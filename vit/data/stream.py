@@ -42,11 +42,12 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from vit.data.augment import Loader, epoch_order, finish_batch
-from vit.data.images import seeded_generator
+from vit.data.augment import Loader, epoch_order, fallback_size, finish_batch
+from vit.data.splits import seeded_generator
 from vit.data.decode import BadImage, Box, decode_crop, decode_image
 from vit.errors import DataError
-from vit.data.sources import FileSet, ShardSet, sample_image, sample_label, shard_samples
+from vit.data.files import FileSet, ShardSet
+from vit.data.sources.shards import sample_image, sample_label, shard_samples
 
 WARN_LIMIT = 20  # bad images named in warnings per process; the rest are only counted
 
@@ -61,7 +62,7 @@ def crop_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[f
 
     Up to `attempts` draws of an area fraction in `scale` and a log-uniform aspect in `ratio`; the first
     box that fits is placed uniformly. Otherwise the whole image with its aspect clamped to `ratio`, centred
-    (the same fallback as `vit.data.augment.sample_crop_params`, its batched twin on the device).
+    (`vit.data.augment.fallback_size`, as in `sample_crop_params`, its batched twin on the device).
     """
     area = width * height
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
@@ -71,13 +72,7 @@ def crop_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[f
         w, h = math.sqrt(target * aspect), math.sqrt(target / aspect)
         if w <= width and h <= height:
             return rng.random() * (width - w), rng.random() * (height - h), w, h
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, width / ratio[0]
-    elif in_ratio > ratio[1]:
-        w, h = height * ratio[1], height
-    else:
-        w, h = width, height
+    w, h = fallback_size(width, height, ratio)
     return (width - w) / 2, (height - h) / 2, w, h
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from vit.data.augment import eval_shard
-from vit.data.images import seeded_generator
+from vit.data.splits import seeded_generator
 
 Pool = Literal["token", "avg"]
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import yaml
 
-from vit.data import images as vit_data
+from vit.data.sources import NORMALIZATION
 from vit.store.checkpoint import encoder_from_checkpoint, read_encoder
 from vit.errors import CheckpointError, UserError
 from vit.store.hub import hub_config, push_folder, write_hub_folder
@@ -31,15 +31,6 @@ from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, read_config, read_summ
 
 # Hub dataset ids, for the card's front matter (the Hub links a model to these).
 HUB_DATASETS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100", "mnist": "ylecun/mnist", "fashionmnist": "zalando-datasets/fashion_mnist"}
-# The input normalisation of each dataset, for encoders saved before encoder.pt recorded it.
-DATASET_NORM = {
-    "cifar10": (vit_data.CIFAR10_MEAN, vit_data.CIFAR10_STD),
-    "cifar100": (vit_data.CIFAR100_MEAN, vit_data.CIFAR100_STD),
-    "mnist": (vit_data.MNIST_MEAN, vit_data.MNIST_STD),
-    "fashionmnist": (vit_data.FASHIONMNIST_MEAN, vit_data.FASHIONMNIST_STD),
-    "imagefolder": (vit_data.IMAGENET_MEAN, vit_data.IMAGENET_STD),
-    "synthetic": (vit_data.SYNTHETIC_MEAN, vit_data.SYNTHETIC_STD),
-}
 
 
 @dataclass
@@ -91,8 +82,8 @@ def encoder_export(path: str | Path) -> Export:
     dataset = data.get("dataset") or (read_run_file(run_dir, read_config).get("data") or {}).get("dataset")
     if "mean" in data:
         mean, std = data["mean"], data["std"]
-    elif dataset in DATASET_NORM:
-        mean, std = DATASET_NORM[dataset]
+    elif dataset in NORMALIZATION:  # an encoder.pt that records no normalisation: its dataset's
+        mean, std = NORMALIZATION[dataset]
     else:
         raise CheckpointError(f"{path} does not record the input normalisation it was trained with, and no run folder beside it names the dataset")
     return Export(model, "encoder", list(mean), list(std), dataset, run_dir, step=payload.get("step"),

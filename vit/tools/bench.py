@@ -32,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vit.config import DataConfig, ModelConfig, OptimConfig
-from vit.data.images import ImageSet, load_splits
+from vit.data.sources import load_splits
+from vit.data.splits import ImageSet
 from vit.device import BusySampler, cpu_model_and_flags, synchronize
 from vit.errors import ConfigError
 from vit.train.accelerator import compile_mode, native_bf16

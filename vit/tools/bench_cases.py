@@ -182,9 +182,9 @@ def stream_cases(s: Settings, device: torch.device) -> list[Case]:
     A step is one whole epoch of `s.stream_images`: a loader's workers prefetch in the background, and a step that left
     batches in flight would hand that work to the other side's timed block.
     """
-    from vit.data.images import IMAGENET_MEAN, IMAGENET_STD
+    from vit.data.sources import IMAGENET_MEAN, IMAGENET_STD
     from vit.tools.reference import usual_folder_loader
-    from vit.data.sources import tree_files
+    from vit.data.files import tree_files
     from vit.data.stream import StreamLoader
 
     cases = []

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from vit.data.images import ImageSet
+from vit.data.splits import ImageSet
 from vit.models.pos_embed import sincos_2d
 
 
@@ -32,7 +32,7 @@ def timm_vit(config: dict[str, Any]) -> nn.Module:
 
     kwargs = {k: config[k] for k in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
                                      "qkv_bias", "drop_rate", "attn_drop_rate", "drop_path_rate", "global_pool")}  # fmt: skip
-    # Classifiers saved before the encoder had patch dropout have no `patch_drop_rate` in their config.
+    # A config without `patch_drop_rate` (a classifier.pt that does not record it) means none.
     return tv.VisionTransformer(fc_norm=False, patch_drop_rate=config.get("patch_drop_rate", 0.0), **kwargs)
 
 

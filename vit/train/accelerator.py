@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def native_bf16(device: torch.device) -> bool:
     """Whether `device` computes bf16 in hardware. A CPU without AVX512-BF16 or AMX (AVX2-only
-    laptops and servers) has CPU autocast emulate it, measured over 100x slower than fp32 in a matmul."""
+    laptops and servers) has CPU autocast emulate it, many times slower than fp32 (docs/running.md)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":

@@ -110,9 +110,9 @@ def eval_seconds_estimate(images: int, train_images_per_sec: float, cost_per_ima
 
 def measure_seconds(budget_minutes: float) -> float:
     """How long a budget run measures its step time: 2% of the budget, at least 5 s and at most a minute. A few seconds
-    read only the first steps, which on a shared CPU ran 10-15% off the rate of the next minutes; a longer window
+    read only the first steps, which on a shared machine can run off the rate of the next minutes; a longer window
     averages over more of them, at a cost of 2% of the budget spent before the schedule is fixed. No window at the start
-    foresees the machine's speed drifting later in the run (RESULTS.md: stages still ended up to 14% early or late)."""
+    foresees the machine's speed drifting later in the run (RESULTS.md reports how early or late stages ended)."""
     return min(60.0, max(5.0, 0.02 * budget_minutes * 60))
 
 

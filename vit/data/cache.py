@@ -1,0 +1,132 @@
+"""The memory loader's cache: a source's images decoded once into `<cache_dir>/<dataset>-<hash>.pt`.
+
+The hash covers the source's identity (a path with its size and newest mtime, or an identity string for shard lists and
+Hub datasets), the decode settings (size, `data.max_image_pixels`) and `FORMAT_VERSION`, so a changed source is decoded
+again. Images skipped by `data.skip_bad_images` are recorded in the cache too. A broken cache file is rebuilt; the
+cache is never written next to the input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from vit.config import DataConfig
+from vit.data.decode import BadImage
+from vit.data.splits import ImageSet
+from vit.errors import DataError
+from vit.store.atomic import atomic_save
+
+FORMAT_VERSION = 2  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs)
+
+
+def cache_path(cfg: DataConfig, source: Path | str, extra: tuple = ()) -> Path:
+    """`<cache_dir>/<dataset>-<hash>.pt`, the hash over the source's identity and the decode settings.
+
+    `source` is a file or folder (identified by its path, total size and newest mtime) or an identity
+    string that already says all that (shard lists, Hub datasets).
+    """
+    if isinstance(source, Path):
+        size, mtime = _fingerprint(source)
+        identity = (str(source.resolve()), size, mtime)
+    else:
+        identity = (source,)
+    key = repr((FORMAT_VERSION, cfg.dataset, *identity, cfg.image_size, cfg.max_image_pixels, *extra))
+    return cache_dir(cfg) / f"{cfg.dataset}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+def cached(cfg: DataConfig, source: Path | str, decode: Callable[[list], dict[str, ImageSet]], skipped: list,
+            where: str | None = None, extra: tuple = ()) -> dict[str, ImageSet]:  # fmt: skip
+    """Load `decode(bad)`'s result from the cache, or decode and write it atomically; a broken cache file is rebuilt.
+
+    Images skipped by `data.skip_bad_images` are recorded in the cache too and appended to `skipped` on every load.
+    """
+    path = cache_path(cfg, source, extra)
+    if isinstance(source, Path):
+        _refuse_next_to(path.parent, source)
+    if path.is_file():
+        loaded = _read_cache(path)
+        if loaded is not None:
+            result, bad = loaded
+            if bad and not cfg.skip_bad_images:
+                raise BadImage(f"{bad[0][1]}; data.skip_bad_images=true skips such files")
+            skipped.extend(bad)
+            return result
+    start = time.perf_counter()
+    bad: list[tuple[str, str]] = []
+    result = decode(bad)
+    seconds = time.perf_counter() - start
+    _write_cache(path, result, bad)
+    count = sum(len(s) for s in result.values())
+    sizes = ", ".join(f"{k} {len(v)}" for k, v in result.items())
+    left_out = f", {len(bad)} that do not decode left out (data.skip_bad_images)" if bad else ""
+    print(f"data: decoded {count} images ({sizes}) from {where or source} in {seconds:.1f}s{left_out}; cached at {path}", flush=True)
+    for name, reason in bad[:20]:
+        print(f"warning: skipped: {reason}", file=sys.stderr, flush=True)
+    skipped.extend(bad)
+    return result
+
+
+def _read_cache(path: Path) -> tuple[dict[str, ImageSet], list[tuple[str, str]]] | None:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if payload.get("format") != FORMAT_VERSION:
+            raise ValueError(f"format {payload.get('format')}, expected {FORMAT_VERSION}")
+        classes = list(payload["classes"])
+        splits = {split: ImageSet(v["images"], v["labels"], classes) for split, v in payload["splits"].items()}
+        return splits, [tuple(b) for b in payload.get("skipped", [])]
+    except Exception as e:  # truncated, foreign or stale files are all rebuilt the same way
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"warning: data cache {path} is unreadable ({type(e).__name__}: {reason}); decoding again", file=sys.stderr, flush=True)
+        return None
+
+
+def _write_cache(path: Path, result: dict[str, ImageSet], skipped: list[tuple[str, str]] = ()) -> None:
+    """Write the decoded splits atomically: readers see the old file or the whole new one, never a torn one."""
+    payload = {
+        "format": FORMAT_VERSION,
+        "classes": list(result["train"].classes),
+        "splits": {split: {"images": s.images, "labels": s.labels} for split, s in result.items()},
+        "skipped": [list(b) for b in skipped],
+    }
+    try:
+        atomic_save(payload, path)
+    except OSError as e:
+        raise DataError(f"cannot write the data cache {path} ({e.strerror}); set data.cache_dir to a writable folder") from None
+
+
+def _fingerprint(source: Path) -> tuple[int, int]:
+    """(total bytes, newest mtime in ns) of a file, or of every file and folder under a directory (a rename changes a folder's mtime)."""
+    if source.is_file():
+        st = source.stat()
+        return st.st_size, st.st_mtime_ns
+    total, newest = 0, source.stat().st_mtime_ns
+    for entry in _walk(source):
+        st = entry.stat()
+        total += st.st_size if entry.is_file() else 0
+        newest = max(newest, st.st_mtime_ns)
+    return total, newest
+
+
+def _walk(folder: Path) -> Iterator[os.DirEntry]:
+    with os.scandir(folder) as it:
+        for entry in it:
+            yield entry
+            if entry.is_dir(follow_symlinks=False):
+                yield from _walk(Path(entry.path))
+
+
+def _refuse_next_to(cache_dir: Path, source: Path) -> None:
+    cache_dir, source = cache_dir.resolve(), source.resolve()
+    if cache_dir == source.parent or cache_dir == source or source in cache_dir.parents:
+        raise DataError(f"data.cache_dir {cache_dir} would put the cache next to the input {source}; choose another folder")
+
+
+def cache_dir(cfg: DataConfig) -> Path:
+    return Path(cfg.cache_dir).expanduser()

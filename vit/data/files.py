@@ -1,0 +1,211 @@
+"""Images held as files, read one at a time: the sets both loaders take from the sources that have files.
+
+    files = list_images(root)                            # every image file under root, any depth, sorted
+    fs = FileSet(PathReader(root, files), ...)           # indexable: fs.read(i) -> (encoded bytes, name)
+    images = decode_files(fs, image_size, skip_bad, bad) # every image decoded into one ImageSet (the memory loader)
+
+A `FileSet` is what the stream loader (`vit.data.stream`) decodes in its worker processes and what the memory loader
+decodes once into its cache: its items are positions in a reader (a folder's file list, or the rows of a Hugging Face
+dataset), so subsets, splits and per-epoch permutations are index tensors, exactly as for an in-memory `ImageSet`.
+A `ShardSet` is a list of WebDataset tar shards, read in order (`vit.data.sources.shards`).
+
+Labels are int64 class indices, -1 for an unlabelled image; `classes` is empty for an unlabelled source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vit.data.decode import BadImage, decode_image, is_image_name
+from vit.data.splits import ImageSet
+from vit.errors import DataError
+
+UNLABELLED = -1
+
+
+class PathReader:
+    """Image files under one folder: `read(i)` -> (bytes of the i-th file, its path)."""
+
+    def __init__(self, root: str | os.PathLike, paths: list[str]):
+        self.root = str(root)
+        self.paths = paths  # relative, '/'-separated
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def name(self, i: int) -> str:
+        return os.path.join(self.root, self.paths[i])
+
+    def identity(self, index: torch.Tensor) -> str:
+        """Names and sizes of the files at `index`: the same files copied elsewhere give the same string."""
+        return "".join(f"{self.paths[i]}\0{os.path.getsize(os.path.join(self.root, self.paths[i]))}\n" for i in index.tolist())
+
+    def read(self, i: int) -> tuple[bytes, str]:
+        path = self.name(i)
+        try:
+            with open(path, "rb") as f:
+                return f.read(), path
+        except OSError as e:
+            raise BadImage(f"cannot read image {path}: {e.strerror}") from None
+
+
+@dataclass
+class FileSet:
+    """Images of one split held as positions in a reader. labels: (N,) int64 (-1: unlabelled); classes: [] when unlabelled."""
+
+    reader: Any  # PathReader, or vit.data.sources.hf.HFReader: `read(i)`, `name(i)`, `identity(index)`, `len`
+    index: torch.Tensor  # (N,) int64 positions in `reader`
+    labels: torch.Tensor
+    classes: list[str]
+
+    def __post_init__(self) -> None:
+        if self.index.shape != self.labels.shape:
+            raise ValueError(f"FileSet index {tuple(self.index.shape)} and labels {tuple(self.labels.shape)} differ")
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def labelled(self) -> bool:
+        return bool(self.classes)
+
+    def subset(self, index: torch.Tensor) -> FileSet:
+        """The images at `index` ((K,) int64), in that order."""
+        return FileSet(self.reader, self.index[index], self.labels[index], self.classes)
+
+    def read(self, i: int) -> tuple[bytes, str]:
+        """The encoded bytes of the i-th image of this set and a name for messages."""
+        return self.reader.read(int(self.index[i]))
+
+
+@dataclass
+class ShardSet:
+    """WebDataset tar shards, read in order: the training split of a shard source.
+
+    `exclude` holds the keys of samples held out as the val split (see `vit.data.loaders`), skipped when training.
+    """
+
+    urls: list[str]
+    sizes: list[int]  # samples per shard
+    classes: list[str]  # [] when the shards carry no .cls
+    exclude: frozenset[str] = field(default_factory=frozenset)
+    fingerprint: str = ""
+
+    def __len__(self) -> int:
+        return sum(self.sizes) - len(self.exclude)
+
+    @property
+    def labelled(self) -> bool:
+        return bool(self.classes)
+
+
+def list_images(root: Path) -> list[str]:
+    """Every image file under `root` at any depth, as sorted '/'-separated relative paths; hidden files and folders skipped."""
+    found = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(root, rel) if rel else root))
+        except OSError as e:
+            raise DataError(f"cannot list {os.path.join(root, rel)}: {e.strerror}") from None
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue  # .ipynb_checkpoints, macOS ._* twins, .git
+            path = f"{rel}/{entry.name}" if rel else entry.name
+            if entry.is_dir():
+                stack.append(path)
+            elif is_image_name(entry.name):
+                found.append(path)
+    return sorted(found)
+
+
+def folder_files(root: Path) -> FileSet:
+    """An unlabelled folder: every image file under `root`, any nesting."""
+    files = list_images(root)
+    if not files:
+        raise DataError(f"{root} holds no image files ({', '.join(sorted({'.jpg', '.png', '.webp', '.bmp'}))}, ...) at any depth")
+    n = len(files)
+    return FileSet(PathReader(root, files), torch.arange(n), torch.full((n,), UNLABELLED, dtype=torch.int64), [])
+
+
+def tree_files(root: Path, split_names: tuple[str, ...]) -> dict[str, FileSet]:
+    """A labelled tree `<root>/<split>/<class>/**/<image>`: {split: FileSet} for the splits present; classes from train/."""
+    if not (root / "train").is_dir():
+        raise DataError(f"{root} has no train/ folder: expected {root}/train/<class>/<image>")
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DataError(f"{root / 'train'} has no class folders: expected {root}/train/<class>/<image>")
+    index = {c: i for i, c in enumerate(classes)}
+    result = {}
+    for split in split_names:
+        folder = root / split
+        if not folder.is_dir():
+            continue
+        paths, labels = [], []
+        for class_dir in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if class_dir.name not in index:
+                raise DataError(f"{root}: class folder {split}/{class_dir.name} has no counterpart in train/ (train classes: {', '.join(classes)})")
+            files = list_images(class_dir)
+            if not files:
+                raise DataError(f"empty class folder {class_dir}: expected images")
+            paths += [f"{split}/{class_dir.name}/{f}" for f in files]
+            labels += [index[class_dir.name]] * len(files)
+        if paths:
+            n = len(paths)
+            result[split] = FileSet(PathReader(root, paths), torch.arange(n), torch.tensor(labels, dtype=torch.int64), list(classes))
+    return result
+
+
+def files_fingerprint(files: FileSet) -> str:
+    """A hash of a file set's names (or rows), sizes, labels and classes: the same tree copied elsewhere gives the same string."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(list(files.classes)).encode())
+    digest.update(files.labels.numpy().tobytes())
+    digest.update(files.reader.identity(files.index).encode())
+    return digest.hexdigest()
+
+
+def decode_files(files, image_size: int | None, skip_bad: bool, bad: list, max_pixels: int | None = None) -> ImageSet:
+    """Decode every image of a `FileSet` in one process: -> ImageSet (skipped images appended to `bad`;
+    images of more than `max_pixels` pixels are bad images)."""
+    check = SizeCheck()
+    arrays, keep = [], []
+    for i in range(len(files)):
+        try:
+            data, name = files.read(i)
+            arr = decode_image(data, name, image_size, max_pixels)
+        except BadImage as e:
+            if not skip_bad:
+                raise
+            bad.append((files.reader.name(int(files.index[i])), str(e)))
+            continue
+        check(name, arr)
+        arrays.append(arr)
+        keep.append(i)
+    if not arrays:
+        raise DataError("every image of the source failed to decode")
+    stacked = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (N, H, W, 3) -> (N, 3, H, W)
+    return ImageSet(stacked, files.labels[torch.tensor(keep, dtype=torch.int64)].clone(), list(files.classes))
+
+
+class SizeCheck:
+    """Remembers the first image's size so a differently sized one fails with both names."""
+
+    def __init__(self) -> None:
+        self.first: tuple[str, tuple[int, int]] | None = None
+
+    def __call__(self, name: str, arr: np.ndarray) -> None:
+        size = arr.shape[:2]
+        if self.first is None:
+            self.first = (name, size)
+        elif size != self.first[1]:
+            (h0, w0), (h, w) = self.first[1], size
+            raise DataError(f"{name} is {w}x{h} but {self.first[0]} is {w0}x{h0}; set data.image_size to resize every image")

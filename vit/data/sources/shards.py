@@ -1,0 +1,239 @@
+"""`webdataset`: tar shards in WebDataset layout (`data.root=shards/train-{000000..000127}.tar`): `<key>.jpg|png|...`
+plus an optional `<key>.cls` holding the class index as text, read in order with the `webdataset` package.
+
+Their sample counts (and the classes their `.cls` files name) are read once from the tar headers, which needs no image
+data, and cached next to the decoded data. Shards are never indexed: training reads them in order (`ShardSet`), and the
+val split is decoded into memory from `data.val_root`'s first samples, or from the last shards' first samples, which
+training then leaves out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vit.config import DataConfig
+from vit.data.cache import cached
+from vit.data.decode import BadImage, decode_image
+from vit.data.files import UNLABELLED, ShardSet, SizeCheck
+from vit.data.sources.base import IMAGENET_MEAN, IMAGENET_STD, Source
+from vit.data.splits import ImageSet, SourceIndex, Splits
+from vit.errors import DataError, UserError
+
+
+class Shards(Source):
+    """`webdataset`: shards read in order (the stream loader), or decoded whole where they fit (the memory loader)."""
+
+    normalizations = {"webdataset": (IMAGENET_MEAN, IMAGENET_STD)}
+    mixed_sizes = True
+
+    def why_not_streamed(self) -> str | None:
+        return None
+
+    def read(self, skipped: list) -> dict[str, ImageSet]:
+        cfg = self.cfg
+        urls = expand_shards(cfg.root)
+        stats = [os.stat(u) for u in urls]
+        identity = repr([(os.path.abspath(u), st.st_size, st.st_mtime_ns) for u, st in zip(urls, stats)])
+        return cached(cfg, identity, lambda bad: read_shards(urls, cfg, bad), skipped, where=cfg.root)
+
+    def stream_splits(self, out_size: int, bad: Any, listed=None) -> Splits:
+        return shard_splits(self.cfg, out_size, bad, self.normalization)
+
+    def decoded_size(self, out_size: int, listed=None) -> tuple[int, str, int]:
+        shards = open_shards(self.cfg.root, Path(self.cfg.cache_dir).expanduser())
+        side = self.cfg.image_size or out_size
+        return len(shards), f"{side}x{side}", len(shards) * 3 * side * side
+
+
+def read_shards(urls: list[str], cfg: DataConfig, bad: list) -> dict[str, ImageSet]:
+    """Every sample of the shards, in order, decoded (`data.loader=memory` for shards small enough)."""
+    check = SizeCheck()
+    arrays, labels = [], []
+    for sample in shard_samples(urls):
+        found = sample_image(sample)
+        name = f"{sample.get('__url__')}:{sample['__key__']}"
+        try:
+            if found is None:
+                raise BadImage(f"sample {name} has no image member (.jpg, .png, ...)")
+            arr = decode_image(found[0], found[1], cfg.image_size, cfg.max_image_pixels)
+        except BadImage as e:
+            if not cfg.skip_bad_images:
+                raise
+            bad.append((name, str(e)))
+            continue
+        check(name, arr)
+        arrays.append(arr)
+        labels.append(sample_label(sample))
+    if not arrays:
+        raise DataError(f"the shards {cfg.root} hold no images")
+    labelled = [v != UNLABELLED for v in labels]
+    if any(labelled) and not all(labelled):
+        raise DataError(f"some samples of {cfg.root} have .cls labels and some do not: label all of them or none")
+    classes = [str(i) for i in range(max(labels) + 1)] if all(labelled) else []
+    stacked = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+    return {"train": ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), classes)}
+
+
+def shard_head(shards: ShardSet, count: int, out_size: int, skip_bad: bool, bad: Any,
+               urls: list[str] | None = None, max_pixels: int | None = None) -> tuple[ImageSet, list[str]]:  # fmt: skip
+    """The first `count` images of `urls` (default the shards', in order, their excluded keys left out), decoded for
+    evaluation (shorter side resized to `out_size`, centre crop), and the keys of every sample read (skipped ones too).
+    `bad`: where skipped images are told (a `vit.data.stream.BadImageLog`)."""
+    arrays, labels, keys = [], [], []
+    for sample in shard_samples(urls or shards.urls):
+        if len(arrays) >= count:
+            break
+        if urls is None and sample["__key__"] in shards.exclude:
+            continue
+        keys.append(sample["__key__"])
+        found = sample_image(sample)
+        name = f"{sample.get('__url__')}:{sample['__key__']}"
+        try:
+            if found is None:
+                raise BadImage(f"sample {name} has no image member (.jpg, .png, ...)")
+            arrays.append(decode_image(found[0], found[1], out_size, max_pixels))
+        except BadImage as e:
+            if not skip_bad:
+                raise BadImage(f"{e}; data.skip_bad_images=true skips such files") from None
+            bad.add([(name, str(e))])
+            continue
+        labels.append(sample_label(sample))
+    images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous() if arrays else torch.zeros(0, 3, out_size, out_size, dtype=torch.uint8)
+    return ImageSet(images, torch.tensor(labels, dtype=torch.int64), list(shards.classes)), keys
+
+
+def shard_splits(cfg: DataConfig, out_size: int, bad: Any, normalization: tuple) -> Splits:
+    """Shards: the training ShardSet and a val split decoded into memory (`data.val_root`'s first val_size samples, or
+    the first val_size samples of the last shards, which training then leaves out)."""
+    if cfg.train_fraction < 1.0:
+        raise DataError("data.train_fraction needs an indexable source; shards are read in order (write fewer shards instead)")
+    cache_dir = Path(cfg.cache_dir).expanduser()
+    train = open_shards(cfg.root, cache_dir)
+    val = ImageSet(torch.zeros(0, 3, out_size, out_size, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64), list(train.classes))
+    if cfg.val_root is not None:
+        held = open_shards(cfg.val_root, cache_dir)
+        val, _ = shard_head(held, cfg.val_size or len(held), out_size, cfg.skip_bad_images, bad, urls=held.urls, max_pixels=cfg.max_image_pixels)
+    elif cfg.val_size:
+        if cfg.val_size >= len(train):
+            raise DataError(f"the shards hold {len(train)} samples; data.val_size={cfg.val_size} needs more (or set data.val_root)")
+        keys, parts = [], []
+        for url in reversed(train.urls):
+            part, read = shard_head(train, cfg.val_size - sum(len(p) for p in parts), out_size, cfg.skip_bad_images, bad, urls=[url],
+                                    max_pixels=cfg.max_image_pixels)  # fmt: skip
+            keys += read
+            parts.append(part)
+            if sum(len(p) for p in parts) >= cfg.val_size:
+                break
+        val = ImageSet(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), list(train.classes))
+        train.exclude = frozenset(keys)
+    mean, std = normalization
+    return Splits(cfg.dataset, train, val, None, mean, std, SourceIndex(train.fingerprint, len(train), None, None), "stream", out_size)
+
+
+SHARD_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")  # a sample's image member
+
+
+def expand_shards(pattern: str) -> list[str]:
+    """`dir/train-{000000..000127}.tar` (brace notation, '::' between patterns) -> the shard paths, each checked to exist."""
+    from webdataset.shardlists import expand_urls
+
+    urls = expand_urls(os.path.expanduser(pattern))
+    if not urls:
+        raise DataError(f"data.root {pattern!r} names no shards")
+    missing = [u for u in urls if not os.path.isfile(u)]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise DataError(f"shard {missing[0]}{more} of data.root {pattern!r} does not exist (shards must be local or mounted files)")
+    return urls
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """WebDataset's key rule: `dir/abc.def.jpg` -> ("dir/abc", "def.jpg"): the key ends at the first dot of the base name."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext.lower() if dot else ""
+
+
+def scan_shard(path: str) -> dict[str, Any]:
+    """One pass over a shard's tar headers (no image data is read): {"samples": int, "labels": [distinct .cls values]}."""
+    keys, labels = set(), set()
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, ext = split_key(member.name)
+                if ext in SHARD_IMAGE_EXTENSIONS:
+                    keys.add(key)
+                elif ext == "cls":
+                    text = tar.extractfile(member).read().decode().strip()
+                    try:
+                        labels.add(int(text))
+                    except ValueError:
+                        raise DataError(f"{path}:{member.name} holds {text[:20]!r}, not a class index") from None
+    except (tarfile.TarError, EOFError, OSError) as e:
+        first = (str(e).strip().splitlines() or [""])[0].rstrip(":")
+        raise DataError(f"shard {path} is not a readable tar file ({type(e).__name__}: {first})") from None
+    return {"samples": len(keys), "labels": sorted(labels)}
+
+
+def open_shards(pattern: str, cache_dir: Path) -> ShardSet:
+    """The shards `pattern` names, with their sample counts and classes (from a cached scan of their headers)."""
+    urls = expand_shards(pattern)
+    stats = [os.stat(u) for u in urls]
+    key = hashlib.sha256(repr([(os.path.abspath(u), s.st_size, s.st_mtime_ns) for u, s in zip(urls, stats)]).encode()).hexdigest()[:16]
+    index_file = Path(cache_dir).expanduser() / f"shards-{key}.json"
+    scans = None
+    if index_file.is_file():
+        try:
+            scans = json.loads(index_file.read_text())["shards"]
+        except (ValueError, KeyError):
+            scans = None  # a damaged index is scanned again
+    if scans is None or len(scans) != len(urls):
+        scans = [scan_shard(u) for u in urls]
+        from vit.store.atomic import atomic_write_text
+
+        try:
+            atomic_write_text(index_file, json.dumps({"pattern": pattern, "shards": scans}))
+        except (OSError, UserError):  # UserError: a full disk (vit.store.atomic's StorageError)
+            pass  # the scan is only a cache: a read-only cache_dir costs a rescan next time
+    empty = [u for u, s in zip(urls, scans) if s["samples"] == 0]
+    if empty:
+        raise DataError(f"shard {empty[0]} holds no images (expected <key>.jpg/.png members, WebDataset layout)")
+    labels = sorted({v for s in scans for v in s["labels"]})
+    labelled = [bool(s["labels"]) for s in scans]
+    if any(labelled) and not all(labelled):
+        raise DataError(f"shard {urls[labelled.index(False)]} has no .cls labels but {urls[labelled.index(True)]} has: label all shards or none")
+    if labels and labels[0] < 0:
+        raise DataError(f"the shards' .cls labels must be class indices >= 0, found {labels[0]}")
+    classes = [str(i) for i in range(labels[-1] + 1)] if labels else []
+    digest = hashlib.blake2b(repr([(os.path.basename(u), s.st_size) for u, s in zip(urls, stats)]).encode(), digest_size=16).hexdigest()
+    return ShardSet(urls, [s["samples"] for s in scans], classes, frozenset(), digest)
+
+
+def shard_samples(urls: list[str]):
+    """The samples of `urls`, in order, as WebDataset dicts ({"__key__", "__url__", "<ext>": bytes}), read by `webdataset`."""
+    from webdataset.tariterators import tarfile_samples
+
+    return tarfile_samples([{"url": u} for u in urls])
+
+
+def sample_image(sample: dict[str, Any]) -> tuple[bytes, str] | None:
+    """The image bytes of a WebDataset sample and its name (`shard:key.ext`), or None when it holds no image."""
+    for ext in SHARD_IMAGE_EXTENSIONS:
+        if ext in sample:
+            return sample[ext], f"{sample.get('__url__')}:{sample['__key__']}.{ext}"
+    return None
+
+
+def sample_label(sample: dict[str, Any]) -> int:
+    raw = sample.get("cls")
+    return int(raw.decode().strip()) if raw is not None else UNLABELLED

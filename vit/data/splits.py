@@ -1,0 +1,184 @@
+"""What every dataset becomes: its splits (train, val, test), carved the same way from any source.
+
+    splits = carve_splits(cfg, {"train": images, "test": test_images}, fingerprint(images))
+    splits.train, splits.val, splits.test   # ImageSet (memory loader) or FileSet / ShardSet (stream loader)
+    splits.describe()                       # sizes for summary.json
+
+The validation split is carved from the training split, class-balanced, by a generator seeded with `data.split_seed`
+(a source's own val split replaces it); `data.train_fraction` then keeps a seeded, class-balanced subset of the rest.
+Every random choice of the data (splits, epoch orders, augmentations) draws from `seeded_generator`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vit.config import DataConfig
+from vit.errors import DataError
+
+SPLIT_NAMES = ("train", "val", "test")
+
+
+@dataclass
+class ImageSet:
+    """Images of one split. images: (N, 3, H, W) uint8, always 3 channels; labels: (N,) int64 indices into `classes`."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: list[str]
+
+    def __post_init__(self) -> None:
+        if self.images.dtype != torch.uint8 or self.images.ndim != 4 or self.images.shape[1] != 3:
+            raise ValueError(f"ImageSet.images must be (N, 3, H, W) uint8, got {tuple(self.images.shape)} {self.images.dtype}")
+        if self.labels.dtype != torch.int64 or self.labels.shape != (self.images.shape[0],):
+            raise ValueError(f"ImageSet.labels must be ({self.images.shape[0]},) int64, got {tuple(self.labels.shape)} {self.labels.dtype}")
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    @property
+    def labelled(self) -> bool:
+        """False for an unlabelled source (labels all -1, no classes)."""
+        return bool(self.classes)
+
+    def subset(self, index: torch.Tensor) -> ImageSet:
+        """The images at `index` ((K,) int64), in that order."""
+        return ImageSet(self.images[index], self.labels[index], self.classes)
+
+
+@dataclass
+class SourceIndex:
+    """Where `Splits.train` and `Splits.val` sit in the source's training split, and a hash of that split's content."""
+
+    # The memory loader hashes the decoded images and labels (`fingerprint`): the same images give the same string
+    # wherever they are read from. The stream loader cannot read everything first: it hashes names and sizes.
+    fingerprint: str
+    size: int  # images in the source's training split
+    train: torch.Tensor | None  # (len(Splits.train),) int64 positions; None for shards (read in order, never indexed)
+    val: torch.Tensor | None  # (len(Splits.val),) int64 positions; None when val is a folder or shards of its own
+
+
+@dataclass
+class Splits:
+    """The splits of a dataset. Each is an `ImageSet` (memory loader) or, for the stream loader, a
+    `vit.data.files.FileSet` (train, val, test) or `ShardSet` (train): they share `len`, `labels`, `classes`."""
+
+    name: str
+    train: Any  # ImageSet | FileSet | ShardSet
+    val: Any  # ImageSet | FileSet: carved from the training split (or the source's own val split); may be empty
+    test: Any | None  # None when the source has no test split
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    source: SourceIndex | None = None
+    loader: str = "memory"  # "memory" or "stream"
+    image_size: int | None = None  # stream: the size batches are decoded to; memory: the stored images' size
+    bad_images: list[tuple[str, str]] = field(default_factory=list)  # (name, reason) skipped while decoding (memory loader)
+
+    @property
+    def labelled(self) -> bool:
+        return bool(self.train.classes)
+
+    def describe(self) -> dict[str, Any]:
+        """Split sizes for summary.json: {"dataset", "train", "val", "test" (int or None), "num_classes", "image_size", "loader"}."""
+        if isinstance(self.train, ImageSet):
+            h, w = self.train.images.shape[-2:]
+            size = h if h == w else [h, w]
+        else:
+            size = self.image_size
+        return {
+            "dataset": self.name,
+            "train": len(self.train),
+            "val": len(self.val),
+            "test": None if self.test is None else len(self.test),
+            "num_classes": len(self.train.classes),
+            "image_size": size,
+            "loader": self.loader,
+        }
+
+
+def carve_splits(cfg: DataConfig, raw: dict[str, Any], source_fingerprint: str, normalization: tuple[tuple, tuple], loader: str = "memory",
+                 image_size: int | None = None) -> Splits:  # fmt: skip
+    """{"train", "val"?, "test"?} sets -> Splits: the seeded val split carved from train unless the source has its own,
+    then `data.train_fraction` of the rest; works on ImageSets and FileSets alike (both have `labels`, `subset`).
+    `normalization`: the source's (mean, std)."""
+    train, val = raw["train"], raw.get("val")
+    source = SourceIndex(source_fingerprint, len(train), torch.arange(len(train)), None)
+    if val is None:
+        val_index, train_index = carve_val(train.labels, train.classes, cfg.val_size, cfg.split_seed)
+        train, val = train.subset(train_index), train.subset(val_index)
+        source.train, source.val = train_index, val_index
+    if cfg.train_fraction < 1.0:
+        keep = stratified_subset(train.labels, len(train.classes), cfg.train_fraction, cfg.split_seed)
+        train, source.train = train.subset(keep), source.train[keep]
+    mean, std = normalization
+    return Splits(cfg.dataset, train, val, raw.get("test"), mean, std, source, loader, image_size)
+
+
+def fingerprint(images: ImageSet) -> str:
+    """A hash of the images, labels and class names: it tells whether two runs read the same data, from any path or format."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(list(images.classes)).encode())
+    digest.update(images.labels.numpy().tobytes())
+    digest.update(memoryview(images.images.contiguous().numpy()).cast("B"))
+    return digest.hexdigest()
+
+
+def seeded_generator(purpose: str, *parts: int) -> torch.Generator:
+    """A CPU generator seeded by a hash of (purpose, *parts): a pure function of them. Hashing, unlike `seed + epoch`,
+    keeps (seed 1, epoch 0) and (seed 0, epoch 1) apart, and `purpose` keeps the streams of different uses apart."""
+    digest = hashlib.blake2b(repr((purpose, *(int(p) for p in parts))).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def carve_val(labels: torch.Tensor, classes: list[str], val_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class-balanced validation indices: labels (N,) -> (val_index (K,), train_index (N-K,)), both sorted.
+
+    `val_size // num_classes` images of every class, and one more of each of the first `val_size % num_classes`
+    classes, so the split holds exactly `val_size`; chosen by a generator seeded with `seed`;
+    every class keeps at least one training image.
+    """
+    if val_size == 0:
+        return torch.zeros(0, dtype=torch.int64), torch.arange(labels.shape[0])
+    if not classes:  # unlabelled: a seeded sample of the images
+        n = labels.shape[0]
+        if n <= val_size:
+            raise DataError(f"the source has {n} images; data.val_size={val_size} needs at least {val_size + 1}")
+        val_index = torch.randperm(n, generator=seeded_generator("val", seed))[:val_size].sort().values
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[val_index] = False
+        return val_index, keep.nonzero().flatten()
+    num_classes = len(classes)
+    per_class = val_size // num_classes
+    if per_class == 0:
+        raise DataError(f"data.val_size={val_size} is smaller than the {num_classes} classes; a balanced split needs one per class")
+    counts = [per_class + (c < val_size % num_classes) for c in range(num_classes)]
+    generator = seeded_generator("val", seed)
+    picked = []
+    for c in range(num_classes):
+        members = (labels == c).nonzero().flatten()
+        if members.shape[0] <= counts[c]:
+            have, want = members.shape[0], counts[c] + 1
+            raise DataError(f"class {classes[c]!r} has {have} training images; data.val_size={val_size} needs {want} of it")
+        picked.append(members[torch.randperm(members.shape[0], generator=generator)[:counts[c]]])
+    val_index = torch.cat(picked).sort().values
+    keep = torch.ones(labels.shape[0], dtype=torch.bool)
+    keep[val_index] = False
+    return val_index, keep.nonzero().flatten()
+
+
+def stratified_subset(labels: torch.Tensor, num_classes: int, fraction: float, seed: int) -> torch.Tensor:
+    """Sorted indices of a seeded `fraction` of each class (at least one image of each class present): labels (N,) -> (K,)."""
+    generator = seeded_generator("train_fraction", seed)  # its own stream, so the subset does not shift when val_size changes
+    picked = []
+    groups = range(num_classes) if num_classes else [-1]  # unlabelled images (label -1) are one group
+    for c in groups:
+        members = (labels == c).nonzero().flatten()
+        if members.shape[0] == 0:
+            continue
+        keep = max(1, round(members.shape[0] * fraction))
+        picked.append(members[torch.randperm(members.shape[0], generator=generator)[:keep]])
+    return torch.cat(picked).sort().values

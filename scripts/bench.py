@@ -1,7 +1,7 @@
 """Side-by-side training-step benchmark: this project against its references, in one process.
 
     python scripts/bench.py                      # the full run: batch 128, 3 warm-up steps, 5 rounds
-    python scripts/bench.py --quick              # CI smoke: batch 16, 1 warm-up step, 2 rounds of 1 step
+    python scripts/bench.py --quick              # CI smoke: batch 16, 1 warm-up step, 2 rounds of 1 step, one precision
     python scripts/bench.py --only mae --json bench.json --threads 2
     python scripts/bench.py --only pipeline --data cifar10.tar.gz   # the stages' loops against their bare steps
 
@@ -70,6 +70,8 @@ from vit.errors import ConfigError, exit_on_user_error
 def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
     """Every case this run measures, in order, before `--only` filtering."""
     precisions = bench.case_precisions(device)
+    if s.quick:
+        precisions = precisions[-1:]  # the smoke run: the device's own precision alone (bf16 where native)
     images = functools.cache(lambda: bench.bench_images(s))  # decoded once, shared by the two e2e cases
     e2e = [pretrain_bench.e2e_case(s, device, precisions[-1], images), finetune_bench.e2e_case(s, device, precisions[-1], images)]
     pipeline = [pretrain_bench.pipeline_case(s, device), finetune_bench.pipeline_case(s, device)]
@@ -80,7 +82,7 @@ def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
     """The options, with the defaults of the full or the quick run filled in, and the `bench.Settings` they make."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="CI smoke: batch 16, 1 warm-up step, 2 rounds of 1 step, small GEMM, vit_cifar_tiny alone, the small stream photos alone")
+    p.add_argument("--quick", action="store_true", help="CI smoke: batch 16, 1 warm-up step, 2 rounds of 1 step, small GEMM, vit_cifar_tiny alone in the device's own precision, the small stream photos alone")
     p.add_argument("--json", type=Path, help="write machine description and every measurement here")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: every usable core)")

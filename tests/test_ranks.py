@@ -6,8 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from finetune.train import main as finetune
 from helpers import ROOT, free_port, reset_accelerate, tiny_overrides
+
+
+pytestmark = pytest.mark.slow  # every test here launches two processes
 
 
 def launch(target: list[str], args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

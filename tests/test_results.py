@@ -89,6 +89,7 @@ def test_a_run_whose_config_contradicts_its_name_is_refused(budget_runs):
         budget_table(read_budget_runs(budget_runs)["host not recorded"])
 
 
+@pytest.mark.slow
 def test_command_line_prints_the_table_and_draws_the_plot(budget_runs, tmp_path):
     out = subprocess.run([sys.executable, "scripts/results_table.py", str(budget_runs), "--plot", str(tmp_path / "p.png")],
                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip

@@ -199,6 +199,7 @@ def test_last_logged_is_the_last_record_with_the_key(tmp_path):
     assert last_logged(tmp_path, "loss") == 2.0 and last_logged(tmp_path, "val_loss") == 2.5 and last_logged(tmp_path, "val_top1") is None
 
 
+@pytest.mark.slow
 def test_the_run_folder_and_io_modules_do_not_import_the_model():
     code = (
         "import sys, vit.data.loaders, vit.train.loop, vit.store.atomic, vit.store.runs; print(sorted(m for m in sys.modules if m in ('vit.models.encoder', 'vit.store.checkpoint')))"

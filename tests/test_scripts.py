@@ -189,6 +189,7 @@ def test_runs_filter_and_bad_paths(fake_runs, tmp_path):
     assert "does not exist" in errors[1] and "no run folders" in errors[2]
 
 
+@pytest.mark.slow
 def test_compare_runs_command_line_says_a_bad_path_in_one_line_with_exit_code_2(fake_runs):
     proc = run_script("compare_runs", fake_runs / "notes")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -337,6 +338,7 @@ def test_quickstart_stops_at_the_first_failing_stage_with_one_line(tmp_path, cap
     assert len(stderr) == 2
 
 
+@pytest.mark.slow
 def test_quickstart_refuses_overrides_it_sets_itself():
     proc = run_script("quickstart", "--", "run.name=x")
     assert proc.returncode == 2 and "run.name is set by quickstart" in proc.stderr
@@ -395,6 +397,7 @@ def test_visualize_on_a_classifier_with_an_image_folder(quickstart_out, tmp_path
         assert png_size(figures / f"{name}.png")[0] > 100
 
 
+@pytest.mark.slow
 def test_visualize_refuses_bad_checkpoints_with_one_line(tmp_path):
     (tmp_path / "encoder.pt").write_text("not a checkpoint")
     (tmp_path / "empty").mkdir()
@@ -476,6 +479,7 @@ def test_a_bad_sweep_file_is_one_line_naming_the_job(tmp_path, jobs, message):
     assert len(err) == 1 and message in err[0] and "jobs[" in err[0]
 
 
+@pytest.mark.slow
 def test_sweep_command_line_says_a_bad_sweep_file_in_one_line_with_exit_code_2_before_starting_anything(tmp_path):
     spec = write_sweep(tmp_path / "sweep.yaml", [{"name": "a", "module": "pretrain", "config": "configs/nope.yaml"}])
     proc = run_script("sweep", spec, "--out", tmp_path / "out")
@@ -514,6 +518,7 @@ def test_the_stages_do_not_import_each_other():
     assert [(f, p) for f, p in imported_packages(ROOT / "finetune") if p in {"pretrain", "scripts"}] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["bench", "compare_runs", "visualize", "quickstart", "sweep"])
 def test_each_script_runs_from_its_file_and_prints_its_help(script):
     """The scripts import the installed packages (no sys.path edits): run as files, each answers --help."""
@@ -522,6 +527,7 @@ def test_each_script_runs_from_its_file_and_prints_its_help(script):
     assert proc.stdout.startswith("usage: ") and "--help" in proc.stdout
 
 
+@pytest.mark.slow
 def test_quickstart_budget_splits_minutes_between_pretraining_and_fine_tuning(tmp_path):
     seen = []
     runner = lambda argv: seen.append(argv) or 0  # noqa: E731

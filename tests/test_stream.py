@@ -450,7 +450,7 @@ def png_header(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
 
 
-@pytest.mark.parametrize("loader", ["memory", "stream"])
+@pytest.mark.parametrize("loader", ["memory", pytest.param("stream", marks=pytest.mark.slow)])  # stream: worker processes
 def test_an_image_over_the_pixel_limit_is_refused_from_its_header_or_skipped(tmp_path, loader, capsys):
     paths = write_folder(tmp_path / "p", 12, size=(20, 20))
     paths[3].write_bytes(png_header(13000, 13000))  # 169 Mpx by its header, under PIL's own limit

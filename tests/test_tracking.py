@@ -70,18 +70,21 @@ def pipeline(tmp_path_factory):
     return SimpleNamespace(runs=runs, summary=summaries, wandb=inspect({name: s["wandb_run"] for name, s in summaries.items()}))
 
 
+@pytest.mark.slow
 def test_one_wandb_directory_holds_every_run_of_the_run_dir(pipeline):
     offline = sorted(p.name for p in (pipeline.runs / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and not (pipeline.runs / "mae" / "wandb").exists() and not (pipeline.runs / "probe" / "wandb").exists()
     assert {pipeline.summary[name]["wandb_run"].rsplit("/", 1)[-1] for name in ("mae", "probe")} == set(offline)
 
 
+@pytest.mark.slow
 def test_runs_carry_group_and_job_type_and_the_probe_joins_its_encoders_group(pipeline):
     assert pipeline.wandb["mae"].run["run_group"] == "exp1" and pipeline.wandb["mae"].run["job_type"] == "pretrain"
     assert pipeline.wandb["probe"].run["run_group"] == "exp1" and pipeline.wandb["probe"].run["job_type"] == "linprobe"
     assert yaml.safe_load((pipeline.runs / "probe" / "config.yaml").read_text())["run"]["group"] == "exp1"
 
 
+@pytest.mark.slow
 def test_the_probe_uses_the_encoder_artifact_the_pretraining_logged(pipeline):
     (made,) = pipeline.wandb["mae"].artifacts
     (used,) = pipeline.wandb["probe"].artifacts
@@ -92,6 +95,7 @@ def test_the_probe_uses_the_encoder_artifact_the_pretraining_logged(pipeline):
     assert json.loads(made["metadata"])["step"] == pipeline.summary["mae"]["steps"]
 
 
+@pytest.mark.slow
 def test_every_final_number_of_summary_json_is_in_the_wandb_summary(pipeline):
     for name in ("mae", "probe"):
         ours = {k: v for k, v in leaves(pipeline.summary[name]).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -101,6 +105,7 @@ def test_every_final_number_of_summary_json_is_in_the_wandb_summary(pipeline):
     assert {"test_top1", "test_top5", "final_test_top1"} <= set(pipeline.wandb["probe"].summary)
 
 
+@pytest.mark.slow
 def test_per_class_accuracy_is_a_table_and_figures_are_images(pipeline):
     probe = pipeline.wandb["probe"].summary
     assert probe["per_class_val"]["_type"] == "table-file" and probe["per_class_val"]["nrows"] == 10

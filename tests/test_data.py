@@ -421,6 +421,29 @@ def test_start_batch_yields_the_tail_of_the_epoch():
     assert list(loader().epoch(2, start_batch=6)) == []
 
 
+@pytest.mark.parametrize("with_ops", [False, True], ids=["crop-flip", "trivial-augment"])
+def test_batches_computed_many_crops_at_a_time_equal_the_batch_by_batch_transform(with_ops, monkeypatch):
+    """The epoch's crops are drawn and copied CROP_CHUNK batches at a time; each batch is still bit for bit what the
+    one-batch transform (`augment`) gives it, across a chunk's end, after a resume mid-chunk, with the extra ops drawing
+    from each batch's generator after its crop."""
+    import vit.data.augment as augment_module
+    from vit.config import AugmentConfig
+    from vit.data.augment import epoch_order
+    from vit.data.randaug import make_ops
+
+    monkeypatch.setattr(augment_module, "CROP_CHUNK", 3)  # chunks end inside the 12-batch epoch
+    ops = make_ops(AugmentConfig(mixup=0, cutmix=0)) if with_ops else ()
+    ld = loader(id_set(n=100, size=10), batch_size=8, crop_scale=(0.2, 1.0), ops=ops)
+    order = epoch_order(100, 8, 0, 5)
+    for start in (0, 4):
+        batches = list(ld.epoch(5, start_batch=start))
+        assert len(batches) == len(ld) - start
+        for b, (images, labels) in enumerate(batches, start):
+            index = order[b * 8 : (b + 1) * 8]
+            assert torch.equal(labels, ld.labels[index])
+            assert torch.equal(images, ld.augment(ld.images.index_select(0, index), 5, b))
+
+
 def test_ranks_are_disjoint_and_equal_length():
     per_rank = []
     for rank in range(3):

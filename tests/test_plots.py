@@ -1,4 +1,4 @@
-"""vit/plots.py: curves against step and time, figures of the set size, nothing drawn where there is no data."""
+"""vit/tools/plots.py: curves against step and time, figures of the set size, nothing drawn where there is no data."""
 
 from dataclasses import dataclass
 from pathlib import Path

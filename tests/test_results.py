@@ -1,4 +1,4 @@
-"""vit/results.py: the equal-compute table's choices (made on val, seed 0) and numbers, from run folders the test writes."""
+"""vit/tools/results.py: the equal-compute table's choices (made on val, seed 0) and numbers, from run folders the test writes."""
 
 import subprocess
 import sys

@@ -1,5 +1,5 @@
-"""The tools a person runs and the package code behind them: vit/compare.py (scripts/compare_runs.py), pretrain/visualize.py
-with vit/inspect.py (scripts/visualize.py), vit/pipeline.py (scripts/quickstart.py) and vit/sweep.py (scripts/sweep.py).
+"""The tools a person runs and the package code behind them: vit/tools/compare.py (scripts/compare_runs.py), pretrain/visualize.py
+with vit/eval/attention.py (scripts/visualize.py), vit/tools/quickstart.py (scripts/quickstart.py) and vit/tools/sweep.py (scripts/sweep.py).
 
 The package code is tested in this process; a script's own command line (its flags, exit codes and one-line errors)
 is tested by running the script as a person does, `python scripts/<name>.py ...`."""
@@ -197,7 +197,7 @@ def test_compare_runs_command_line_says_a_bad_path_in_one_line_with_exit_code_2(
     assert f"note: {fake_runs / 'notes'} is not a run folder and holds none; skipped" in proc.stderr and proc.stdout == ""
 
 
-# --------------------------------------------------------------------------- vit/inspect.py
+# --------------------------------------------------------------------------- vit/eval/attention.py
 
 
 def tiny_vit(depth=3, pos_embed="learned") -> VisionTransformer:

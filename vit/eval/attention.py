@@ -1,6 +1,6 @@
 """Looking inside a trained encoder: attention maps, attention rollout, positional-embedding similarity, patch grids.
 
-Pure tensor functions; `vit/plots.py` draws them and `scripts/visualize.py` chooses what to draw.
+Pure tensor functions; `vit/tools/plots.py` draws them and `scripts/visualize.py` chooses what to draw.
 
     maps = model.attention_maps(images)             # depth x (B, heads, 1 + N, 1 + N), rows sum to one
     heads = cls_attention(maps[-1])                 # (B, heads, G, G): where [CLS] looks, per head, last block

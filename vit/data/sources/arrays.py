@@ -24,9 +24,8 @@ import torch
 
 from vit.config import DataConfig
 from vit.data.cache import cache_dir
-from vit.data.files import FileSet, tree_files
-from vit.data.sources.base import SPLIT_NAMES, Source, existing_root, is_archive, tree_why_not
-from vit.data.sources.trees import read_tree_cached
+from vit.data.sources.base import Source, existing_root, is_archive
+from vit.data.sources.trees import ImageTree, read_tree_cached
 from vit.data.splits import ImageSet, seeded_generator
 from vit.errors import DataError
 
@@ -43,17 +42,12 @@ _SYNTHETIC_COLOURS = (
 )  # fmt: skip
 
 
-class Cifar(Source):
-    """`cifar10` / `cifar100`: pickles, or the images as a tree or archive (which the stream loader can read as files)."""
+class Cifar(ImageTree):
+    """`cifar10` / `cifar100`: torchvision's pickles, or the images as a tree or archive, which are listed and streamed as
+    `imagefolder` is (all 32x32: stored as they are)."""
 
     normalizations = {"cifar10": (CIFAR10_MEAN, CIFAR10_STD), "cifar100": (CIFAR100_MEAN, CIFAR100_STD)}
-    lists_files = True
-
-    def why_not_streamed(self) -> str | None:
-        return tree_why_not(self.cfg)
-
-    def file_sets(self) -> dict[str, FileSet]:
-        return tree_files(existing_root(self.cfg.root), SPLIT_NAMES)
+    mixed_sizes = False
 
     def read(self, skipped: list) -> dict[str, ImageSet]:
         return _load_cifar(self.cfg, skipped)

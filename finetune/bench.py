@@ -24,15 +24,14 @@ from finetune.features import FeatureLoader
 from finetune.models import LinearProbe
 from vit.data.augment import BatchLoader
 from vit.tools.bench import NUM_CLASSES, Case, Settings, Step, bench_images, classify, our_defaults, stream_step
-from vit.tools.bench_cases import Pipeline, bare_step, pipeline_overrides
+from vit.tools.bench_cases import Pipeline, pipeline_overrides, stage_pipeline
 from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
 from vit.data.sources import CIFAR10_MEAN, CIFAR10_STD
 from vit.data.splits import ImageSet
 from vit.device import synchronize
-from vit.train.loop import TrainLoop, batches_forever
+from vit.train.loop import batches_forever
 from vit.train.run import Run
-from vit.train.states import Progress
 from vit.models.encoder import create_model, flops_per_image
 from vit.data.randaug import make_ops
 from vit.tools.reference import timm_vit, usual_loader
@@ -74,10 +73,7 @@ def pipeline(s: Settings, device: torch.device) -> Pipeline:
     data = open_run_data(cfg, run, input_size(cfg))
     built = build_classifier(cfg, len(data.splits.train.classes), run.accelerator.device, say=run.print)
     t = setup_training(cfg, run, data, built)
-    images, labels = next(t.task.train.epoch(0))
-    loop = TrainLoop(run, t.forward, t.optimizer, t.task.train, t.loss_fn, t.spec, Progress())
-    bare = bare_step(t.forward, t.optimizer, t.loss_fn, images, labels, run.accelerator)
-    return Pipeline(loop, batches_forever(t.task.train), bare, cfg.run.log_every)
+    return stage_pipeline(run, t.forward, t.optimizer, t.task.train, t.loss_fn, t.spec)
 
 
 def pipeline_case(s: Settings, device: torch.device) -> Case:

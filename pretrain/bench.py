@@ -21,14 +21,13 @@ import torch
 from pretrain.model import PRESET_DECODERS, MaskedAutoencoder
 from vit.data.augment import BatchLoader
 from vit.tools.bench import MODELS, Case, Settings, Step, compile_note, models, our_defaults, reconstruct, stream_step, training_step
-from vit.tools.bench_cases import Pipeline, bare_step, pipeline_overrides
+from vit.tools.bench_cases import Pipeline, pipeline_overrides, stage_pipeline
 from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
 from vit.data.sources import CIFAR10_MEAN, CIFAR10_STD
 from vit.data.splits import ImageSet
-from vit.train.loop import TrainLoop, batches_forever
+from vit.train.loop import batches_forever
 from vit.train.run import Run
-from vit.train.states import Progress
 from vit.models.encoder import PRESETS, create_model, flops_per_image
 from vit.tools.reference import ReferenceMAE, hf_vitmae, usual_loader
 
@@ -105,10 +104,7 @@ def pipeline(s: Settings, device: torch.device) -> Pipeline:
     cfg = load_config(PretrainConfig, PIPELINE_CONFIG, pipeline_overrides(s, device, tempfile.mkdtemp(prefix="bench-pipeline-"), "pretrain"))
     run = Run.start(cfg, stage="pretrain", job_type="bench")
     t = setup(cfg, run)
-    images, labels = next(t.train_loader.epoch(0))
-    loop = TrainLoop(run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec, Progress())
-    bare = bare_step(t.forward, t.optimizer, t.loss_fn, images, labels, run.accelerator)
-    return Pipeline(loop, batches_forever(t.train_loader), bare, cfg.run.log_every)
+    return stage_pipeline(run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec)
 
 
 def pipeline_case(s: Settings, device: torch.device) -> Case:

@@ -78,6 +78,18 @@ def test_meter_stops_after_its_last_window_on_a_machine_that_never_settles():
     assert meter.done and meter.seconds_per_step == pytest.approx(6.0)  # the last two windows, 4 s and 8 s
 
 
+def test_a_meter_still_measuring_gives_the_rate_of_every_step_so_far():
+    """Several processes plan together once any of them is done: one still measuring gives the rate of all its windows and
+    the open one (its last two finished windows alone could be none)."""
+    now = [0.0]
+    meter = StepMeter(warmup=1, min_steps=4, min_seconds=4.0, clock=lambda: now[0])  # windows of 2 steps and 2 s
+    ticks(meter, now, 1.0, 1.5)
+    assert not meter.windows and meter.steps == 1 and meter.seconds_per_step == pytest.approx(1.5)
+    ticks(meter, now, 0.5, 1.0)
+    assert len(meter.windows) == 1 and not meter.done
+    assert meter.steps == 3 and meter.seconds_per_step == pytest.approx(3.0 / 3)
+
+
 def test_meter_leaves_out_the_work_between_steps_after_a_pause():
     now = [0.0]
     meter = StepMeter(warmup=1, min_steps=4, min_seconds=4.0, clock=lambda: now[0])  # windows of 2 steps and 2 s

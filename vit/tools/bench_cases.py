@@ -21,7 +21,8 @@ from vit.models.encoder import create_model, flops_per_image
 from vit.tools.bench import MODELS, NUM_CLASSES, Case, Settings, Step, classify, compile_note, models, our_defaults, training_step
 from vit.tools.reference import timm_vit
 from vit.train.accelerator import compile_mode, resolve_precision
-from vit.train.loop import SignalGuard
+from vit.train.loop import SignalGuard, TrainLoop, batches_forever
+from vit.train.states import Progress
 
 def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[Case]:
     """Forward + backward + AdamW step of our `VisionTransformer` against timm's with the same configuration, per model and precision."""
@@ -61,6 +62,14 @@ class Pipeline:
 
 
 NO_SIGNALS = SignalGuard()  # never entered: no handler, no signal
+
+
+def stage_pipeline(run, forward: nn.Module, optimizer, loader, loss_fn, spec) -> Pipeline:
+    """A stage's `TrainLoop` over its loader from step 0, and the bare step on the loader's first batch."""
+    images, labels = next(loader.epoch(0))
+    loop = TrainLoop(run, forward, optimizer, loader, loss_fn, spec, Progress())
+    bare = bare_step(forward, optimizer, loss_fn, images, labels, run.accelerator)
+    return Pipeline(loop, batches_forever(loader), bare, run.cfg.run.log_every)
 
 
 def bare_step(forward: nn.Module, optimizer, loss_fn, images: torch.Tensor, labels: torch.Tensor, accelerator) -> Step:

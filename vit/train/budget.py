@@ -165,14 +165,17 @@ class StepMeter:
         """What runs until the next step is not a step (an evaluation, a figure): its time is not measured."""
         self.last = None
 
+    def counted(self) -> tuple[int, float]:
+        """(steps, seconds) the rate is measured over: the last two windows once done; before (another process finished
+        measuring first, and all plan together) every finished window and the open one."""
+        windows = self.windows[-2:] if self.done else [*self.windows, self.current]
+        return sum(w[0] for w in windows), sum(w[1] for w in windows)
+
     @property
     def steps(self) -> int:
-        """The steps the rate is measured over: those of the last two windows once done, else every finished one's."""
-        counted = self.windows[-2:] if self.done else self.windows
-        return sum(w[0] for w in counted) + (0 if self.done else self.current[0])
+        return self.counted()[0]
 
     @property
     def seconds_per_step(self) -> float:
-        counted = self.windows[-2:]
-        steps = sum(w[0] for w in counted)
-        return sum(w[1] for w in counted) / steps if steps else float("nan")
+        steps, seconds = self.counted()
+        return seconds / steps if steps else float("nan")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vit.config import DataConfig
+from vit.data.decode import first_image_size
 from vit.data.files import FileSet, files_fingerprint
 from vit.data.splits import SPLIT_NAMES, ImageSet, Splits, carve_splits, fingerprint
 from vit.errors import DataError
@@ -79,8 +80,6 @@ class Source:
     def decoded_size(self, out_size: int, listed: dict[str, FileSet] | None = None) -> tuple[int, str, int]:
         """(images, "HxW", bytes) the memory loader would hold: every image at `data.image_size` (else the first image's
         size); `listed`: the file sets when the caller listed them already (a large tree is listed once)."""
-        from vit.data.decode import first_image_size
-
         sets = listed if listed is not None else self.file_sets()
         count = sum(len(s) for s in sets.values())
         if self.cfg.image_size is not None:

@@ -99,14 +99,15 @@ def make_loss(cfg: FinetuneConfig, num_classes: int):
         mixup = Mixup(mixup_alpha=aug.mixup, cutmix_alpha=aug.cutmix, prob=aug.mix_prob, switch_prob=aug.switch_prob,
                       label_smoothing=smoothing, num_classes=num_classes)  # fmt: skip
 
-    def loss_fn(model, images, labels):
-        if mixup is not None and images.shape[0] % 2 == 0:
-            images, targets = mixup(images, labels)  # soft targets (B, C), smoothing included
-            logits = model(images)
-            return torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean(), {}
+    def loss_fn(model, images, targets):
         logits = model(images)
-        return F.cross_entropy(logits.float(), labels, label_smoothing=smoothing), {}
+        if targets.ndim == 2:  # mixed: soft targets (B, C), smoothing included
+            return torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean(), {}
+        return F.cross_entropy(logits.float(), targets, label_smoothing=smoothing), {}
 
+    if mixup is not None:
+        # Mixup draws its mixing on the host: the loop runs it before the step, which may be a replayed CUDA graph.
+        loss_fn.prepare = lambda images, labels: mixup(images, labels) if images.shape[0] % 2 == 0 else (images, labels)
     return loss_fn
 
 
@@ -199,7 +200,7 @@ def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> T
     optimizer = make_optimizer(task.groups, cfg.optim, acc.device)
     module, optimizer = acc.prepare(task.module, optimizer)
     # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
-    forward = module if cached else compile_for_run(run, module)
+    forward = compile_for_run(run, module, optimizer, compile=not cached)
     # For a time budget: the val split every `finetune.eval_every` epochs, then val and test once at the end.
     evaluation = Evaluation(images=len(splits.val) if "val" in task.evals else 0, every=cfg.finetune.eval_every,
                             final_images=sum(len(s) for s in (splits.val, splits.test) if s is not None))  # fmt: skip

@@ -122,7 +122,7 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
     spec = loop_spec(cfg, len(train_loader), acc.num_processes, evaluation(cfg, splits))
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
               f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")
-    return Pretraining(cfg, run, data, mae, model, optimizer, compile_for_run(run, model), train_loader, val_loader, spec)
+    return Pretraining(cfg, run, data, mae, model, optimizer, compile_for_run(run, model, optimizer), train_loader, val_loader, spec)
 
 
 def evaluation(cfg: PretrainConfig, splits) -> Evaluation:

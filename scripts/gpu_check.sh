@@ -6,17 +6,21 @@
 # CIFAR10: a CIFAR-10 folder or .tar.gz (train/ and test/ trees, or the torchvision folder). OUT (default
 # runs/gpu_check): where the logs, bench JSON and run summaries go; its log.txt ends with the table of figures.
 # In order of importance, each part bounded in time so that a failing part costs its own figures only:
-#   1. the bench's pipeline section at the recipes' batch (256): each stage's loop against its bare step, img/s,
-#      the GPU's busy share, host reads between records;
+#   1. the bench's pipeline section at the recipes' batch (256), with the defaults (the whole step one CUDA graph, the
+#      model compiled inside it): each stage's loop against its bare step, img/s, the GPU's busy share, host reads
+#      between records; then the same with the eager model inside the graph (run.compile=off: no compilation);
 #   2. configs/pretrain/cpu.yaml and configs/finetune/cpu.yaml with schedule.budget_minutes=$BUDGET (default 1),
 #      nvidia-smi sampled beside them; the fine-tuning starts from that pretraining;
 #   3. ViT-B/16 at 224 px: our MAE step against Hugging Face's ViTMAE, our encoder step against timm's (eager);
-#   4. the pretraining pipeline at batch 1024 (its compilation for the new shape alone took over 90 s on an H100 host);
-#   5. the loss of the compiled step against the eager one (the same masks: inductor's fallback_random), $CURVE_STEPS steps;
-#   6. a profile of the compiled pretraining loop (the kernels and host ops that cost most);
+#   4. the pretraining pipeline at batch 1024, the eager model inside the graph (compiling for a new shape alone took
+#      about 115 s on an H100 host with an empty cache);
+#   5. the loss over $CURVE_STEPS steps: eager steps, the same eager model's step replayed as one CUDA graph, and the
+#      defaults (the same masks under compilation: inductor's fallback_random);
+#   6. a profile of the pretraining loop (the kernels and host ops that cost most);
 #   7. our encoder against torch.compile'd timm (the same mode as ours).
-# A part that would end after DEADLINE seconds (default 500) is skipped. Should CUDA graphs fail in part 1, it is run
-# again with run.compile=on, and every later part compiles that way.
+# A part that would end after DEADLINE seconds (default 500) is skipped. Should part 1 fail with the step's CUDA graph,
+# it is run again without it (run.cuda_graph=off: the compiler's own CUDA graphs), and every later part runs that way.
+# TORCHINDUCTOR_CACHE_DIR, if set, keeps compiled kernels between calls (a warm cache compiles in about 3 s).
 # DRY=1 runs every part on a CPU with tiny settings (a check of the script, not a measurement).
 set -uo pipefail
 DATA=${1:?usage: bash scripts/gpu_check.sh CIFAR10 [OUT]}
@@ -60,32 +64,34 @@ sample_gpu() { nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noh
 
 say "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo no GPU) | $("$PY" -c 'import torch, timm; print("torch", torch.__version__, "timm", timm.__version__)')"
 
-COMPILE=auto
+GRAPH=auto
 if ! part "1 pipeline, batch 256" 120 200 "${BENCH[@]}" --only pipeline --json "$OUT/bench_pipeline_256.json"; then
-    COMPILE=on  # CUDA graphs failed here: every later part compiles without them
-    part "1 pipeline, batch 256, run.compile=on" 120 200 "${BENCH[@]}" --only pipeline --compile on --json "$OUT/bench_pipeline_256.json"
+    GRAPH=off  # the step's CUDA graph failed here: every later part runs without it
+    part "1 pipeline, batch 256, run.cuda_graph=off" 120 200 "${BENCH[@]}" --only pipeline --cuda-graph off --json "$OUT/bench_pipeline_256.json"
 fi
+part "1b pipeline, batch 256, eager model" 40 90 "${BENCH[@]}" --only pipeline --compile off --cuda-graph $GRAPH \
+    --json "$OUT/bench_pipeline_eager_256.json"
 
 PID=$(sample_gpu pretrain)
 part "2a pretrain, ${BUDGET} min" $((${BUDGET%.*} * 60 + 15)) $((${BUDGET%.*} * 60 + 90)) "$PY" -m pretrain --config configs/pretrain/cpu.yaml \
-    "${RUN[@]}" run.name=pretrain run.compile=$COMPILE "schedule.budget_minutes=$BUDGET"
+    "${RUN[@]}" run.name=pretrain run.cuda_graph=$GRAPH "schedule.budget_minutes=$BUDGET"
 kill "$PID" 2>/dev/null
 PID=$(sample_gpu finetune)
 part "2b finetune, ${BUDGET} min" $((${BUDGET%.*} * 60 + 15)) $((${BUDGET%.*} * 60 + 90)) "$PY" -m finetune --config configs/finetune/cpu.yaml \
-    "${RUN[@]}" run.name=finetune run.compile=$COMPILE "finetune.init=$OUT/runs/pretrain" "schedule.budget_minutes=$BUDGET"
+    "${RUN[@]}" run.name=finetune run.cuda_graph=$GRAPH "finetune.init=$OUT/runs/pretrain" "schedule.budget_minutes=$BUDGET"
 kill "$PID" 2>/dev/null
 
-part "3 references, $BASE" 100 200 "${BENCH[@]}" --only "encoder/$BASE/bf16,mae-hf/$BASE/bf16" --models "$BASE" --compile $COMPILE \
-    --json "$OUT/bench_refs.json"
-part "4 pipeline pretrain, batch $LARGE" 90 150 "${BENCH[@]}" --only pipeline/pretrain --e2e-batch "$LARGE" --compile $COMPILE \
-    --json "$OUT/bench_pipeline_$LARGE.json"
+part "3 references, $BASE" 100 200 "${BENCH[@]}" --only "encoder/$BASE/bf16,mae-hf/$BASE/bf16" --models "$BASE" --json "$OUT/bench_refs.json"
+part "4 pipeline pretrain, batch $LARGE" 40 90 "${BENCH[@]}" --only pipeline/pretrain --e2e-batch "$LARGE" --compile off --cuda-graph $GRAPH \
+    --json "$OUT/bench_pipeline_eager_$LARGE.json"
 CURVE=("$PY" -c 'import sys, torch._inductor.config as c; c.fallback_random = True; from pretrain.train import main; sys.exit(main(sys.argv[1:]))')
-for mode in off $COMPILE; do
-    part "5 loss curve, compile $mode" 40 90 "${CURVE[@]}" --config configs/pretrain/cpu.yaml "${RUN[@]}" run.name="curve_${mode/on/auto}" \
-        run.compile=$mode "schedule.max_steps=$CURVE_STEPS" run.log_every=1 mae.knn_every=0 data.val_size=0 run.figure_every=0 mae.figure_images=0
-done
-part "6 profile" 25 60 "$PY" scripts/profile_step.py --device "$DEVICE" --data "$DATA" --compile $COMPILE --out "$OUT/profile.txt"
-part "7 encoder against compiled timm" 60 120 "${BENCH[@]}" --only "encoder/$BASE/bf16" --models "$BASE" --compile $COMPILE --compile-ref $COMPILE \
+CURVE_ARGS=(--config configs/pretrain/cpu.yaml "${RUN[@]}" "schedule.max_steps=$CURVE_STEPS" run.log_every=1 mae.knn_every=0 data.val_size=0
+            run.figure_every=0 mae.figure_images=0)
+part "5a loss curve, eager" 30 60 "${CURVE[@]}" "${CURVE_ARGS[@]}" run.name=curve_off run.compile=off run.cuda_graph=off
+part "5b loss curve, eager model, one CUDA graph" 30 60 "${CURVE[@]}" "${CURVE_ARGS[@]}" run.name=curve_graph run.compile=off run.cuda_graph=$GRAPH
+part "5c loss curve, defaults" 40 150 "${CURVE[@]}" "${CURVE_ARGS[@]}" run.name=curve_auto run.cuda_graph=$GRAPH
+part "6 profile" 25 60 "$PY" scripts/profile_step.py --device "$DEVICE" --data "$DATA" --cuda-graph $GRAPH --out "$OUT/profile.txt"
+part "7 encoder against compiled timm" 60 150 "${BENCH[@]}" --only "encoder/$BASE/bf16" --models "$BASE" --compile-ref auto \
     --json "$OUT/bench_timm_compiled.json"
 
 "$PY" scripts/gpu_report.py "$OUT" | tee -a "$LOG"

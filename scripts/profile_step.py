@@ -30,16 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", help="CIFAR-10 folder or .tar.gz (default: synthetic images)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--compile", default="auto", choices=["auto", "off", "on", "reduce-overhead", "max-autotune"])
+    p.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", type=Path, help="write the tables here too")
     args = p.parse_args(argv)
     device = pick_device(args.device)
-    s = bench.settings(data=args.data, e2e_batch=args.batch, compile=args.compile)
+    s = bench.settings(data=args.data, e2e_batch=args.batch, compile=args.compile, cuda_graph=args.cuda_graph)
     pipeline = (pretrain_bench if args.stage == "pretrain" else finetune_bench).pipeline(s, device)
     for _ in range(args.warmup):
         pipeline.step()
-    text = f"{args.stage}, batch {args.batch}, compile {args.compile}, device {device}, torch {torch.__version__}\n\n"
+    text = f"{args.stage}, batch {args.batch}, compile {args.compile}, cuda graph {args.cuda_graph}, device {device}, torch {torch.__version__}\n\n"
     text += "== the loop\n" + bench_cases.profile_steps(pipeline.step, args.steps, device)
     text += "\n\n== the bare step\n" + bench_cases.profile_steps(pipeline.bare, args.steps, device)
     pipeline.loop.busy.stop()

@@ -19,7 +19,9 @@ def test_the_table_reads_every_part_and_judges_the_goals(tmp_path):
         (tmp_path / "runs" / stage).mkdir(parents=True)
         (tmp_path / "runs" / stage / "summary.json").write_text(json.dumps({**summary, "budget": {"budget_minutes": 1.0, "stage_seconds": 61.0}}))
     (tmp_path / "nvidia_smi_pretrain.csv").write_text("2026/11/26 10:00:00.0, 40\n2026/11/26 10:00:00.5, 60\nnot a sample\n")
-    for mode, losses in (("off", [2.0, 1.0]), ("auto", [2.0, 1.001])):
+    (tmp_path / "bench_pipeline_eager_1024.json").write_text(json.dumps({"cases": [
+        case("pipeline/pretrain/bf16", 114_000, 118_000, batch=1024, compile=None, cuda_graph={"eager_steps": 3, "capture_sec": 0.04})]}))
+    for mode, losses in (("off", [2.0, 1.0]), ("graph", [2.0, 1.0]), ("auto", [2.0, 1.001])):
         (tmp_path / "runs" / f"curve_{mode}").mkdir()
         (tmp_path / "runs" / f"curve_{mode}" / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": v}) + "\n" for i, v in enumerate(losses)))
     rows = {line.split(" | ")[0].lstrip("| "): line for line in report(tmp_path).splitlines()}
@@ -31,7 +33,10 @@ def test_the_table_reads_every_part_and_judges_the_goals(tmp_path):
     assert "| 50 |" in rows["pretrain, 1-min budget: GPU busy over the whole stage (nvidia-smi, %)"]
     assert "71.0" in rows["finetune, 1-min budget: test top-1 (%)"]
     assert NOT_MEASURED in rows["encoder step / timm ViT (eager)"] and NOT_MEASURED in rows["encoder step / torch.compile'd timm ViT"]
-    assert "1.00e-03" in rows["compiled / eager loss, largest relative difference, first 20 steps"]
+    assert "114,000 | >= 100,000 | met" in rows["pretrain loop, batch 1024, one CUDA graph, eager model: img/s"]
+    assert "0.97x | >= 0.9x | met" in rows["pretrain loop / its bare step, batch 1024, one CUDA graph, eager model"]
+    assert "0.00e+00" in rows["one CUDA graph / eager steps, loss, largest relative difference, all 2 steps"]
+    assert "1.00e-03" in rows["compiled and graphed / eager loss, largest relative difference, first 20 steps"]
     assert (tmp_path / "curves.png").stat().st_size > 0 and json.loads((tmp_path / "curves.json").read_text())["auto"] == [2.0, 1.001]
 
 

@@ -134,7 +134,8 @@ def host_label(info: dict | None, precision: str | None = None) -> str:
 
 @contextlib.contextmanager
 def count_host_reads(device: torch.device) -> Iterator[dict]:
-    """Counts what makes the host wait for `device` inside the block, into the yielded dict's "reads" (final at exit).
+    """Counts what makes the host wait for `device` inside the block, into the yielded dict's "reads" (final at exit;
+    on CUDA its "where" lists the lines that waited).
 
     CUDA: every synchronising call, as torch's sync debug mode reports it. Elsewhere (no device to wait for, so
     the calls that would wait on one are counted): `.item()`, `.tolist()`, `.numpy()`, `.cpu()` and a tensor's truth
@@ -148,7 +149,9 @@ def count_host_reads(device: torch.device) -> Iterator[dict]:
                 yield counter
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        counter["reads"] = sum("synchroniz" in str(w.message) for w in caught)
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        counter["reads"] = len(syncs)
+        counter["where"] = sorted({f"{w.filename}:{w.lineno}" for w in syncs})  # the Python lines that waited
         return
     names = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")
     originals = {name: getattr(torch.Tensor, name) for name in names}

@@ -203,10 +203,15 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 where the device has it natively, else fp32
     threads: int | None = None  # CPU threads per process; None: cores / local processes
-    # torch.compile of the training forward: `auto` is on for one CUDA process (reduce-overhead: CUDA graphs) and for
-    # several (default mode), off on CPUs and MPS, where compilation cost more minutes than it saved; `on` is
-    # torch.compile's default mode. Its time is the first steps' and counts in a time budget.
+    # torch.compile of the training forward: `auto` is on for CUDA (its default mode inside a captured step,
+    # reduce-overhead's CUDA graphs for one process without one, the default mode for several), off on CPUs and MPS,
+    # where compilation cost more minutes than it saved; `on` is torch.compile's default mode. Its time is the first
+    # steps' and counts in a time budget.
     compile: Literal["auto", "off", "on", "reduce-overhead", "max-autotune"] = "auto"
+    # The whole training step (forward, backward, guard, clipping, optimiser) as one CUDA graph, replayed every step
+    # (vit/train/graph.py): `auto` where the step allows it (one CUDA process, optim.grad_accum_steps 1, fused AdamW or
+    # SGD, no fp16), and run.compile=auto then compiles without graphs of its own; `on` also says why where it cannot.
+    cuda_graph: Literal["auto", "on", "off"] = "auto"
     log_every: int = 20  # optimiser steps between metric lines
     save_every: int = 500  # optimiser steps between resume states (and at each epoch end)
     keep_states: int = 2  # newest resume states kept

@@ -74,7 +74,8 @@ class Settings:
     stream_batch: int = 64  # batch of the stream section
     stream_dir: str | None = None  # where the stream section writes its JPEGs (default: a temporary folder)
     models: str | None = None  # comma-separated MODELS of the encoder and MAE sections; None: SMALL_MODELS, and ViT-B/16 on CUDA
-    compile: str = "auto"  # ours, as `run.compile` (auto: CUDA graphs on one GPU, off on CPUs)
+    compile: str = "auto"  # ours, as `run.compile` (auto: compiled on CUDA, off on CPUs)
+    cuda_graph: str = "auto"  # the pipeline section's loop, as `run.cuda_graph` (auto: its whole step one CUDA graph on one GPU)
     compile_ref: str = "off"  # the references (timm, the official-style MAE, Hugging Face), as `run.compile`
 
 

@@ -20,7 +20,7 @@ from vit.device import count_host_reads, synchronize
 from vit.models.encoder import create_model, flops_per_image
 from vit.tools.bench import MODELS, NUM_CLASSES, Case, Settings, Step, classify, compile_note, models, our_defaults, training_step
 from vit.tools.reference import timm_vit
-from vit.train.accelerator import compile_mode, resolve_precision
+from vit.train.accelerator import resolve_precision
 from vit.train.loop import SignalGuard, TrainLoop, batches_forever
 from vit.train.states import Progress
 
@@ -68,7 +68,11 @@ def stage_pipeline(run, forward: nn.Module, optimizer, loader, loss_fn, spec) ->
     """A stage's `TrainLoop` over its loader from step 0, and the bare step on the loader's first batch."""
     images, labels = next(loader.epoch(0))
     loop = TrainLoop(run, forward, optimizer, loader, loss_fn, spec, Progress())
-    bare = bare_step(forward, optimizer, loss_fn, images, labels, run.accelerator)
+    if loop.graph is not None:  # the bare step is the loop's own captured step, replayed on one batch
+        images, targets = loop.prepare(images, labels) if loop.prepare is not None else (images, labels)
+        bare = partial(loop.graph.step, images, targets, spec.peak_lr)
+    else:
+        bare = bare_step(forward, optimizer, loss_fn, images, labels, run.accelerator)
     return Pipeline(loop, batches_forever(loader), bare, run.cfg.run.log_every)
 
 
@@ -90,11 +94,13 @@ def bare_step(forward: nn.Module, optimizer, loss_fn, images: torch.Tensor, labe
 
 def pipeline_overrides(s: Settings, device: torch.device, run_dir: str, name: str) -> list[str]:
     """Overrides of a stage's recipe for the pipeline section: its batch (`--e2e-batch`), `--data` (else synthetic
-    images), no tracker, bar or saved figures, a throw-away run folder, and `--compile`."""
+    images), no tracker, bar or saved figures, a throw-away run folder, `--compile` and `--cuda-graph`."""
     data = ["data.dataset=cifar10", f"data.root={s.data}", "data.download=false"] if s.data else \
         ["data.dataset=synthetic", f"data.synthetic_size={512 if s.quick else 4096}", "data.val_size=0"]  # fmt: skip
-    return data + [f"optim.batch_size={s.e2e_batch}", f"run.dir={run_dir}", f"run.name={name}", "run.tracker=none", "run.progress=false",
-                   f"run.device={device.type}", f"run.compile={s.compile}", f"run.threads={torch.get_num_threads()}"]  # fmt: skip
+    # A CPU loop computes with the benchmark's threads; a GPU one keeps the stage's own default (vit.train.accelerator.set_threads).
+    threads = [f"run.threads={torch.get_num_threads()}"] if device.type == "cpu" else []
+    return data + threads + [f"optim.batch_size={s.e2e_batch}", f"run.dir={run_dir}", f"run.name={name}", "run.tracker=none", "run.progress=false",
+                             f"run.device={device.type}", f"run.compile={s.compile}", f"run.cuda_graph={s.cuda_graph}"]  # fmt: skip
 
 
 def pipeline_case(stage: str, s: Settings, device: torch.device, build: Callable[[], Pipeline]) -> Case:
@@ -113,10 +119,12 @@ def pipeline_case(stage: str, s: Settings, device: torch.device, build: Callable
             for _ in range(steps):
                 p.step()
         p.loop.busy.stop()
-        return {"host_reads": reads["reads"], "host_read_steps": steps, "compile": compile_mode(s.compile, device)}
+        return {"host_reads": reads["reads"], "host_read_steps": steps, "host_read_lines": reads.get("where"), "compile": p.loop.run.compile_mode,
+                "cuda_graph": p.loop.run.graph_capture if p.loop.graph is not None else None}
 
     return Case(f"pipeline/{stage}/{precision}", "pipeline", precision, s.e2e_batch, ours=lambda: pipeline().step, ref=lambda: pipeline().bare,
-                ref_name="the bare step of the same model (fixed batch; no data, guard or metrics)" + compile_note(s.compile, device),
+                ref_name="the bare step of the same model (fixed batch; no data, learning rate, guard or metrics), or the loop's own "
+                         "captured step replayed on one batch where it captures one",
                 extra=extra)  # fmt: skip
 
 

@@ -1,9 +1,10 @@
 """The figures of `scripts/gpu_check.sh`, read back from its folder into one table: `report(folder) -> str`.
 
-The folder holds the bench's JSON (`bench_pipeline_256.json`, `bench_pipeline_<batch>.json`, `bench_refs.json`,
-`bench_timm_compiled.json`), the budgeted runs (`runs/pretrain`, `runs/finetune`), nvidia-smi's samples beside them
-(`nvidia_smi_<stage>.csv`) and the loss-curve runs (`runs/curve_off`, `runs/curve_auto`). What is missing reads "not
-measured". `curves(folder)` gives the two loss curves (and `report` writes them to `curves.json`).
+The folder holds the bench's JSON (`bench_pipeline_256.json`, with the defaults; `bench_pipeline_<what>.json`, other
+batches and settings; `bench_refs.json`, `bench_timm_compiled.json`), the budgeted runs (`runs/pretrain`,
+`runs/finetune`), nvidia-smi's samples beside them (`nvidia_smi_<stage>.csv`) and the loss-curve runs (`runs/curve_off`:
+eager steps; `runs/curve_graph`: the eager model's step as one CUDA graph; `runs/curve_auto`: the defaults). What is
+missing reads "not measured". `curves(folder)` gives the loss curves (and `report` writes them to `curves.json`).
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def smi_mean(path: Path) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+CURVES = ("off", "graph", "auto")  # eager steps; the eager model's step replayed as one CUDA graph; the defaults (compiled, graphed)
+
+
 def curves(folder: Path) -> dict[str, list[float]]:
-    """{"off": [loss per step], "auto": [...]}: the eager and the compiled loss-curve runs (the same masks)."""
+    """{"off": [loss per step], "graph": [...], "auto": [...]}: the loss-curve runs that exist (the same masks)."""
     out = {}
-    for mode in ("off", "auto"):
+    for mode in CURVES:
         path = folder / "runs" / f"curve_{mode}" / METRICS_FILE
         if path.is_file():
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -56,12 +60,20 @@ def curves(folder: Path) -> dict[str, list[float]]:
     return out
 
 
-def curve_difference(c: dict[str, list[float]], first: int | None = None) -> float | None:
-    """The largest |compiled - eager| / eager over the first `first` steps (all by default), None without both curves."""
-    if not c.get("off") or not c.get("auto"):
+def curve_difference(c: dict[str, list[float]], first: int | None = None, other: str = "auto") -> float | None:
+    """The largest |other - eager| / eager over the first `first` steps (all by default), None without both curves."""
+    if not c.get("off") or not c.get(other):
         return None
-    pairs = list(zip(c["off"], c["auto"]))[:first]
+    pairs = list(zip(c["off"], c[other]))[:first]
     return max(abs(a - b) / abs(a) for a, b in pairs)
+
+
+def variant(case: dict) -> str:
+    """How a pipeline case's loop ran its step: captured whole as one CUDA graph or not, compiled or not."""
+    graph, mode = case.get("cuda_graph"), case.get("compile")
+    if graph and "failed" not in graph:
+        return "one CUDA graph, " + ("compiled" if mode else "eager model")
+    return f"torch.compile {mode}" if mode else "eager"
 
 
 def report(folder: str | Path) -> str:
@@ -82,12 +94,16 @@ def report(folder: str | Path) -> str:
         reads = c.get("host_reads") if c else None
         rows.append((f"{stage} loop: host reads in the {c['host_read_steps'] if c else '?'} steps between two records",
                      NOT_MEASURED if reads is None else str(reads), "0", NOT_MEASURED if reads is None else ("met" if reads == 0 else "missed")))
+        if c:
+            rows.append((f"{stage} loop, batch {batch}: how it ran", variant(c), "", ""))
     for path in sorted(p for p in folder.glob("bench_pipeline_*.json") if p.name != "bench_pipeline_256.json"):
-        c = _case(_json(path), "pipeline/pretrain/")
-        if c is None:
-            continue
-        add(f"pretrain loop, batch {c['batch']}: img/s", c["ours"]["median_images_per_s"], "{:,.0f}", 100_000, ">= 100,000")
-        add(f"pretrain loop / its bare step, batch {c['batch']}", c["ratio"], "{:.2f}x", 0.9, ">= 0.9x")
+        for c in (_json(path) or {}).get("cases", []):
+            stage, how = c["name"].split("/")[1], variant(c)
+            large = stage == "pretrain" and c["batch"] >= 1024
+            add(f"{stage} loop, batch {c['batch']}, {how}: img/s", c["ours"]["median_images_per_s"], "{:,.0f}", 100_000 if large else None,
+                ">= 100,000" if large else "")  # fmt: skip
+            add(f"{stage} loop / its bare step, batch {c['batch']}, {how}", c["ratio"], "{:.2f}x", 0.9, ">= 0.9x")
+            add(f"{stage} loop, batch {c['batch']}, {how}: GPU busy (NVML, %)", c["ours"].get("gpu_busy_percent"), "{:.0f}", 90, ">= 90")
     for stage in ("pretrain", "finetune"):
         s = _json(folder / "runs" / stage / SUMMARY_FILE) or {}
         minutes = (s.get("budget") or {}).get("budget_minutes")
@@ -111,8 +127,10 @@ def report(folder: str | Path) -> str:
     c = _case(timm_compiled, "encoder/")
     add("encoder step / torch.compile'd timm ViT", c and c["ratio"], "{:.2f}x")
     cv = curves(folder)
-    add("compiled / eager loss, largest relative difference, first 20 steps", curve_difference(cv, 20), "{:.2e}")
-    add(f"compiled / eager loss, largest relative difference, all {len(cv.get('off', []))} steps", curve_difference(cv), "{:.2e}")
+    add(f"one CUDA graph / eager steps, loss, largest relative difference, all {len(cv.get('off', []))} steps",
+        curve_difference(cv, other="graph"), "{:.2e}")  # fmt: skip
+    add("compiled and graphed / eager loss, largest relative difference, first 20 steps", curve_difference(cv, 20), "{:.2e}")
+    add(f"compiled and graphed / eager loss, largest relative difference, all {len(cv.get('off', []))} steps", curve_difference(cv), "{:.2e}")
     if cv:
         (folder / "curves.json").write_text(json.dumps(cv) + "\n")
     if cv.get("off") and cv.get("auto"):

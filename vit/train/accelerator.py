@@ -80,34 +80,67 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     return accelerator
 
 
-def compile_mode(requested: str, device: torch.device, num_processes: int = 1) -> str | None:
-    """The torch.compile mode `run.compile` asks for on `device` (None: not compiled). `auto`: CUDA graphs
-    (`reduce-overhead`) for one CUDA process, where the step is otherwise launch-bound; the default mode for several
-    (graphs under DDP are untested here); nothing on CPUs and MPS, where compiling cost more time than it saved."""
+def compile_mode(requested: str, device: torch.device, num_processes: int = 1, graphed: bool = False) -> str | None:
+    """The torch.compile mode `run.compile` asks for on `device` (None: not compiled). `auto` on CUDA: the default mode
+    where the whole step is one CUDA graph of ours (`graphed`: inductor's kernels are captured in it), else CUDA graphs
+    of the compiler's own (`reduce-overhead`) for one process, where the step is otherwise launch-bound, and the
+    default mode for several (graphs under DDP are untested here); nothing on CPUs and MPS, where compiling cost more
+    time than it saved."""
     if requested == "auto":
         if device.type != "cuda":
             return None
-        return "reduce-overhead" if num_processes == 1 else "default"
+        return "default" if graphed or num_processes > 1 else "reduce-overhead"
     return {"off": None, "on": "default"}.get(requested, requested)
 
 
-def compile_for_run(run: "Run", module: nn.Module) -> nn.Module:
-    """`module` compiled as `run.compile` asks (the training forward only: evaluation runs the plain module)."""
+def step_graph_for(run: "Run", optimizer) -> bool:
+    """Whether the run's training step is captured as one CUDA graph (`run.cuda_graph`; vit/train/graph.py)."""
+    from vit.train.graph import graph_unfit
+
+    acc, rc = run.accelerator, run.cfg.run
+    if rc.cuda_graph == "off":
+        return False
+    unfit = graph_unfit(acc.device, acc.num_processes, run.cfg.optim.grad_accum_steps, optimizer, getattr(acc, "scaler", None))
+    if unfit is None and rc.compile == "reduce-overhead":
+        unfit = "run.compile=reduce-overhead captures graphs of its own"
+    if unfit is not None and rc.cuda_graph == "on":
+        run.warn(f"run.cuda_graph=on: the step runs without a CUDA graph: {unfit}")
+    return unfit is None
+
+
+def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = True) -> nn.Module:
+    """`module` compiled as `run.compile` asks (the training forward only: evaluation runs the plain module), and
+    whether the loop captures its whole step (`run.cuda_graph`), which the compile mode depends on. `compile=False`:
+    never compiled (a cached probe's head)."""
     acc = run.accelerator
-    mode = compile_mode(run.cfg.run.compile, acc.device, acc.num_processes)
+    run.cuda_graph = step_graph_for(run, optimizer)
+    mode = compile_mode(run.cfg.run.compile, acc.device, acc.num_processes, run.cuda_graph) if compile else None
     run.compile_mode = mode
+    graph = "; the whole step is captured as one CUDA graph after its first steps (run.cuda_graph)" if run.cuda_graph else ""
     if mode is None:
+        if graph:
+            run.print(f"cuda graph: the whole step is captured as one CUDA graph after its first steps (run.cuda_graph={run.cfg.run.cuda_graph})")
         return module
-    run.print(f"compile: torch.compile mode {mode} (run.compile={run.cfg.run.compile}); the first steps compile, and count in the stage's time")
+    run.print(f"compile: torch.compile mode {mode} (run.compile={run.cfg.run.compile}){graph}; the first steps compile, and count in the stage's time")
     return torch.compile(module, mode=mode)
 
 
+# A GPU process's CPU threads for torch's own operations (where `run.threads` is not set): its host only launches kernels
+# and draws each chunk of crops. On a 16-core H100 host, 16 threads made that draw take ~150 ms (thread contention, once
+# torch.compile had run in the process) and halved the compiled pretraining loop; 1 and 4 threads kept it at 0.95x its
+# bare step (docs/performance.md).
+GPU_HOST_THREADS = 4
+
+
 def set_threads(run_cfg: RunConfig, accelerator) -> int:
-    """CPU threads per process: `run.threads`, else the cores shared among this machine's processes."""
+    """CPU threads per process: `run.threads`, else the cores shared among this machine's processes (at most
+    `GPU_HOST_THREADS` on a GPU)."""
     if run_cfg.threads is not None:
         threads = run_cfg.threads
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes if accelerator.num_processes > 1 else 1))
         threads = max(1, (os.cpu_count() or 1) // local)
+        if accelerator.device.type != "cpu":
+            threads = min(threads, GPU_HOST_THREADS)
     torch.set_num_threads(threads)
     return threads

@@ -40,15 +40,21 @@ class LossRing:
         """Keep step `step`'s `loss` (this process's scalar) and queue the guard's decision: (False only where the host had
         to read it, an optimiser without `found_inf`, and the loss was not finite: then skip `optimizer.step()`;
         the decision as a device bool, True where any process's loss was not finite)."""
-        acc = self.accelerator
-        local = loss.detach().float().reshape(1)
-        row = acc.gather(local) if acc.num_processes > 1 else local  # every process decides the same
-        self.ring[step % self.slots] = row
+        row = self.keep(loss, step)
         bad = ~torch.isfinite(row).all()
         if self.on_device:
             self.optimizer.found_inf = bad.float()
             return True, bad
         return not bool(bad), bad  # a host read: this optimiser cannot take the flag
+
+    def keep(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Keep step `step`'s `loss` (this process's scalar) without deciding anything (a captured step decides the guard
+        itself); returns every process's loss of that step, on the device."""
+        acc = self.accelerator
+        local = loss.detach().float().reshape(1)
+        row = acc.gather(local) if acc.num_processes > 1 else local  # every process decides the same
+        self.ring[step % self.slots] = row
+        return row
 
     def read(self, first: int, last: int) -> dict[int, list[float]]:
         """{step: [every process's loss]} of steps first..last-1 (at most `slots` of them), in one host read."""

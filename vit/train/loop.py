@@ -24,6 +24,7 @@ from vit.device import BusySampler, synchronize
 from vit.errors import UserError
 from vit.store.runs import is_complete_state, newest_state, state_path, write_budget
 from vit.train.budget import StepMeter, make_plan, measure_seconds
+from vit.train.graph import StepGraph, autocast_for
 from vit.train.guard import LossRing
 from vit.train.optim import set_lr
 from vit.train.run import Run
@@ -68,6 +69,9 @@ class SignalGuard:
 # each exchange is a host read, which a step otherwise never makes.
 AGREE_EVERY = 10
 
+# `loss_fn(model, images, targets) -> (loss, extras)`. One that draws randomness on the host (mixup's) does it in its
+# `prepare(images, labels) -> (images, targets)`, which the loop runs before the step: a captured step replays the same
+# host values every time (vit.train.graph).
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 EpochEnd = Callable[[int, Progress], dict[str, float] | None]
 
@@ -157,6 +161,8 @@ class TrainLoop:
         self.busy = BusySampler(device)
         self.epoch_ends: list[float] = []  # seconds each epoch's end took while the budget was being measured
         self.first = True  # this process's first step: timed apart (compilation), then the GPU's busy share is sampled
+        self.prepare = getattr(loss_fn, "prepare", None)
+        self.graph = StepGraph(model, optimizer, loss_fn, autocast_for(run.accelerator), run.cfg.optim.clip_grad) if run.cuda_graph else None
 
     def train_epoch(self, signals: SignalGuard) -> bool:
         """The optimiser steps left in the current epoch; False when `spec.stop_step` cut it short."""
@@ -214,13 +220,50 @@ class TrainLoop:
 
     def step(self, batches: Iterator) -> None:
         """One optimiser step over `grad_accum_steps` micro-batches. A non-finite loss skips the update (see `vit.train.guard`)."""
-        acc, p, accum = self.run.accelerator, self.progress, self.accum
+        p = self.progress
         self.lr = self.spec.lr(p.step)
+        if self.graph is not None:
+            loss, bad, extras = self.graph.step(*self.next_batch(batches), self.lr)
+            self.losses.keep(loss, p.step)
+            p.batch += 1
+            self.announce_graph()
+        else:
+            bad, extras = self.eager_step(batches)
+        p.step += 1
+        p.images += self.images_per_step
+        self.window.add_step(extras, bad, self.images_per_step)
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.meter is not None:
+            self.meter.tick()
+            if self.agreed(self.meter.done):
+                self.plan_budget()
+
+    def next_batch(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (images, targets): the loader's batch, mixed by the loss function's `prepare` where it has one."""
+        images, labels = next(batches)
+        return self.prepare(images, labels) if self.prepare is not None else (images, labels)
+
+    def announce_graph(self) -> None:
+        """Say once, when the step has been captured, what the capture took (it goes into summary.json)."""
+        graph = self.graph
+        if graph.capture_seconds is None or self.run.graph_capture is not None:
+            return
+        if graph.failure is not None:
+            self.run.graph_capture = {"failed": graph.failure}
+            self.run.warn(f"cuda graph: the step could not be captured ({graph.failure}); it runs without a graph")
+            return
+        self.run.graph_capture = {"eager_steps": graph.warmup, "capture_sec": round(graph.capture_seconds, 3)}
+        self.run.print(f"cuda graph: the step was captured after {graph.warmup} eager steps, in {graph.capture_seconds:.2f} s")
+
+    def eager_step(self, batches: Iterator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The step as the host runs it, micro-batch by micro-batch: (the guard's decision, the extras)."""
+        acc, p, accum = self.run.accelerator, self.progress, self.accum
         set_lr(self.optimizer, self.lr)
         loss_sum = None
         extras_sum: dict[str, torch.Tensor] = {}
         for micro in range(accum):
-            images, labels = next(batches)
+            images, labels = self.next_batch(batches)
             # No gradient all-reduce until the last micro-batch of the step.
             sync = micro == accum - 1
             with acc.no_sync(self.model) if not sync and acc.num_processes > 1 else contextlib.nullcontext():
@@ -240,15 +283,7 @@ class TrainLoop:
                 acc.clip_grad_norm_(self.model.parameters(), clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        p.step += 1
-        p.images += self.images_per_step
-        self.window.add_step(extras_sum, bad, self.images_per_step)
-        if self.bar is not None:
-            self.bar.update(1)
-        if self.meter is not None:
-            self.meter.tick()
-            if self.agreed(self.meter.done):
-                self.plan_budget()
+        return bad, extras_sum
 
     def plan_budget(self) -> None:
         """Fix the step count from the measured step time, once, identically on every rank; it goes into every resume state."""
@@ -360,6 +395,8 @@ class TrainLoop:
         self.run.gpu_busy = self.busy.mean()
         self.check_finite()
         self.losses.close()
+        if self.graph is not None:
+            self.graph.close()
         self.count_time()
         p = self.progress
         if not is_complete_state(state_path(self.run.dir, p.step)):

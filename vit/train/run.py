@@ -42,6 +42,8 @@ class Run:
     meta: dict[str, Any] = field(default_factory=dict)  # written under `meta` in config.yaml
     started: float = field(default_factory=time.perf_counter)  # the stage's clock, for time budgets
     compile_mode: str | None = None  # what `compile_for_run` chose
+    cuda_graph: bool = False  # whether the loop captures its whole step as one CUDA graph (`compile_for_run` chose)
+    graph_capture: dict | None = None  # that graph's eager warm-up steps and capture seconds, once captured
     first_step_seconds: float | None = None  # the first training step, compilation included, device drained
     gpu_busy: float | None = None  # mean GPU utilisation (%) over the training after the first step (CUDA with NVML)
     lock: RunLock | None = None  # the run folder's, held by the main process until `finish` (or the process's end)
@@ -181,7 +183,8 @@ class Run:
                    "device": str(self.accelerator.device), "threads_per_process": self.threads, "precision": self.cfg.run.precision,
                    "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir),
                    "host": host(self.accelerator.device), "memory": peak_memory(),
-                   "compile": {"mode": self.compile_mode, "first_step_sec": self.first_step_seconds}, "gpu_busy_percent": self.gpu_busy}  # fmt: skip
+                   "compile": {"mode": self.compile_mode, "first_step_sec": self.first_step_seconds},
+                   "cuda_graph": self.graph_capture if self.cuda_graph else None, "gpu_busy_percent": self.gpu_busy}  # fmt: skip
         schedule = getattr(self.cfg, "schedule", None)
         if schedule is not None and schedule.budget_minutes is not None:
             # The plan beside what the stage took, so an estimate that missed shows.

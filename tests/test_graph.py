@@ -1,0 +1,204 @@
+"""The whole step as one CUDA graph (vit/train/graph.py), checked on a CPU with `rerun_capture` standing in for the
+capture: the captured step trains exactly as the eager loop does (learning rate as a device tensor, the guard through
+`found_inf`, clipping, mixup drawn before the step), a batch of another shape and a failed capture fall back to eager
+steps, and resume states keep plain numbers."""
+
+import contextlib
+
+import pytest
+import torch
+
+import vit.train.accelerator as accelerator
+import vit.train.graph as graph
+from finetune.config import FinetuneConfig
+from finetune.models import build_classifier
+from finetune.train import input_size, open_run_data, setup_training
+from helpers import reset_accelerate, tiny_overrides
+from pretrain.config import PretrainConfig
+from pretrain.train import setup
+from vit.config import load_config
+from vit.train.graph import StepGraph, rerun_capture
+from vit.train.loop import SignalGuard, TrainLoop, batches_forever
+from vit.train.optim import set_lr
+from vit.train.run import Run
+from vit.train.states import Progress
+
+CPU = torch.device("cpu")
+SIGNALS = SignalGuard()  # never entered
+
+
+def squares(model, images, targets):
+    """A loss whose scale each batch carries in `targets` (a NaN there makes the step non-finite)."""
+    return model(images).pow(2).mean() * targets[0], {"scale": targets[0].clone()}
+
+
+def tiny(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+    groups = [{"params": [model[0].weight, model[2].weight], "weight_decay": 0.05, "lr_scale": 0.5},
+              {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0, "lr_scale": 1.0}]  # fmt: skip
+    return model, torch.optim.AdamW(groups, lr=0.0, fused=True)
+
+
+def batches(n, bad_at=(), short_at=()):
+    g = torch.Generator().manual_seed(1)
+    for i in range(n):
+        rows = 3 if i in short_at else 6
+        yield torch.randn(rows, 8, generator=g), torch.tensor([float("nan") if i in bad_at else 1.0 + 0.1 * i])
+
+
+def eager_reference(data, clip):
+    """The same steps as the loop takes them without a graph: set the learning rate, loss, backward, skip a non-finite
+    one, clip, step."""
+    model, optimizer = tiny()
+    for i, (x, t) in enumerate(data):
+        set_lr(optimizer, 1e-2 / (i + 1))
+        loss, _ = squares(model, x, t)
+        loss.backward()
+        if torch.isfinite(loss):
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+def test_a_replayed_step_trains_exactly_as_the_eager_steps(clip):
+    data = list(batches(10, bad_at=(6,), short_at=(8,)))  # a non-finite loss after the capture, then a short batch
+    model, optimizer = tiny()
+    step = StepGraph(model, optimizer, squares, contextlib.nullcontext, clip, warmup=3, capture=rerun_capture)
+    flags = []
+    for i, (x, t) in enumerate(data):
+        loss, bad, extras = step.step(x, t, 1e-2 / (i + 1))
+        flags.append(bool(bad))
+        assert torch.equal(extras["scale"], t[0]) or bad
+    assert step.replay is not None and step.capture_seconds is not None
+    assert flags == [i == 6 for i in range(10)]
+    reference, ref_optimizer = eager_reference(data, clip)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(ours, theirs)
+    for p, q in zip(model.parameters(), reference.parameters()):  # the skipped step did not count in AdamW's steps
+        assert torch.equal(optimizer.state[p]["step"], ref_optimizer.state[q]["step"]) and optimizer.state[p]["step"].item() == 9
+    step.close()
+    assert all(isinstance(g["lr"], float) for g in optimizer.param_groups) and not hasattr(optimizer, "found_inf")
+
+
+def test_while_captured_a_resume_state_keeps_plain_learning_rates():
+    model, optimizer = tiny()
+    step = StepGraph(model, optimizer, squares, contextlib.nullcontext, None, warmup=1, capture=rerun_capture)
+    for i, (x, t) in enumerate(batches(3)):
+        step.step(x, t, 0.25)
+    assert all(torch.is_tensor(g["lr"]) for g in optimizer.param_groups)  # what the captured optimiser reads
+    saved = optimizer.state_dict()["param_groups"]
+    assert [g["lr"] for g in saved] == [0.125, 0.25] and not any(g["capturable"] for g in saved)
+
+
+def test_a_capture_that_fails_leaves_the_run_to_eager_steps_and_says_why():
+    def refuse(body, last, params):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    data = list(batches(6))
+    model, optimizer = tiny()
+    step = StepGraph(model, optimizer, squares, contextlib.nullcontext, None, warmup=2, capture=refuse)
+    for i, (x, t) in enumerate(data):
+        step.step(x, t, 1e-2 / (i + 1))
+    assert step.replay is None and step.failure == "RuntimeError: operation not permitted when stream is capturing"
+    reference, _ = eager_reference(data, None)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_step_graph_needs_an_eager_step_first():
+    model, optimizer = tiny()
+    with pytest.raises(ValueError, match="at least one eager step"):
+        StepGraph(model, optimizer, squares, contextlib.nullcontext, None, warmup=0)
+
+
+def pretraining(tmp_path, name):
+    args = tiny_overrides(tmp_path, name, **{"run.log_every": 4, "data.synthetic_size": 256, "optim.batch_size": 16,
+                                             "optim.clip_grad": 1.0, "run.precision": "no"})  # fmt: skip
+    cfg = load_config(PretrainConfig, None, args)
+    t = setup(cfg, Run.start(cfg, stage="pretrain"))
+    return TrainLoop(t.run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec, Progress()), batches_forever(t.train_loader)
+
+
+def finetuning(tmp_path, name):
+    # mixup and cutmix draw on the host: the loss function's `prepare`, run before the (captured) step
+    args = tiny_overrides(tmp_path, name, **{"run.log_every": 4, "data.synthetic_size": 256, "optim.batch_size": 16,
+                                             "finetune.init": "scratch", "finetune.layer_decay": 0.85, "aug.mixup": 0.8,
+                                             "aug.cutmix": 1.0, "aug.mix_prob": 1.0, "run.precision": "no"})  # fmt: skip
+    cfg = load_config(FinetuneConfig, None, args)
+    run = Run.start(cfg, stage="finetune")
+    data = open_run_data(cfg, run, input_size(cfg))
+    t = setup_training(cfg, run, data, build_classifier(cfg, len(data.splits.train.classes), CPU, say=run.print))
+    return TrainLoop(run, t.forward, t.optimizer, t.task.train, t.loss_fn, t.spec, Progress()), batches_forever(t.task.train)
+
+
+@pytest.mark.parametrize("build", [pretraining, finetuning], ids=["pretrain", "finetune"])
+def test_a_stage_trains_the_same_with_its_step_captured(tmp_path, monkeypatch, build):
+    def train(name):
+        reset_accelerate()
+        loop, data = build(tmp_path, name)
+        for _ in range(9):
+            loop.advance(data, SIGNALS, may_save=False)
+        return loop, loop.losses.read(5, 9), [p.detach().clone() for p in loop.model.parameters()]
+
+    plain, plain_losses, plain_weights = train("plain")
+    assert plain.graph is None
+    monkeypatch.setattr(accelerator, "step_graph_for", lambda run, optimizer: True)
+    monkeypatch.setattr(graph, "cuda_capture", rerun_capture)
+    captured, losses, weights = train("captured")
+    assert captured.graph is not None and captured.graph.replay is not None  # 3 eager steps, then 6 replays
+    assert captured.run.graph_capture["eager_steps"] == 3
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+
+
+class Device:
+    """What `set_threads` and `compile_mode` read of an Accelerator."""
+
+    def __init__(self, kind: str):
+        self.device, self.num_processes = torch.device(kind), 1
+
+
+def test_a_gpu_process_keeps_few_cpu_threads_unless_told(monkeypatch):
+    # On a 16-core H100 host, 16 threads halved the compiled loop (the crop draws contended); 1 and 4 did not.
+    from vit.config import RunConfig
+    from vit.train.accelerator import GPU_HOST_THREADS, set_threads
+
+    monkeypatch.setattr(accelerator.os, "cpu_count", lambda: 16)
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(RunConfig(), Device("cuda")) == GPU_HOST_THREADS == torch.get_num_threads()
+        assert set_threads(RunConfig(), Device("cpu")) == 16
+        assert set_threads(RunConfig(threads=7), Device("cuda")) == 7
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("requested, graphed, processes, mode", [
+    ("auto", True, 1, "default"),  # inductor's kernels, captured in the step's graph
+    ("auto", False, 1, "reduce-overhead"),  # no graph of ours: the compiler's own
+    ("auto", False, 2, "default"),
+    ("off", True, 1, None),
+    ("on", False, 1, "default"),
+])  # fmt: skip
+def test_compile_auto_leaves_the_graphs_to_the_captured_step(requested, graphed, processes, mode):
+    from vit.train.accelerator import compile_mode
+
+    assert compile_mode(requested, torch.device("cuda"), processes, graphed) == mode
+    assert compile_mode(requested, CPU, processes, graphed) == (None if requested in ("auto", "off") else mode)
+
+
+def test_only_a_step_that_can_be_captured_is_captured():
+    from vit.train.graph import graph_unfit
+
+    fused = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True)
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=False)
+    cuda = torch.device("cuda")
+    assert graph_unfit(cuda, 1, 1, fused, None) is None
+    assert "not CUDA" in graph_unfit(CPU, 1, 1, fused, None)
+    assert "several processes" in graph_unfit(cuda, 2, 1, fused, None)
+    assert "grad_accum_steps" in graph_unfit(cuda, 1, 2, fused, None)
+    assert "GradScaler" in graph_unfit(cuda, 1, 1, fused, object())
+    assert "fused AdamW or SGD" in graph_unfit(cuda, 1, 1, plain, None)

@@ -76,67 +76,95 @@ def variant(case: dict) -> str:
     return f"torch.compile {mode}" if mode else "eager"
 
 
-def report(folder: str | Path) -> str:
-    folder = Path(folder)
-    rows: list[tuple[str, str, str, str]] = []
+class Table:
+    """The report's rows: (figure, value, goal, met / missed / not measured)."""
 
-    def add(what: str, value: float | None, fmt: str, goal: float | None = None, goal_text: str = "") -> None:
-        rows.append((what, NOT_MEASURED if value is None else fmt.format(value), goal_text, _goal(value, goal)))
+    def __init__(self):
+        self.rows: list[tuple[str, str, str, str]] = []
 
+    def add(self, what: str, value: float | None, fmt: str, goal: float | None = None, goal_text: str = "") -> None:
+        self.rows.append((what, NOT_MEASURED if value is None else fmt.format(value), goal_text, _goal(value, goal)))
+
+    def text(self, what: str, value: str, goal: str = "", met: str = "") -> None:
+        self.rows.append((what, value, goal, met))
+
+    def markdown(self) -> str:
+        lines = ["| figure | value | goal | |", "|---|---:|---|---|"]
+        return "\n".join(lines + [f"| {what} | {value} | {goal} | {met} |" for what, value, goal, met in self.rows])
+
+
+def pipeline_rows(t: Table, folder: Path) -> None:
+    """Each stage's loop with the defaults at batch 256, then every other pipeline file (batches, settings)."""
     pipe = _json(folder / "bench_pipeline_256.json")
     for stage in ("pretrain", "finetune"):
         c = _case(pipe, f"pipeline/{stage}/")
         ours, batch = (c["ours"], c["batch"]) if c else ({}, 256)
-        add(f"{stage} loop, batch {batch}: img/s", ours.get("median_images_per_s"), "{:,.0f}", 38_000 if stage == "pretrain" else None,
-            ">= 38,000" if stage == "pretrain" else "")  # fmt: skip
-        add(f"{stage} loop / its bare step, batch {batch}", c and c["ratio"], "{:.2f}x", 0.9, ">= 0.9x")
-        add(f"{stage} loop, batch {batch}: GPU busy (NVML, %)", ours.get("gpu_busy_percent"), "{:.0f}", 90, ">= 90")
+        t.add(f"{stage} loop, batch {batch}: img/s", ours.get("median_images_per_s"), "{:,.0f}", 38_000 if stage == "pretrain" else None,
+              ">= 38,000" if stage == "pretrain" else "")  # fmt: skip
+        t.add(f"{stage} loop / its bare step, batch {batch}", c and c["ratio"], "{:.2f}x", 0.9, ">= 0.9x")
+        t.add(f"{stage} loop, batch {batch}: GPU busy (NVML, %)", ours.get("gpu_busy_percent"), "{:.0f}", 90, ">= 90")
         reads = c.get("host_reads") if c else None
-        rows.append((f"{stage} loop: host reads in the {c['host_read_steps'] if c else '?'} steps between two records",
-                     NOT_MEASURED if reads is None else str(reads), "0", NOT_MEASURED if reads is None else ("met" if reads == 0 else "missed")))
+        t.text(f"{stage} loop: host reads in the {c['host_read_steps'] if c else '?'} steps between two records",
+               NOT_MEASURED if reads is None else str(reads), "0", NOT_MEASURED if reads is None else ("met" if reads == 0 else "missed"))
         if c:
-            rows.append((f"{stage} loop, batch {batch}: how it ran", variant(c), "", ""))
+            t.text(f"{stage} loop, batch {batch}: how it ran", variant(c))
     for path in sorted(p for p in folder.glob("bench_pipeline_*.json") if p.name != "bench_pipeline_256.json"):
         for c in (_json(path) or {}).get("cases", []):
             stage, how = c["name"].split("/")[1], variant(c)
             large = stage == "pretrain" and c["batch"] >= 1024
-            add(f"{stage} loop, batch {c['batch']}, {how}: img/s", c["ours"]["median_images_per_s"], "{:,.0f}", 100_000 if large else None,
-                ">= 100,000" if large else "")  # fmt: skip
-            add(f"{stage} loop / its bare step, batch {c['batch']}, {how}", c["ratio"], "{:.2f}x", 0.9, ">= 0.9x")
-            add(f"{stage} loop, batch {c['batch']}, {how}: GPU busy (NVML, %)", c["ours"].get("gpu_busy_percent"), "{:.0f}", 90, ">= 90")
+            t.add(f"{stage} loop, batch {c['batch']}, {how}: img/s", c["ours"]["median_images_per_s"], "{:,.0f}", 100_000 if large else None,
+                  ">= 100,000" if large else "")  # fmt: skip
+            t.add(f"{stage} loop / its bare step, batch {c['batch']}, {how}", c["ratio"], "{:.2f}x", 0.9, ">= 0.9x")
+            t.add(f"{stage} loop, batch {c['batch']}, {how}: GPU busy (NVML, %)", c["ours"].get("gpu_busy_percent"), "{:.0f}", 90, ">= 90")
+
+
+def stage_rows(t: Table, folder: Path) -> None:
+    """The budgeted pretraining and fine-tuning runs."""
     for stage in ("pretrain", "finetune"):
         s = _json(folder / "runs" / stage / SUMMARY_FILE) or {}
         minutes = (s.get("budget") or {}).get("budget_minutes")
         label = f"{stage}, {minutes:g}-min budget" if minutes else f"{stage} run"
-        add(f"{label}: img/s over its training time", s.get("images_per_sec"), "{:,.0f}")
-        add(f"{label}: GPU busy after the first step (run's NVML, %)", s.get("gpu_busy_percent"), "{:.0f}", 90, ">= 90")
-        add(f"{label}: GPU busy over the whole stage (nvidia-smi, %)", smi_mean(folder / f"nvidia_smi_{stage}.csv"), "{:.0f}")
-        add(f"{label}: first step, compilation included (s)", (s.get("compile") or {}).get("first_step_sec"), "{:.1f}")
-        add(f"{label}: stage seconds (budget {60 * minutes:g})" if minutes else f"{label}: stage seconds",
-            (s.get("budget") or {}).get("stage_seconds"), "{:.1f}")  # fmt: skip
+        t.add(f"{label}: img/s over its training time", s.get("images_per_sec"), "{:,.0f}")
+        t.add(f"{label}: GPU busy after the first step (run's NVML, %)", s.get("gpu_busy_percent"), "{:.0f}", 90, ">= 90")
+        t.add(f"{label}: GPU busy over the whole stage (nvidia-smi, %)", smi_mean(folder / f"nvidia_smi_{stage}.csv"), "{:.0f}")
+        t.add(f"{label}: first step, compilation included (s)", (s.get("compile") or {}).get("first_step_sec"), "{:.1f}")
+        t.add(f"{label}: stage seconds (budget {60 * minutes:g})" if minutes else f"{label}: stage seconds",
+              (s.get("budget") or {}).get("stage_seconds"), "{:.1f}")  # fmt: skip
         if stage == "finetune":
-            add(f"{label}: val top-1 (%)", s.get("final_val_top1") and 100 * s["final_val_top1"], "{:.1f}")
-            add(f"{label}: test top-1 (%)", s.get("final_test_top1") and 100 * s["final_test_top1"], "{:.1f}")
+            t.add(f"{label}: val top-1 (%)", s.get("final_val_top1") and 100 * s["final_val_top1"], "{:.1f}")
+            t.add(f"{label}: test top-1 (%)", s.get("final_test_top1") and 100 * s["final_test_top1"], "{:.1f}")
+
+
+def reference_rows(t: Table, folder: Path) -> None:
+    """Our MAE and encoder steps against the references, eager and compiled."""
     refs, timm_compiled = _json(folder / "bench_refs.json"), _json(folder / "bench_timm_compiled.json")
     for prefix, what, goal in (("mae-hf/", "MAE step / Hugging Face ViTMAE (eager)", 1.5), ("mae/", "MAE step / official-style MAE (eager)", None),
                                ("encoder/", "encoder step / timm ViT (eager)", 1.3)):  # fmt: skip
         c = _case(refs, prefix)
-        add(f"{what}, {c['name'].split('/')[1]}" if c else what, c and c["ratio"], "{:.2f}x", goal, f">= {goal}x" if goal else "")
+        t.add(f"{what}, {c['name'].split('/')[1]}" if c else what, c and c["ratio"], "{:.2f}x", goal, f">= {goal}x" if goal else "")
         if c and c.get("flops_per_image") and prefix != "mae/":
-            add("  ours, TFLOP/s (matmul FLOPs x img/s)", c["flops_per_image"] * c["ours"]["median_images_per_s"] / 1e12, "{:.0f}")
+            t.add("  ours, TFLOP/s (matmul FLOPs x img/s)", c["flops_per_image"] * c["ours"]["median_images_per_s"] / 1e12, "{:.0f}")
     c = _case(timm_compiled, "encoder/")
-    add("encoder step / torch.compile'd timm ViT", c and c["ratio"], "{:.2f}x")
+    t.add("encoder step / torch.compile'd timm ViT", c and c["ratio"], "{:.2f}x")
+
+
+def curve_rows(t: Table, folder: Path) -> None:
+    """The loss curves against the eager one; written to curves.json and, with the defaults' curve, to curves.png."""
     cv = curves(folder)
-    add(f"one CUDA graph / eager steps, loss, largest relative difference, all {len(cv.get('off', []))} steps",
-        curve_difference(cv, other="graph"), "{:.2e}")  # fmt: skip
-    add("compiled and graphed / eager loss, largest relative difference, first 20 steps", curve_difference(cv, 20), "{:.2e}")
-    add(f"compiled and graphed / eager loss, largest relative difference, all {len(cv.get('off', []))} steps", curve_difference(cv), "{:.2e}")
+    steps = len(cv.get("off", []))
+    t.add(f"one CUDA graph / eager steps, loss, largest relative difference, all {steps} steps", curve_difference(cv, other="graph"), "{:.2e}")
+    t.add("compiled and graphed / eager loss, largest relative difference, first 20 steps", curve_difference(cv, 20), "{:.2e}")
+    t.add(f"compiled and graphed / eager loss, largest relative difference, all {steps} steps", curve_difference(cv), "{:.2e}")
     if cv:
         (folder / "curves.json").write_text(json.dumps(cv) + "\n")
     if cv.get("off") and cv.get("auto"):
         from vit.tools.plots import plot_compiled_vs_eager
 
         plot_compiled_vs_eager(cv["off"], cv["auto"], folder / "curves.png", "pretraining loss, eager and compiled")
-    lines = ["| figure | value | goal | |", "|---|---:|---|---|"]
-    lines += [f"| {what} | {value} | {goal} | {met} |" for what, value, goal, met in rows]
-    return "\n".join(lines)
+
+
+def report(folder: str | Path) -> str:
+    folder, t = Path(folder), Table()
+    for rows in (pipeline_rows, stage_rows, reference_rows, curve_rows):
+        rows(t, folder)
+    return t.markdown()

@@ -132,6 +132,16 @@ def host_label(info: dict | None, precision: str | None = None) -> str:
     return text + (f", {'fp32' if precision in (None, 'no') else precision}" if precision is not None else "")
 
 
+def caller_outside_torch(filename: str, lineno: int) -> str:
+    """`file:line` of the innermost frame on the current stack outside torch (the code that made torch wait), else
+    the warning's own `filename:lineno`."""
+    import traceback
+
+    torch_dir = str(Path(torch.__file__).parent)
+    frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(torch_dir) and "warnings" not in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else f"{filename}:{lineno}"
+
+
 @contextlib.contextmanager
 def count_host_reads(device: torch.device) -> Iterator[dict]:
     """Counts what makes the host wait for `device` inside the block, into the yielded dict's "reads" (final at exit;
@@ -142,16 +152,22 @@ def count_host_reads(device: torch.device) -> Iterator[dict]:
     or number value."""
     counter = {"reads": 0}
     if device.type == "cuda":
-        with warnings.catch_warnings(record=True) as caught:
+        where: list[str] = []
+
+        def seen(message, category, filename, lineno, file=None, line=None) -> None:
+            if "synchroniz" in str(message):
+                where.append(caller_outside_torch(filename, lineno))
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = seen  # called in the waiting thread, so its stack names the caller
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 yield counter
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
-        counter["reads"] = len(syncs)
-        counter["where"] = sorted({f"{w.filename}:{w.lineno}" for w in syncs})  # the Python lines that waited
+        counter["reads"] = len(where)
+        counter["where"] = sorted(set(where))
         return
     names = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")
     originals = {name: getattr(torch.Tensor, name) for name in names}

@@ -126,9 +126,10 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
 
 
 def evaluation(cfg: PretrainConfig, splits) -> Evaluation:
-    """What pretraining evaluates after every epoch, for a time budget: the val loss, and the kNN monitor, which embeds
-    its bank and queries with every patch visible (about 3 masked-MAE forwards an image)."""
-    images = len(splits.val)
+    """What pretraining evaluates after an epoch on average, for a time budget: the val loss every `mae.val_every`
+    epochs, and the kNN monitor every `mae.knn_every`, which embeds its bank and queries with every patch visible (about
+    3 masked-MAE forwards an image)."""
+    images = len(splits.val) // cfg.mae.val_every if cfg.mae.val_every else 0
     if cfg.mae.knn_every and len(splits.val) and splits.labelled:
         knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
         images += 3 * knn_images // cfg.mae.knn_every
@@ -150,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     def on_epoch_end(epoch: int, progress) -> dict[str, float]:
         epoch_seconds = time.perf_counter() - clock["epoch"]
         metrics = {}
-        if t.val_loader is not None:
+        last = epoch == t.spec.epoch_limit
+        if t.val_loader is not None and ((cfg.mae.val_every and epoch % cfg.mae.val_every == 0) or last):
             metrics["val_loss"] = validation_loss(t.mae, t.val_loader, run, cfg.run.seed)
             run.print(f"epoch {epoch}: val loss {metrics['val_loss']:.4f}")
-        if knn is not None and (epoch % cfg.mae.knn_every == 0 or epoch == t.spec.epoch_limit):
+        if knn is not None and (epoch % cfg.mae.knn_every == 0 or last):
             metrics.update(knn(t.mae.encoder, epoch, epoch_seconds))
         if cfg.run.figure_every and epoch % cfg.run.figure_every == 0:
             figure(progress.step, epoch_figure_path(run.dir, "reconstruction", epoch))

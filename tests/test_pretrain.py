@@ -136,6 +136,17 @@ def test_short_run_lowers_loss_and_leaves_a_complete_run_folder(tmp_path):
     assert torch.equal(reconstruct(rebuilt, x, mean, std, seed=1)[0], reconstruct(trained, x, mean, std, seed=1)[0])
 
 
+def test_the_val_loss_is_evaluated_every_val_every_epochs_and_at_the_last(tmp_path):
+    from vit.store.runs import read_metrics
+
+    overrides = tiny_overrides(tmp_path, **{"schedule.epochs": 5, "mae.val_every": 2, "mae.knn_every": 0, "data.synthetic_size": 128,
+                                            "mae.figure_images": 0})  # fmt: skip
+    assert main(overrides) == 0
+    run_dir = tmp_path / "runs" / "run"
+    assert [m["epoch"] for m in read_metrics(run_dir)[0] if "val_loss" in m] == [2, 4, 5]
+    assert json.loads((run_dir / "summary.json").read_text())["final_val_loss"] is not None
+
+
 def test_mae_checkpoint_holds_plain_tensors_and_its_configs_and_refuses_other_files(tmp_path):
     torch.manual_seed(0)
     mae = tiny_mae(mask_ratio=0.6, norm_pix_loss=True)

@@ -4,6 +4,7 @@ capture: the captured step trains exactly as the eager loop does (learning rate 
 steps, and resume states keep plain numbers."""
 
 import contextlib
+import json
 
 import pytest
 import torch
@@ -202,3 +203,26 @@ def test_only_a_step_that_can_be_captured_is_captured():
     assert "grad_accum_steps" in graph_unfit(cuda, 1, 2, fused, None)
     assert "GradScaler" in graph_unfit(cuda, 1, 1, fused, object())
     assert "fused AdamW or SGD" in graph_unfit(cuda, 1, 1, plain, None)
+
+
+def test_a_captured_run_resumed_mid_epoch_ends_as_the_uninterrupted_eager_run(tmp_path, monkeypatch):
+    # Resume states of a captured run hold plain learning rates; the resumed run warms up and captures again, and
+    # ends bit for bit where the same run ended without a graph and without an interruption.
+    from pretrain.train import main
+    from vit.store.runs import ENCODER_FILE
+
+    def run(name, graphed, **extra):
+        reset_accelerate()
+        monkeypatch.setattr(accelerator, "step_graph_for", lambda run, optimizer: graphed)
+        args = tiny_overrides(tmp_path, name, **{"schedule.epochs": 2, "run.save_every": 5, "optim.clip_grad": 1.0, "mae.figure_images": 0,
+                                                 "mae.knn_every": 0, "run.precision": "no", **extra})  # fmt: skip
+        assert main(args) == 0
+        return torch.load(tmp_path / "runs" / name / ENCODER_FILE, weights_only=True)["state_dict"]
+
+    monkeypatch.setattr(graph, "cuda_capture", rerun_capture)
+    eager = run("eager", False)
+    run("captured", True, **{"schedule.max_steps": 7})  # stops at step 7 of 12, mid-epoch, with a state there
+    resumed = run("captured", True, **{"run.resume": "auto"})
+    summary = json.loads((tmp_path / "runs" / "captured" / "summary.json").read_text())
+    assert summary["cuda_graph"]["eager_steps"] == 3 and summary["steps"] == 12
+    assert all(torch.equal(eager[k], resumed[k]) for k in eager)

@@ -396,6 +396,8 @@ class TrainLoop:
         self.check_finite()
         self.losses.close()
         if self.graph is not None:
+            if self.run.graph_capture is None:  # the run ended within its eager steps
+                self.run.graph_capture = {"eager_steps": self.graph.steps, "capture_sec": None}
             self.graph.close()
         self.count_time()
         p = self.progress

@@ -34,7 +34,8 @@ Sections (each a list of `Case`s, every case a pair of step builders, ours and t
    of that side alone in a child process (encoder and MAE cases).
 
 "Ours" runs with the defaults a user gets on the device (`model.attn_impl: auto`, `run.compile: auto`, which
-compiles on a GPU and nothing on a CPU, `--compile`; `run.cuda_graph: auto` in the pipeline section, `--cuda-graph`); the references run as their users run
+compiles on a GPU and nothing on a CPU, `--compile`; `run.cuda_graph: auto`, which on a GPU captures each of our
+steps whole as one CUDA graph, `--cuda-graph`); the references run as their users run
 them, eager (`--compile-ref` compiles them too). Models: vit_cifar_tiny and ViT-Tiny 4x4 on 32 px, and on CUDA
 ViT-B/16 at 224 px (`--models`).
 
@@ -107,7 +108,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
     p.add_argument("--compile", default="auto", choices=["auto", "off", "on", "reduce-overhead", "max-autotune"],
                    help="torch.compile of our models, as run.compile (default auto: compiled on a GPU, off on a CPU)")
     p.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"],
-                   help="the pipeline section's loop, as run.cuda_graph (default auto: its whole step one CUDA graph on one GPU)")
+                   help="our steps, as run.cuda_graph (default auto: on a GPU each step whole is one CUDA graph)")
     p.add_argument("--compile-ref", default="off", choices=["auto", "off", "on", "reduce-overhead", "max-autotune"],
                    help="torch.compile of the references, as run.compile (default off: as their users run them)")
     p.add_argument("--memory-of", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)  # internal: one side's CPU memory, in a child

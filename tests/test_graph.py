@@ -226,3 +226,24 @@ def test_a_captured_run_resumed_mid_epoch_ends_as_the_uninterrupted_eager_run(tm
     summary = json.loads((tmp_path / "runs" / "captured" / "summary.json").read_text())
     assert summary["cuda_graph"]["eager_steps"] == 3 and summary["steps"] == 12
     assert all(torch.equal(eager[k], resumed[k]) for k in eager)
+
+
+def test_the_benchmarks_captured_step_trains_as_its_eager_step(monkeypatch):
+    # `scripts/bench.py` times our steps as the loop runs them: on a GPU, captured whole (here a CPU stand-in).
+    import vit.tools.bench as bench
+
+    def trained(graph: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 10))
+        start = model[1].weight.detach().clone()
+        step = bench.training_step(model, bench.classify, 4, 8, CPU, "fp32", seed=0, graph=graph)
+        for _ in range(6):
+            step()
+        assert not torch.equal(model[1].weight, start)  # the steps trained
+        return [p.detach().clone() for p in model.parameters()]
+
+    eager = trained(False)
+    monkeypatch.setattr(bench, "graph_unfit", lambda *args: None)
+    monkeypatch.setattr(graph, "cuda_capture", rerun_capture)
+    captured = trained(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))

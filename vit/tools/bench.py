@@ -37,9 +37,11 @@ from vit.data.splits import ImageSet
 from vit.device import BusySampler, cpu_model_and_flags, synchronize
 from vit.errors import ConfigError
 from vit.train.accelerator import compile_mode, native_bf16
+from vit.train.graph import StepGraph, graph_unfit
 from vit.train.optim import make_optimizer, param_groups
 
 NUM_CLASSES = 10
+LR = 1.0e-4  # the learning rate of every timed step
 # name in the table -> (preset, overrides): every model runs on 32x32 images with 4x4 patches.
 MODELS: dict[str, tuple[str, dict]] = {
     "vit_cifar_tiny": ("vit_cifar_tiny", {}),
@@ -75,7 +77,7 @@ class Settings:
     stream_dir: str | None = None  # where the stream section writes its JPEGs (default: a temporary folder)
     models: str | None = None  # comma-separated MODELS of the encoder and MAE sections; None: SMALL_MODELS, and ViT-B/16 on CUDA
     compile: str = "auto"  # ours, as `run.compile` (auto: compiled on CUDA, off on CPUs)
-    cuda_graph: str = "auto"  # the pipeline section's loop, as `run.cuda_graph` (auto: its whole step one CUDA graph on one GPU)
+    cuda_graph: str = "auto"  # ours, as `run.cuda_graph` (auto: the whole step one CUDA graph on a GPU)
     compile_ref: str = "off"  # the references (timm, the official-style MAE, Hugging Face), as `run.compile`
 
 
@@ -120,9 +122,10 @@ def models(s: Settings, device: torch.device) -> list[str]:
     return list(SMALL_MODELS) + (["vit_base_p16"] if device.type == "cuda" else [])
 
 
-def compiled(model: nn.Module, requested: str, device: torch.device) -> nn.Module:
-    """`model` under torch.compile as `run.compile=requested` would compile it on `device` (one process)."""
-    mode = compile_mode(requested, device)
+def compiled(model: nn.Module, requested: str, device: torch.device, graphed: bool = False) -> nn.Module:
+    """`model` under torch.compile as `run.compile=requested` would compile it on `device` (one process; `graphed`: inside
+    a step captured as one CUDA graph)."""
+    mode = compile_mode(requested, device, 1, graphed)
     return model if mode is None else torch.compile(model, mode=mode)
 
 
@@ -156,19 +159,25 @@ def reconstruct(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) ->
     return model(images)[0]
 
 
-def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torch.device, precision: str, compile: str = "off") -> Step:
+def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torch.device, precision: str, compile: str = "off",
+                graph: bool = False) -> Step:  # fmt: skip
     """A training step that first takes its batch from `batches` (loading and augmentation are timed too).
 
     zero_grad, forward under autocast, backward, AdamW step. The optimiser is the project's own
     (`make_optimizer`: fused AdamW on CPU and CUDA) for both sides, so the comparison is between models.
-    `compile`: the model's forward under torch.compile, as `run.compile` would compile it.
+    `compile`: the model's forward under torch.compile, as `run.compile` would compile it. `graph`: on CUDA, the whole
+    step captured as one CUDA graph and replayed, as the training loop runs it (`run.cuda_graph`).
     """
     model.to(device).train()
     optimizer = make_optimizer(param_groups(model, weight_decay=0.05), OptimConfig(), device)
-    model = compiled(model, compile, device)
+    graphed = graph and graph_unfit(device, 1, 1, optimizer, None) is None
+    model = compiled(model, compile, device, graphed)
     for group in optimizer.param_groups:
-        group["lr"] = 1.0e-4  # make_optimizer leaves the LR to the schedule
+        group["lr"] = LR  # make_optimizer leaves the LR to the schedule
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    if graphed:
+        captured = StepGraph(model, optimizer, lambda m, x, y: (loss_fn(m, x, y), {}), partial(autocast, cache_enabled=False), clip=None)
+        return lambda: captured.step(*(t.to(device, non_blocking=True) for t in next(batches)), LR)
 
     def step() -> None:
         images, labels = next(batches)
@@ -183,12 +192,12 @@ def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torc
 
 
 def training_step(model: nn.Module, loss_fn: Loss, batch: int, img_size: int, device: torch.device, precision: str, seed: int,
-                  compile: str = "off") -> Step:  # fmt: skip
+                  compile: str = "off", graph: bool = False) -> Step:  # fmt: skip
     """`stream_step` on one fixed batch drawn from `seed` (both sides see the same one): the model alone is timed."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, 3, img_size, img_size, generator=g).to(device)
     labels = torch.randint(0, NUM_CLASSES, (batch,), generator=g).to(device)
-    return stream_step(model, loss_fn, itertools.repeat((images, labels)), device, precision, compile)
+    return stream_step(model, loss_fn, itertools.repeat((images, labels)), device, precision, compile, graph)
 
 
 def bench_images(s: Settings) -> ImageSet:

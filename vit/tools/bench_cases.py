@@ -36,7 +36,8 @@ def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> l
                            seed=s.seed)  # fmt: skip
             cases.append(Case(
                 f"encoder/{label}/{precision}", "encoder", precision, s.batch,
-                ours=lambda step=step, p=preset, o=overrides: step(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw), compile=s.compile),
+                ours=lambda step=step, p=preset, o=overrides: step(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw), compile=s.compile,
+                                                                      graph=s.cuda_graph != "off"),
                 ref=lambda step=step, cfg=cfg: step(timm_vit(cfg), compile=s.compile_ref),
                 ref_name="timm VisionTransformer" + compile_note(s.compile_ref, device), flops_per_image=flops_per_image(cfg),
             ))  # fmt: skip

@@ -47,3 +47,36 @@ def tiny_overrides(tmp_path, name="run", **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def pretraining_loop(tmp_path, name="run", **overrides):
+    """(the TrainLoop `python -m pretrain` runs, its batches epoch after epoch) for a tiny run with `overrides`."""
+    from pretrain.config import PretrainConfig
+    from pretrain.train import setup
+    from vit.config import load_config
+    from vit.train.loop import TrainLoop, batches_forever
+    from vit.train.run import Run
+    from vit.train.states import Progress
+
+    cfg = load_config(PretrainConfig, None, tiny_overrides(tmp_path, name, **overrides))
+    t = setup(cfg, Run.start(cfg, stage="pretrain"))
+    return TrainLoop(t.run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec, Progress()), batches_forever(t.train_loader)
+
+
+def finetuning_loop(tmp_path, name="run", **overrides):
+    """(the TrainLoop `python -m finetune` runs, its batches epoch after epoch) for a tiny run with `overrides`."""
+    import torch
+
+    from finetune.config import FinetuneConfig
+    from finetune.models import build_classifier
+    from finetune.train import input_size, open_run_data, setup_training
+    from vit.config import load_config
+    from vit.train.loop import TrainLoop, batches_forever
+    from vit.train.run import Run
+    from vit.train.states import Progress
+
+    cfg = load_config(FinetuneConfig, None, tiny_overrides(tmp_path, name, **overrides))
+    run = Run.start(cfg, stage="finetune")
+    data = open_run_data(cfg, run, input_size(cfg))
+    t = setup_training(cfg, run, data, build_classifier(cfg, len(data.splits.train.classes), torch.device("cpu"), say=run.print))
+    return TrainLoop(run, t.forward, t.optimizer, t.task.train, t.loss_fn, t.spec, Progress()), batches_forever(t.task.train)

@@ -11,18 +11,10 @@ import torch
 
 import vit.train.accelerator as accelerator
 import vit.train.graph as graph
-from finetune.config import FinetuneConfig
-from finetune.models import build_classifier
-from finetune.train import input_size, open_run_data, setup_training
-from helpers import reset_accelerate, tiny_overrides
-from pretrain.config import PretrainConfig
-from pretrain.train import setup
-from vit.config import load_config
+from helpers import finetuning_loop, pretraining_loop, reset_accelerate, tiny_overrides
 from vit.train.graph import StepGraph, rerun_capture
-from vit.train.loop import SignalGuard, TrainLoop, batches_forever
+from vit.train.loop import SignalGuard
 from vit.train.optim import set_lr
-from vit.train.run import Run
-from vit.train.states import Progress
 
 CPU = torch.device("cpu")
 SIGNALS = SignalGuard()  # never entered
@@ -116,23 +108,13 @@ def test_a_step_graph_needs_an_eager_step_first():
 
 
 def pretraining(tmp_path, name):
-    args = tiny_overrides(tmp_path, name, **{"run.log_every": 4, "data.synthetic_size": 256, "optim.batch_size": 16,
-                                             "optim.clip_grad": 1.0, "run.precision": "no"})  # fmt: skip
-    cfg = load_config(PretrainConfig, None, args)
-    t = setup(cfg, Run.start(cfg, stage="pretrain"))
-    return TrainLoop(t.run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec, Progress()), batches_forever(t.train_loader)
+    return pretraining_loop(tmp_path, name, **{"run.log_every": 4, "optim.batch_size": 16, "optim.clip_grad": 1.0})
 
 
 def finetuning(tmp_path, name):
     # mixup and cutmix draw on the host: the loss function's `prepare`, run before the (captured) step
-    args = tiny_overrides(tmp_path, name, **{"run.log_every": 4, "data.synthetic_size": 256, "optim.batch_size": 16,
-                                             "finetune.init": "scratch", "finetune.layer_decay": 0.85, "aug.mixup": 0.8,
-                                             "aug.cutmix": 1.0, "aug.mix_prob": 1.0, "run.precision": "no"})  # fmt: skip
-    cfg = load_config(FinetuneConfig, None, args)
-    run = Run.start(cfg, stage="finetune")
-    data = open_run_data(cfg, run, input_size(cfg))
-    t = setup_training(cfg, run, data, build_classifier(cfg, len(data.splits.train.classes), CPU, say=run.print))
-    return TrainLoop(run, t.forward, t.optimizer, t.task.train, t.loss_fn, t.spec, Progress()), batches_forever(t.task.train)
+    return finetuning_loop(tmp_path, name, **{"run.log_every": 4, "optim.batch_size": 16, "finetune.init": "scratch",
+                                              "finetune.layer_decay": 0.85, "aug.mixup": 0.8, "aug.cutmix": 1.0, "aug.mix_prob": 1.0})  # fmt: skip
 
 
 @pytest.mark.parametrize("build", [pretraining, finetuning], ids=["pretrain", "finetune"])

@@ -5,17 +5,9 @@ as they were, on both of its paths (a flag the fused optimiser reads, or a host 
 import pytest
 import torch
 
-from finetune.config import FinetuneConfig
-from finetune.models import build_classifier
-from finetune.train import input_size, open_run_data, setup_training
-from helpers import tiny_overrides
-from pretrain.config import PretrainConfig
-from pretrain.train import setup
+from helpers import finetuning_loop, pretraining_loop
 from vit.device import count_host_reads
-from vit.config import load_config
-from vit.train.loop import SignalGuard, TrainLoop, batches_forever
-from vit.train.run import Run
-from vit.train.states import Progress
+from vit.train.loop import SignalGuard
 from vit.train.guard import LossRing, takes_found_inf
 from vit.train.lars import LARS
 
@@ -23,29 +15,21 @@ CPU = torch.device("cpu")
 SIGNALS = SignalGuard()  # never entered: no signal arrives
 
 
-def pretraining_loop(tmp_path) -> tuple[TrainLoop, object]:
+def pretraining(tmp_path):
     # configs/pretrain/cpu.yaml's loop on a tiny model: norm_pix_loss, a 75% mask, fused AdamW, bf16 where native.
-    args = tiny_overrides(tmp_path, **{"run.log_every": 5, "data.synthetic_size": 512, "optim.batch_size": 16, "mae.norm_pix_loss": True,
-                                       "run.precision": "auto"})  # fmt: skip
-    cfg = load_config(PretrainConfig, None, args)
-    t = setup(cfg, Run.start(cfg, stage="pretrain"))
-    return TrainLoop(t.run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec, Progress()), batches_forever(t.train_loader)
+    return pretraining_loop(tmp_path, **{"run.log_every": 5, "data.synthetic_size": 512, "optim.batch_size": 16, "mae.norm_pix_loss": True,
+                                         "run.precision": "auto"})  # fmt: skip
 
 
-def finetuning_loop(tmp_path) -> tuple[TrainLoop, object]:
+def finetuning(tmp_path):
     # configs/finetune/cpu.yaml's loop on a tiny model: patch dropout, label smoothing, layer decay, crop and flip.
-    args = tiny_overrides(tmp_path, **{"run.log_every": 5, "data.synthetic_size": 512, "optim.batch_size": 16, "finetune.init": "scratch",
-                                       "finetune.patch_keep": 0.5, "finetune.label_smoothing": 0.1, "finetune.layer_decay": 0.85,
-                                       "aug.policy": "none", "aug.random_erase": 0, "aug.mixup": 0, "aug.cutmix": 0,
-                                       "run.precision": "auto"})  # fmt: skip
-    cfg = load_config(FinetuneConfig, None, args)
-    run = Run.start(cfg, stage="finetune")
-    data = open_run_data(cfg, run, input_size(cfg))
-    t = setup_training(cfg, run, data, build_classifier(cfg, len(data.splits.train.classes), CPU, say=run.print))
-    return TrainLoop(run, t.forward, t.optimizer, t.task.train, t.loss_fn, t.spec, Progress()), batches_forever(t.task.train)
+    return finetuning_loop(tmp_path, **{"run.log_every": 5, "data.synthetic_size": 512, "optim.batch_size": 16, "finetune.init": "scratch",
+                                        "finetune.patch_keep": 0.5, "finetune.label_smoothing": 0.1, "finetune.layer_decay": 0.85,
+                                        "aug.policy": "none", "aug.random_erase": 0, "aug.mixup": 0, "aug.cutmix": 0,
+                                        "run.precision": "auto"})  # fmt: skip
 
 
-@pytest.mark.parametrize("build", [pretraining_loop, finetuning_loop], ids=["pretrain", "finetune"])
+@pytest.mark.parametrize("build", [pretraining, finetuning], ids=["pretrain", "finetune"])
 def test_the_steps_between_two_records_never_read_from_the_device(tmp_path, build):
     loop, batches = build(tmp_path)
     for _ in range(5):  # the first step (timed apart) and the first record, at step 5

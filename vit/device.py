@@ -7,6 +7,7 @@ import contextlib
 import os
 import platform
 import threading
+import traceback
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -135,8 +136,6 @@ def host_label(info: dict | None, precision: str | None = None) -> str:
 def caller_outside_torch(filename: str, lineno: int) -> str:
     """`file:line` of the innermost frame on the current stack outside torch (the code that made torch wait), else
     the warning's own `filename:lineno`."""
-    import traceback
-
     torch_dir = str(Path(torch.__file__).parent)
     frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(torch_dir) and "warnings" not in f.filename]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else f"{filename}:{lineno}"

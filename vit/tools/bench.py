@@ -37,7 +37,7 @@ from vit.data.splits import ImageSet
 from vit.device import BusySampler, cpu_model_and_flags, synchronize
 from vit.errors import ConfigError
 from vit.train.accelerator import compile_mode, native_bf16
-from vit.train.graph import StepGraph, graph_unfit
+from vit.train.graph import StepGraph, graph_unfit, step_autocast
 from vit.train.optim import make_optimizer, param_groups
 
 NUM_CLASSES = 10
@@ -176,7 +176,7 @@ def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torc
         group["lr"] = LR  # make_optimizer leaves the LR to the schedule
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     if graphed:
-        captured = StepGraph(model, optimizer, lambda m, x, y: (loss_fn(m, x, y), {}), partial(autocast, cache_enabled=False), clip=None)
+        captured = StepGraph(model, optimizer, lambda m, x, y: (loss_fn(m, x, y), {}), step_autocast(device, precision), clip=None)
         return lambda: captured.step(*(t.to(device, non_blocking=True) for t in next(batches)), LR)
 
     def step() -> None:

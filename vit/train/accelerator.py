@@ -13,6 +13,7 @@ import torch.nn as nn
 from vit.config import RunConfig
 from vit.errors import ConfigError, UserError
 from vit.store.runs import TENSORBOARD_DIR
+from vit.train.graph import graph_unfit
 
 if TYPE_CHECKING:
     from vit.train.run import Run
@@ -95,8 +96,6 @@ def compile_mode(requested: str, device: torch.device, num_processes: int = 1, g
 
 def step_graph_for(run: "Run", optimizer) -> bool:
     """Whether the run's training step is captured as one CUDA graph (`run.cuda_graph`; vit/train/graph.py)."""
-    from vit.train.graph import graph_unfit
-
     acc, rc = run.accelerator, run.cfg.run
     if rc.cuda_graph == "off":
         return False

@@ -188,11 +188,10 @@ def rerun_capture(body: Callable, last, params: list[torch.Tensor]):
     return outputs, replay
 
 
-def autocast_for(accelerator) -> Callable[[], contextlib.AbstractContextManager]:
-    """The step's autocast, with its weight-cast cache off where it is captured (CUDA graphs replay the casts)."""
-    precision = accelerator.mixed_precision
+def step_autocast(device: torch.device, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """The captured step's autocast for `precision` ("bf16", "fp16", else none), with its weight-cast cache off on CUDA,
+    where the graph replays the casts."""
     if precision not in ("bf16", "fp16"):
         return contextlib.nullcontext
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    device = accelerator.device.type
-    return lambda: torch.autocast(device, dtype=dtype, cache_enabled=device != "cuda")
+    return lambda: torch.autocast(device.type, dtype=dtype, cache_enabled=device.type != "cuda")

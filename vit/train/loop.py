@@ -24,7 +24,7 @@ from vit.device import BusySampler, synchronize
 from vit.errors import UserError
 from vit.store.runs import is_complete_state, newest_state, state_path, write_budget
 from vit.train.budget import StepMeter, make_plan, measure_seconds
-from vit.train.graph import StepGraph, autocast_for
+from vit.train.graph import StepGraph, step_autocast
 from vit.train.guard import LossRing
 from vit.train.optim import set_lr
 from vit.train.run import Run
@@ -162,7 +162,8 @@ class TrainLoop:
         self.epoch_ends: list[float] = []  # seconds each epoch's end took while the budget was being measured
         self.first = True  # this process's first step: timed apart (compilation), then the GPU's busy share is sampled
         self.prepare = getattr(loss_fn, "prepare", None)
-        self.graph = StepGraph(model, optimizer, loss_fn, autocast_for(run.accelerator), run.cfg.optim.clip_grad) if run.cuda_graph else None
+        autocast = step_autocast(device, run.accelerator.mixed_precision)
+        self.graph = StepGraph(model, optimizer, loss_fn, autocast, run.cfg.optim.clip_grad) if run.cuda_graph else None
 
     def train_epoch(self, signals: SignalGuard) -> bool:
         """The optimiser steps left in the current epoch; False when `spec.stop_step` cut it short."""

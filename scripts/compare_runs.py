@@ -3,11 +3,16 @@
     python scripts/compare_runs.py runs/*                                   # print the table
     python scripts/compare_runs.py runs/* --csv runs.csv --out report       # + CSV, figures and report/report.md
     python scripts/compare_runs.py runs --runs 'mae*' ft_cpu --out report
+    python scripts/compare_runs.py runs/gpu1 --archive docs/results/gpu/search1 --with-metrics   # keep the records in git
 
 A path is a run folder (it holds config.yaml, metrics.jsonl or summary.json) or a folder
 of run folders. `--runs` keeps the runs whose folder names match (shell patterns).
 Runs without summary.json are unfinished: listed as such, with what metrics.jsonl holds
 so far. Everything is read from the run folders: no tracker, no network.
+
+`--archive DEST` copies each finished run's record (config, summary, budget; `--with-metrics` adds metrics.jsonl) to
+DEST/<host>/<run>, without the machine's paths, never over a different record (`vit.tools.results.archive`); the
+same command reads the records back: `compare_runs.py DEST/*`.
 
 Figures (in `--out`, each `vit.tools.plots.FIGSIZE` at `vit.tools.plots.DPI`): loss, accuracy and learning
 rate against the optimiser step and against training time, a bar chart of the final accuracies,
@@ -23,8 +28,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from vit.tools.compare import compare
-from vit.errors import exit_on_user_error
+from vit.tools.compare import compare, load_runs
+from vit.tools.results import archive, read_finished_runs
+from vit.errors import UserError, exit_on_user_error
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,12 +39,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--csv", type=Path, help="also write the table, with every raw value, as CSV here")
     parser.add_argument("--out", type=Path, help="write the figures and report.md into this folder")
     parser.add_argument("--runs", nargs="+", metavar="NAME", help="keep only the runs whose folder names match (shell patterns)")
+    parser.add_argument("--archive", type=Path, metavar="DEST", help="also copy the finished runs' records to DEST/<host>/<run>")
+    parser.add_argument("--with-metrics", action="store_true", help="with --archive: copy metrics.jsonl too (the curves)")
     return parser.parse_args(argv)
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.with_metrics and not args.archive:
+        raise UserError("--with-metrics goes with --archive DEST")
     command = shlex.join(["python", "scripts/compare_runs.py", *(sys.argv[1:] if argv is None else argv)])
     result = compare(args.paths, args.out, args.csv, args.runs, command)
     print(result["table"])
@@ -47,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     if result["report"]:
         made = [p for p in result["figures"].values() if p]
         print(f"report: {result['report']} ({len(made)} figures in {args.out})")
+    if args.archive:
+        hosts = read_finished_runs([run.path for run in load_runs(args.paths, args.runs)])
+        written = archive(hosts, args.archive, metrics=args.with_metrics)
+        print(f"archive: {len(written)} new record(s) under {args.archive}")
     return 0
 
 

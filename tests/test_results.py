@@ -9,7 +9,7 @@ import yaml
 from helpers import ROOT
 from vit.device import cpu_model_and_flags, host_label
 from vit.errors import UserError
-from vit.tools.results import REPO, archive, budget_table, markdown, read_budget_runs
+from vit.tools.results import REPO, archive, budget_table, host_slug, markdown, read_budget_runs
 from vit.store.runs import write_config, write_summary
 
 AVX2 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2}
@@ -144,3 +144,29 @@ def test_cpu_model_and_flags_read_cpuinfo():
     assert cpu_model_and_flags("model name : Intel Xeon\nflags : sse avx amx_tile amx_bf16 avx512f avx2\n")[1] == [
         "avx2", "avx512f", "amx_bf16", "amx_tile"]  # fmt: skip
     assert host_label({"gpu": "NVIDIA H100 80GB HBM3", "cpu": "x"}, "bf16") == "NVIDIA H100 80GB HBM3, bf16"
+
+
+def test_compare_runs_archives_any_finished_run_with_its_curves_and_without_the_machines_paths(tmp_path):
+    out = tmp_path / "sweeps" / "gpu1"  # a sweep's --out given as an absolute path
+    run(out, "scratch_small_light", 0.79, None, 420, budget=7, host=BF16, precision="bf16")
+    config = yaml.safe_load((out / "scratch_small_light" / "config.yaml").read_text())
+    config["run"] = {"dir": str(out)}
+    config["finetune"]["init"] = str(out / "mae_small_half")
+    (out / "scratch_small_light" / "config.yaml").write_text(yaml.safe_dump(config))
+    (out / "scratch_small_light" / "metrics.jsonl").write_text('{"step": 50, "loss": 2.0}\n')
+    (out / "unfinished").mkdir()
+    (out / "unfinished" / "metrics.jsonl").write_text('{"step": 50, "loss": 2.0}\n')
+    dest = tmp_path / "records"
+    script = [sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(out)]
+    done = subprocess.run([*script, "--archive", str(dest), "--with-metrics"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "archive: 1 new record(s)" in done.stdout
+    record = dest / host_slug(host_label(BF16, "bf16")) / "scratch_small_light"
+    assert sorted(p.name for p in record.iterdir()) == ["config.yaml", "metrics.jsonl", "summary.json"]
+    kept = yaml.safe_load((record / "config.yaml").read_text())
+    assert kept["run"]["dir"] == "runs/gpu1" and kept["finetune"]["init"] == "runs/gpu1/mae_small_half" and kept["data"]["root"] == "PATH"
+    assert str(tmp_path) not in (record / "config.yaml").read_text()
+    again = subprocess.run([*script[:2], str(record.parent)], capture_output=True, text=True, cwd=ROOT)  # the records read back
+    assert again.returncode == 0 and "scratch_small_light" in again.stdout and "79.0%" in again.stdout
+    refused = subprocess.run([*script, "--with-metrics"], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode != 0 and "--with-metrics goes with --archive" in refused.stderr

@@ -282,16 +282,16 @@ def read_state_progress(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
-def copy_record(run_dir: Path, dest: Path, replace: dict[str, str] | None = None) -> bool:
-    """Copy a finished run's record (RECORD_FILES: config, summary, budget; no weights, states or metrics) into `dest`, so
-    that a table computed from it can be computed again after the run folder is gone. `replace` rewrites strings in the
-    copy (a machine's paths, say). False when `dest` already holds the same record; a different one there is a
-    UserError, never overwritten."""
+def copy_record(run_dir: Path, dest: Path, replace: dict[str, str] | None = None, files: tuple[str, ...] = RECORD_FILES) -> bool:
+    """Copy a finished run's record (RECORD_FILES: config, summary, budget; no weights, states or metrics, unless `files`
+    names them) into `dest`, so that a table computed from it can be computed again after the run folder is gone.
+    `replace` rewrites strings in the copy (a machine's paths, say). False when `dest` already holds the same record; a
+    different one there is a UserError, never overwritten."""
     run_dir, dest = Path(run_dir), Path(dest)
     if not (run_dir / SUMMARY_FILE).is_file():
         raise UserError(f"{run_dir} is not a finished run (no {SUMMARY_FILE})")
     record = {}
-    for name in RECORD_FILES:
+    for name in files:
         if (run_dir / name).is_file():
             text = (run_dir / name).read_text()
             for old, new in (replace or {}).items():

@@ -27,7 +27,7 @@ from typing import Any
 
 from vit.device import host_label
 from vit.errors import UserError
-from vit.store.runs import RunFolder, copy_record, is_run_folder, read_run
+from vit.store.runs import METRICS_FILE, RECORD_FILES, RunFolder, copy_record, is_run_folder, read_run
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, whose path a run's recorded command starts with
 
@@ -86,8 +86,14 @@ def is_sweep_name(name: str) -> bool:
 def read_budget_runs(folder: Path) -> dict[str, dict[str, RunFolder]]:
     """The finished runs under `folder`, at any depth (a sweep's --out, or an archive of records from several machines),
     whose names follow the budget sweep: {host label: {run name: run}}. The same name twice on one host is a UserError."""
+    return read_finished_runs([p for p in Path(folder).rglob("*") if is_sweep_name(p.name)])
+
+
+def read_finished_runs(paths: list[Path]) -> dict[str, dict[str, RunFolder]]:
+    """The finished run folders among `paths` (others are passed over), by host: {host label: {run name: run}}. The same
+    name twice on one host is a UserError."""
     hosts: dict[str, dict[str, RunFolder]] = {}
-    for path in sorted(p for p in Path(folder).rglob("*") if is_sweep_name(p.name)):
+    for path in sorted(Path(p) for p in paths):
         if not is_run_folder(path):
             continue
         run = read_run(path)
@@ -108,20 +114,27 @@ def host_slug(host: str) -> str:
 
 def machine_paths(run: RunFolder) -> dict[str, str]:
     """The paths of the machine a run's record names, and what an archive writes instead: the data folder given as an
-    absolute path becomes 'PATH' (as RESULTS.md writes it) and the checkout's folder is left out of the command."""
+    absolute path becomes 'PATH' (as RESULTS.md writes it), an absolute run.dir becomes runs/<its name>, and the
+    checkout's folder is left out of the command."""
     root = (run.config.get("data") or {}).get("root")
     paths = {str(root): "PATH"} if root and Path(str(root)).is_absolute() else {}
+    # a sweep's --out given as an absolute path: the folder's own name under runs/, as the sweep files write it
+    out = (run.config.get("run") or {}).get("dir")
+    if out and Path(str(out)).is_absolute():
+        paths[str(out)] = f"runs/{Path(str(out)).name}"
     return {**paths, str(REPO) + "/": ""}
 
 
-def archive(hosts: dict[str, dict[str, RunFolder]], dest: Path) -> list[Path]:
-    """Copy each run's record (config, summary, budget) to dest/<host slug>/<name>, where `read_budget_runs(dest)` finds it
-    once the run folders are gone, without the machine's paths; returns the records written (the same one is kept)."""
+def archive(hosts: dict[str, dict[str, RunFolder]], dest: Path, metrics: bool = False) -> list[Path]:
+    """Copy each run's record (config, summary, budget; with `metrics`, its metrics.jsonl too) to dest/<host slug>/<name>,
+    where `read_budget_runs(dest)` finds it once the run folders are gone, without the machine's paths; returns the
+    records written (the same one is kept)."""
     written = []
+    files = RECORD_FILES + ((METRICS_FILE,) if metrics else ())
     for host, runs in hosts.items():
         for name, run in runs.items():
             target = Path(dest) / host_slug(host) / name
-            if copy_record(run.path, target, replace=machine_paths(run)):
+            if copy_record(run.path, target, replace=machine_paths(run), files=files):
                 written.append(target)
     return written
 

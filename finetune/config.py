@@ -45,7 +45,8 @@ class FinetuneSection:
         check(0.0 <= self.label_smoothing < 1.0, "finetune.label_smoothing", "must be in [0, 1)")
         check(self.eval_every > 0, "finetune.eval_every", "must be positive")
         check(0.0 < self.patch_keep <= 1.0, "finetune.patch_keep", "must be in (0, 1]")
-        check(self.patch_keep == 1.0 or (self.arch in ("vit", "timm_vit") and self.mode == "full"), "finetune.patch_keep",
+        # eval mode trains nothing, so a training recipe's patch_keep is accepted there (and unused): its config evaluates as it is
+        check(self.patch_keep == 1.0 or (self.arch in ("vit", "timm_vit") and self.mode in ("full", "eval")), "finetune.patch_keep",
                "< 1 needs finetune.mode=full and a ViT (finetune.arch=vit or timm_vit)")
         check(self.mode != "eval" or self.init != "scratch", "finetune.init", "must name a finished run folder or classifier.pt in eval mode")
         for prefix, what in (("timm:", "model name"), ("local-dir:", "folder"), ("hf-hub:", "user/name")):

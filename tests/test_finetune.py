@@ -75,7 +75,8 @@ def test_short_finetune_beats_chance_and_eval_mode_reproduces_it(mae_run, tmp_pa
         assert (tmp_path / "runs" / "ft" / name).is_file(), name
     assert len(s["val_per_class"]) == 10
     reset_accelerate()
-    eval_args = tiny_overrides(tmp_path, name="ft_eval") + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'ft'}"]
+    # with a training recipe's patch dropout on the command line, which eval mode accepts and leaves unused
+    eval_args = tiny_overrides(tmp_path, name="ft_eval") + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'ft'}", "finetune.patch_keep=0.5"]
     assert finetune(eval_args) == 0
     e = summary(tmp_path, "ft_eval")
     assert e["val_top1"] == s["final_val_top1"] and e["test_top1"] == s["final_test_top1"]

@@ -13,12 +13,17 @@ from finetune.config import FinetuneConfig
 from finetune.models import Built
 from vit.train.run import Run
 from vit.eval.knn import encode, knn_accuracy
+from vit.data.files import ShardSet
 from vit.data.loaders import Data
+from vit.errors import ConfigError
 
 
 def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str | None) -> int:
     """Classify val and test against the training features; writes summary.json like a probe's (val/test top-1, top-5)."""
     acc, ft, splits = run.accelerator, cfg.finetune, data.splits
+    if isinstance(splits.train, ShardSet):
+        raise ConfigError("finetune.mode=knn encodes every training image once, unaugmented, as its memory bank, and streamed WebDataset "
+                          "shards are read for training only: set data.loader=memory where the shards fit in memory")  # fmt: skip
     encoder = built.model.to(acc.device).encoder  # the LinearProbe's frozen encoder; its head is not used
     started = time.perf_counter()
     bank, bank_labels = encode(encoder, data.loader(splits.train, cfg.optim.batch_size, train=False), acc, ft.probe_pool,

@@ -31,7 +31,8 @@ from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run
 from vit.train.schedule import LoopSpec, loop_spec
 from vit.train.states import Progress, load_state
-from vit.errors import DataError, exit_on_user_error
+from vit.errors import ConfigError, DataError, exit_on_user_error
+from vit.data.files import ShardSet
 from vit.data.loaders import Data, open_data
 from vit.models.encoder import preset_image_size
 from vit.data.provenance import SPLIT_KEYS, check_overlap, split_record
@@ -161,6 +162,10 @@ def classifier_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> 
 def cached_probe_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Task:
     """A linear probe on features computed once: the head trains on the cache for many epochs in seconds."""
     acc, splits = run.accelerator, data.splits
+    if isinstance(splits.train, ShardSet):
+        raise ConfigError("finetune.probe_cache=true computes every training image's features once, unaugmented, and streamed WebDataset "
+                          "shards are read for training only: set finetune.probe_cache=false (the head then trains on streamed images), "
+                          "or data.loader=memory where the shards fit in memory")  # fmt: skip
     probe = built.model.to(acc.device)
     feats = {}
     started = time.perf_counter()

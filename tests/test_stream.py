@@ -633,3 +633,18 @@ def test_the_paper_config_starts_and_trains_on_an_imagenet_shaped_tree(tmp_path)
     summary = json.loads((tmp_path / "runs" / "mae_gpu_vit_base" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["encoder"]["embed_dim"] == 768 and summary["data"]["image_size"] == 224
     assert np.isfinite(summary["final_loss"])
+
+
+@pytest.mark.parametrize("mode, remedy", [("linear", "set finetune.probe_cache=false"), ("knn", "set data.loader=memory")])
+def test_a_probe_or_knn_that_must_read_streamed_shards_unaugmented_is_a_one_line_error(tmp_path, capsys, mode, remedy):
+    """The cached probe's features and the kNN bank read every training image once, unaugmented: streamed shards serve
+    training batches only, so each says what to set instead of stopping with a traceback."""
+    from finetune.train import main as finetune_main
+
+    pattern = write_shards(tmp_path / "shards", 2, 24)
+    overrides = tiny_overrides(tmp_path, mode, **{"data.dataset": "webdataset", "data.root": pattern, "data.loader": "stream", "data.val_size": 8,
+                                                  "finetune.mode": mode, "finetune.init": "scratch", "finetune.probe_cache": True,
+                                                  "finetune.layer_decay": "null", "schedule.epochs": 1, "optim.batch_size": 8})  # fmt: skip
+    assert finetune_main(overrides) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: finetune.{'probe_cache' if mode == 'linear' else 'mode=knn'}") and remedy in err[0], err

@@ -7,6 +7,17 @@ from typing import Literal
 
 from vit.config import StageConfig, check, section
 
+# The decoder each encoder preset pretrains with where the config leaves `mae.decoder_*` unset (others: vit_cifar_tiny's).
+PRESET_DECODERS: dict[str, dict] = {
+    # Small inputs have few patches: a narrow, shallow decoder is enough and keeps MAE cheap.
+    "vit_cifar_tiny": dict(decoder_embed_dim=128, decoder_depth=2, decoder_num_heads=4),
+    "vit_cifar_small": dict(decoder_embed_dim=192, decoder_depth=4, decoder_num_heads=6),
+    "vit_tiny": dict(decoder_embed_dim=256, decoder_depth=4, decoder_num_heads=8),
+    "vit_small": dict(decoder_embed_dim=256, decoder_depth=4, decoder_num_heads=8),
+    # The paper's ViT-B/16 decoder: 8 blocks of 512 wide.
+    "vit_base": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
+}
+
 
 @dataclass
 class MAEConfig:
@@ -51,8 +62,22 @@ class MAEConfig:
 class PretrainConfig(StageConfig):
     mae: MAEConfig = section(MAEConfig)
 
+    def decoder(self) -> dict:
+        """The decoder's sizes: the preset's (`PRESET_DECODERS`), with the `mae.decoder_*` the config sets."""
+        decoder = dict(PRESET_DECODERS.get(self.model.name, PRESET_DECODERS["vit_cifar_tiny"]))
+        for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
+            if getattr(self.mae, key) is not None:
+                decoder[key] = getattr(self.mae, key)
+        return decoder
+
     def validate(self) -> None:
-        """What the sections cannot check alone: the mask must leave the encoder at least one patch of the model's."""
+        """What the sections cannot check alone: the mask must leave the encoder at least one patch of the model's, and
+        the decoder's heads (the preset's where unset) must divide its width (the config's where set)."""
         patches, ratio = self.model.num_patches(), self.mae.mask_ratio
         check(int(patches * (1 - ratio)) >= 1, "mae.mask_ratio",
                f"{ratio:g} leaves no visible patch of the model's {patches}: it must be at most 1 - 1/{patches}")  # fmt: skip
+        d = self.decoder()
+        whose = "" if self.mae.decoder_num_heads else f" ({self.model.name}'s preset decoder)"
+        check(d["decoder_embed_dim"] % d["decoder_num_heads"] == 0, "mae.decoder_num_heads",
+               f"{d['decoder_num_heads']}{whose} does not divide mae.decoder_embed_dim={d['decoder_embed_dim']}: set mae.decoder_num_heads "
+               "to a divisor of it")  # fmt: skip

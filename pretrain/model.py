@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pretrain.config import PretrainConfig
+from pretrain.config import PRESET_DECODERS, PretrainConfig  # noqa: F401 (PRESET_DECODERS re-exported)
 from vit.store.checkpoint import read_mae
 from vit.errors import CheckpointError, ConfigError
 from vit.models.encoder import Block, VisionTransformer, create_model, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
@@ -159,15 +159,6 @@ class MaskedAutoencoder(nn.Module):
         return self.forward_loss(imgs, pred, mask), pred, mask
 
 
-PRESET_DECODERS: dict[str, dict] = {
-    # Small inputs have few patches: a narrow, shallow decoder is enough and keeps MAE cheap.
-    "vit_cifar_tiny": dict(decoder_embed_dim=128, decoder_depth=2, decoder_num_heads=4),
-    "vit_cifar_small": dict(decoder_embed_dim=192, decoder_depth=4, decoder_num_heads=6),
-    "vit_tiny": dict(decoder_embed_dim=256, decoder_depth=4, decoder_num_heads=8),
-    "vit_small": dict(decoder_embed_dim=256, decoder_depth=4, decoder_num_heads=8),
-    # The paper's ViT-B/16 decoder: 8 blocks of 512 wide.
-    "vit_base": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
-}
 
 
 def mae_from_checkpoint(path) -> MaskedAutoencoder:
@@ -187,10 +178,7 @@ def build_mae(cfg: PretrainConfig, device=None) -> MaskedAutoencoder:
         encoder = create_model(cfg.model.name, **cfg.model.encoder_kwargs(device), num_classes=0)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
-    decoder = dict(PRESET_DECODERS.get(cfg.model.name, PRESET_DECODERS["vit_cifar_tiny"]))
-    for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
-        if getattr(cfg.mae, key) is not None:
-            decoder[key] = getattr(cfg.mae, key)
+    decoder = cfg.decoder()
     try:
         return MaskedAutoencoder(encoder, **decoder, mask_ratio=cfg.mae.mask_ratio, norm_pix_loss=cfg.mae.norm_pix_loss)
     except ValueError as e:

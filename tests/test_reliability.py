@@ -360,6 +360,8 @@ CANNOT_TRAIN = {
     "nan base lr": (["optim.base_lr=nan"], "optim.base_lr must be a finite number"),
     "patch against the preset": (["model.patch_size=5"], "model.patch_size 5 does not divide the image size 32 of vit_cifar_tiny"),
     "unknown preset": (["model.name=vit_huge"], "model.name 'vit_huge' is not a preset"),
+    "decoder width against the preset's heads": (["model.name=vit_cifar_small", "model.depth=1", "mae.decoder_embed_dim=64"],
+                                                 "mae.decoder_num_heads 6 (vit_cifar_small's preset decoder) does not divide mae.decoder_embed_dim=64"),
 }
 
 

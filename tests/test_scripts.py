@@ -19,8 +19,10 @@ import torch
 import yaml
 from PIL import Image
 
+from finetune.config import FinetuneConfig
 from finetune.train import main as finetune_main
 from helpers import reset_accelerate, tiny_overrides
+from pretrain.config import PretrainConfig
 from pretrain.train import main as pretrain_main
 from pretrain.visualize import visualize
 from vit.tools import compare
@@ -30,6 +32,7 @@ from vit.errors import ConfigError, UserError
 from vit.eval.attention import attention_rollout, cls_attention, patch_grid_overlay, pos_embed_similarity, rollout_cls_map
 from vit.models.encoder import VisionTransformer
 from vit.models.pos_embed import sincos_2d
+from vit.config import load_config
 from vit.store.runs import read_run
 from vit.tools.sweep import read_sweep, select_jobs
 
@@ -462,6 +465,24 @@ def test_only_runs_the_named_jobs_in_that_order_after_the_jobs_they_start_from(t
     with pytest.raises(ConfigError) as e:
         select_jobs(jobs, ["ft_b", "ft_c", "pre_z"])
     assert str(e.value) == "--only: no job named 'ft_c', 'pre_z' in the sweep file"
+
+
+@pytest.mark.parametrize("sweep", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_job_of_the_shipped_sweep_files_reads_as_a_valid_config(sweep):
+    """Each job's config with the common and its own overrides passes the stage's checks (keys, types, values, the
+    model's and decoder's sizes), so a sweep does not fail a job minutes in for a setting that could never run."""
+    common, jobs = read_sweep(sweep)
+    for job in jobs:
+        cls = PretrainConfig if job.module == "pretrain" else FinetuneConfig
+        init = [f"finetune.init=runs/sweep/{job.init}"] if job.init else []
+        cfg = load_config(cls, ROOT / job.config, [*init, *common, *job.overrides])
+        own = dict(override.split("=", 1) for override in job.overrides)  # a key set twice: the last value counts
+        for key, value in own.items():  # the job's own settings win over the common ones
+            section, field = key.split(".", 1)
+            got, want = getattr(getattr(cfg, section), field), yaml.safe_load(value)
+            if isinstance(got, float) and isinstance(want, str):
+                want = float(want)  # 3e-3: a string to YAML 1.1, a number to the config
+            assert (list(got) if isinstance(got, tuple) else got) == want, f"{sweep.name}: {job.name}: {key} is {got}, not {want}"
 
 
 @pytest.mark.parametrize("jobs, message", [

@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from pretrain.model import PRESET_DECODERS, MaskedAutoencoder
+from pretrain.config import PRESET_DECODERS
+from pretrain.model import MaskedAutoencoder
 from vit.data.augment import BatchLoader
 from vit.tools.bench import MODELS, Case, Settings, Step, compile_note, models, our_defaults, reconstruct, stream_step, training_step
 from vit.tools.bench_cases import Pipeline, pipeline_overrides, stage_pipeline

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pretrain.config import PRESET_DECODERS, PretrainConfig  # noqa: F401 (PRESET_DECODERS re-exported)
+from pretrain.config import PretrainConfig
 from vit.store.checkpoint import read_mae
 from vit.errors import CheckpointError, ConfigError
 from vit.models.encoder import Block, VisionTransformer, create_model, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
@@ -157,8 +157,6 @@ class MaskedAutoencoder(nn.Module):
         # Training needs predictions of the masked patches only; evaluation and figures get all of them.
         pred = self.forward_decoder(latent, ids_restore, only_masked=self.training)
         return self.forward_loss(imgs, pred, mask), pred, mask
-
-
 
 
 def mae_from_checkpoint(path) -> MaskedAutoencoder:

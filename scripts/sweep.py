@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep", type=Path, help="the sweep file (YAML: common, jobs)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the jobs' run folders and logs")
     parser.add_argument("--only", nargs="+", metavar="JOB", help="run these jobs, in this order (and the jobs they start from)")
-    parser.add_argument("--parallel", type=int, default=1, help="jobs at once (default 1); on a CPU give each run.threads=cores/parallel")
+    parser.add_argument("--parallel", type=int, default=1, help="jobs at once (default 1); each takes cores/parallel CPU threads unless run.threads says")
     args = parser.parse_args(argv)
     if args.parallel < 1:
         parser.error("--parallel must be >= 1")

@@ -155,6 +155,12 @@ def test_a_gpu_process_keeps_few_cpu_threads_unless_told(monkeypatch):
         assert set_threads(RunConfig(), Device("cuda")) == GPU_HOST_THREADS == torch.get_num_threads()
         assert set_threads(RunConfig(), Device("cpu")) == 16
         assert set_threads(RunConfig(threads=7), Device("cuda")) == 7
+        # a job that a sweep runs beside others takes its share of the cores, still at most GPU_HOST_THREADS on a GPU
+        monkeypatch.setenv(accelerator.SHARED_BY_ENV, "6")
+        assert set_threads(RunConfig(), Device("cpu")) == 2 and set_threads(RunConfig(), Device("cuda")) == 2
+        monkeypatch.setenv(accelerator.SHARED_BY_ENV, "2")
+        assert set_threads(RunConfig(), Device("cpu")) == 8 and set_threads(RunConfig(), Device("cuda")) == GPU_HOST_THREADS
+        assert set_threads(RunConfig(threads=3), Device("cpu")) == 3
     finally:
         torch.set_num_threads(before)
 

@@ -17,23 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import reset_accelerate, tiny_overrides
 from PIL import Image
 
 from finetune.config import FinetuneConfig
 from finetune.train import main as finetune_main
-from helpers import reset_accelerate, tiny_overrides
 from pretrain.config import PretrainConfig
 from pretrain.train import main as pretrain_main
 from pretrain.visualize import visualize
-from vit.tools import compare
-from vit.tools import quickstart as pipeline
-from vit.tools import plots
+from vit.config import load_config
 from vit.errors import ConfigError, UserError
 from vit.eval.attention import attention_rollout, cls_attention, patch_grid_overlay, pos_embed_similarity, rollout_cls_map
 from vit.models.encoder import VisionTransformer
 from vit.models.pos_embed import sincos_2d
-from vit.config import load_config
 from vit.store.runs import read_run
+from vit.tools import compare, plots
+from vit.tools import quickstart as pipeline
 from vit.tools.sweep import read_sweep, select_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -449,6 +448,29 @@ def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_kee
     said = proc.stdout
     assert "sweep: pre: finished earlier, kept" in said and "sweep: ft: finished earlier, kept" in said and "sweep: bad: exit 2" in said
     assert (out / "ft" / "summary.json").stat().st_mtime_ns == before
+
+
+def test_sweep_jobs_run_side_by_side_are_told_how_many_share_the_machine(tmp_path, monkeypatch):
+    """Each job's environment names the sweep's --parallel, from which `set_threads` gives it its share of the cores."""
+    from vit.tools import sweep
+    from vit.train.accelerator import SHARED_BY_ENV
+
+    seen = []
+
+    class Finished:
+        def __init__(self, argv, env, **kwargs):
+            seen.append((argv[argv.index("--config") - 1], env.get(SHARED_BY_ENV)))
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", Finished)
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    pre = {"module": "pretrain", "config": "configs/pretrain/cpu.yaml"}
+    _, jobs = read_sweep(write_sweep(tmp_path / "sweep.yaml", [{"name": "a", **pre}, {"name": "b", **pre}, {"name": "c", **pre}]))
+    outcome = sweep.run_sweep(jobs, tmp_path / "out", [], [], parallel=3)
+    assert outcome == {"a": "ok", "b": "ok", "c": "ok"}
+    assert seen == [("pretrain", "3")] * 3
 
 
 def test_only_runs_the_named_jobs_in_that_order_after_the_jobs_they_start_from(tmp_path):

@@ -202,7 +202,7 @@ class RunConfig:
     overwrite: bool = False  # allow a fresh run into a folder that already holds one
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 where the device has it natively, else fp32
-    threads: int | None = None  # CPU threads per process; None: cores / local processes
+    threads: int | None = None  # CPU threads per process; None: cores / local processes (/ a sweep's --parallel; <= 4 on a GPU)
     # torch.compile of the training forward: `auto` is on for CUDA (its default mode inside a captured step,
     # reduce-overhead's CUDA graphs for one process without one, the default mode for several), off on CPUs and MPS,
     # where compilation cost more minutes than it saved; `on` is torch.compile's default mode. Its time is the first

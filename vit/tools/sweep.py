@@ -19,7 +19,8 @@ A sweep file lists jobs; each is one ordinary stage command (`python -m pretrain
 
 A job's command line is: its config, run.dir/run.name, finetune.init (from `init`), `common`,
 its `overrides`, then the overrides given to the whole sweep. `run_sweep` starts jobs in file
-order as workers free up, skips a job whose `init` failed, writes each job's output to
+order as workers free up (each job's CPU threads default to its share of the cores:
+`vit.train.accelerator.set_threads`), skips a job whose `init` failed, writes each job's output to
 <out>/<name>.log, and keeps a job whose run folder already holds summary.json without running it
 again, so the same sweep continues an interrupted one (unfinished jobs resume with run.resume=auto).
 
@@ -28,6 +29,7 @@ again, so the same sweep continues an interrupted one (unfinished jobs resume wi
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -39,6 +41,7 @@ import yaml
 
 from vit.errors import ConfigError
 from vit.store.runs import is_finished
+from vit.train.accelerator import SHARED_BY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's config may be named relative to it, and jobs run there
 MODULES = ("pretrain", "finetune")
@@ -130,6 +133,7 @@ def check_overrides(items, where: str) -> list[str]:
 def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], parallel: int) -> dict[str, str]:
     """Run the jobs, at most `parallel` at once, a job only after its `init` succeeded. Returns name -> outcome."""
     out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, SHARED_BY_ENV: str(parallel)}  # each job takes its share of the cores unless run.threads says
     outcome: dict[str, str] = {}
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     pending = list(jobs)
@@ -159,6 +163,6 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
             argv = job.argv(out, common, extra)
             print(f"sweep: start {job.name}: {shlex.join(['python', *argv[1:]])}", flush=True)
             with open(out / f"{job.name}.log", "a") as log:
-                running[job.name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), time.perf_counter())
+                running[job.name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env), time.perf_counter())
         time.sleep(0.5)
     return outcome

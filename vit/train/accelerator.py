@@ -131,14 +131,19 @@ def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = Tr
 GPU_HOST_THREADS = 4
 
 
+# Set by `vit.tools.sweep` for the jobs it runs side by side: how many share the machine (its --parallel).
+SHARED_BY_ENV = "VIT_JOBS_SHARING_HOST"
+
+
 def set_threads(run_cfg: RunConfig, accelerator) -> int:
-    """CPU threads per process: `run.threads`, else the cores shared among this machine's processes (at most
-    `GPU_HOST_THREADS` on a GPU)."""
+    """CPU threads per process: `run.threads`, else the cores shared among this machine's processes, and among the
+    jobs a sweep runs beside this one (`SHARED_BY_ENV`), at most `GPU_HOST_THREADS` on a GPU."""
     if run_cfg.threads is not None:
         threads = run_cfg.threads
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes if accelerator.num_processes > 1 else 1))
-        threads = max(1, (os.cpu_count() or 1) // local)
+        jobs = max(1, int(os.environ.get(SHARED_BY_ENV, "1") or 1))
+        threads = max(1, (os.cpu_count() or 1) // (local * jobs))
         if accelerator.device.type != "cpu":
             threads = min(threads, GPU_HOST_THREADS)
     torch.set_num_threads(threads)

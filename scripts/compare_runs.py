@@ -28,8 +28,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from vit.tools.compare import compare, load_runs
-from vit.tools.results import archive, read_finished_runs
+from vit.tools.compare import compare
+from vit.tools.results import archive, by_host
 from vit.errors import UserError, exit_on_user_error
 
 
@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         made = [p for p in result["figures"].values() if p]
         print(f"report: {result['report']} ({len(made)} figures in {args.out})")
     if args.archive:
-        hosts = read_finished_runs([run.path for run in load_runs(args.paths, args.runs)])
-        written = archive(hosts, args.archive, metrics=args.with_metrics)
+        written = archive(by_host(result["runs"]), args.archive, metrics=args.with_metrics)
         print(f"archive: {len(written)} new record(s) under {args.archive}")
     return 0
 

@@ -374,14 +374,15 @@ def report_markdown(rows: list[dict[str, Any]], figures: dict[str, Path | None],
 
 def compare(paths: list[str], out: Path | None = None, csv_path: Path | None = None, patterns: list[str] | None = None,
             command: str = "compare_runs.py") -> dict[str, Any]:  # fmt: skip
-    """Read the runs, and write the CSV, the figures and report.md where asked. Returns {"rows", "table", "figures", "report", "csv"}.
+    """Read the runs, and write the CSV, the figures and report.md where asked. Returns {"runs", "rows", "table", "figures", "report",
+    "csv"}.
 
     `command` is the command line quoted at the top of report.md.
     """
     runs = load_runs(paths, patterns)
     rows = [row(r) for r in runs]
     table = markdown_table(rows)
-    result: dict[str, Any] = {"rows": rows, "table": table, "figures": {}, "report": None, "csv": None}
+    result: dict[str, Any] = {"runs": runs, "rows": rows, "table": table, "figures": {}, "report": None, "csv": None}
     if csv_path is not None:
         result["csv"] = write_csv(rows, csv_path)
     if out is not None:

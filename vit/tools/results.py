@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,24 +87,22 @@ def is_sweep_name(name: str) -> bool:
 def read_budget_runs(folder: Path) -> dict[str, dict[str, RunFolder]]:
     """The finished runs under `folder`, at any depth (a sweep's --out, or an archive of records from several machines),
     whose names follow the budget sweep: {host label: {run name: run}}. The same name twice on one host is a UserError."""
-    return read_finished_runs([p for p in Path(folder).rglob("*") if is_sweep_name(p.name)])
+    paths = sorted(p for p in Path(folder).rglob("*") if is_sweep_name(p.name) and is_run_folder(p))
+    return by_host(read_run(p) for p in paths)
 
 
-def read_finished_runs(paths: list[Path]) -> dict[str, dict[str, RunFolder]]:
-    """The finished run folders among `paths` (others are passed over), by host: {host label: {run name: run}}. The same
+def by_host(runs: Iterable[RunFolder]) -> dict[str, dict[str, RunFolder]]:
+    """The finished ones among `runs`, by the host their summary names: {host label: {run folder name: run}}. The same
     name twice on one host is a UserError."""
     hosts: dict[str, dict[str, RunFolder]] = {}
-    for path in sorted(Path(p) for p in paths):
-        if not is_run_folder(path):
-            continue
-        run = read_run(path)
+    for run in runs:
         if not run.finished:
             continue
-        host = host_of(run)
-        runs = hosts.setdefault(host, {})
-        if path.name in runs:
-            raise UserError(f"{runs[path.name].path} and {path} are both {path.name} on {host}: keep one of them")
-        runs[path.name] = run
+        host, name = host_of(run), Path(run.path).name
+        same_host = hosts.setdefault(host, {})
+        if name in same_host:
+            raise UserError(f"{same_host[name].path} and {run.path} are both {name} on {host}: keep one of them")
+        same_host[name] = run
     return hosts
 
 

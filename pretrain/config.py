@@ -46,9 +46,6 @@ class MAEConfig:
         for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
             value = getattr(self, key)
             check(value is None or value > 0, f"mae.{key}", "must be positive")
-        if self.decoder_embed_dim is not None and self.decoder_num_heads is not None:
-            check(self.decoder_embed_dim % self.decoder_num_heads == 0, "mae.decoder_num_heads",
-                   f"{self.decoder_num_heads} does not divide mae.decoder_embed_dim={self.decoder_embed_dim}")
         check(self.figure_images >= 0, "mae.figure_images", "must be >= 0")
         check(self.knn_every >= 0, "mae.knn_every", "must be >= 0")
         check(self.val_every >= 0, "mae.val_every", "must be >= 0")

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -67,7 +66,7 @@ def pipeline(s: Settings, device: torch.device) -> Pipeline:
     from finetune.models import build_classifier
     from finetune.train import input_size, open_run_data, setup_training
 
-    overrides = pipeline_overrides(s, device, tempfile.mkdtemp(prefix="bench-pipeline-"), "finetune") + ["finetune.init=scratch"]
+    overrides = pipeline_overrides(s, device, "finetune") + ["finetune.init=scratch"]
     cfg = load_config(FinetuneConfig, PIPELINE_CONFIG, overrides)
     run = Run.start(cfg, stage="finetune", job_type="bench")
     data = open_run_data(cfg, run, input_size(cfg))

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -102,7 +101,7 @@ def pipeline(s: Settings, device: torch.device) -> Pipeline:
     from pretrain.config import PretrainConfig
     from pretrain.train import setup
 
-    cfg = load_config(PretrainConfig, PIPELINE_CONFIG, pipeline_overrides(s, device, tempfile.mkdtemp(prefix="bench-pipeline-"), "pretrain"))
+    cfg = load_config(PretrainConfig, PIPELINE_CONFIG, pipeline_overrides(s, device, "pretrain"))
     run = Run.start(cfg, stage="pretrain", job_type="bench")
     t = setup(cfg, run)
     return stage_pipeline(run, t.forward, t.optimizer, t.train_loader, t.loss_fn, t.spec)

@@ -28,7 +28,11 @@ Sections (each a list of `Case`s, every case a pair of step builders, ours and t
    bare step of the same model and optimiser on a fixed batch. The ratio is the share of its own step
    the loop keeps; the host reads of the steps between two records are counted (0 when no step waits
    for the device); on CUDA the GPU's busy share (NVML) of each side is shown.
-7. utilisation: the machine's GEMM peak per precision, measured in the same run, and the
+7. augment: training batches of 32 px images held on the device (`--data`, else synthetic ones): crop,
+   flip, TrivialAugment or RandAugment with random erasing, and normalisation at `--e2e-batch`, many
+   batches in one pass on the device (the loader's default) against one batch at a time. On a GPU the
+   ops' small kernels cost host time per pass; on a CPU the loader keeps one batch of CIFAR to a pass.
+8. utilisation: the machine's GEMM peak per precision, measured in the same run, and the
    model FLOP/s each side reaches as a share of it. Peak memory of each side's training steps:
    the allocator's peak on CUDA; on a Linux CPU the rise of the resident set during the steps
    of that side alone in a child process (encoder and MAE cases).
@@ -45,7 +49,7 @@ on both alike. Each round gives images/s per side; the table shows medians over 
 and ours / reference.
 
 The measuring is `vit.tools.bench`; the sections live with what they measure: `vit.tools.bench_cases` (encoder,
-stream, the pipeline machinery), `pretrain.bench` (mae, e2e and pipeline pretraining), `finetune.bench` (e2e and
+augment, stream, the pipeline machinery), `pretrain.bench` (mae, e2e and pipeline pretraining), `finetune.bench` (e2e and
 pipeline fine-tuning, probe).
 """
 
@@ -73,11 +77,11 @@ def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
     precisions = bench.case_precisions(device)
     if s.quick:
         precisions = precisions[-1:]  # the smoke run: the device's own precision alone (bf16 where native)
-    images = functools.cache(lambda: bench.bench_images(s))  # decoded once, shared by the two e2e cases
+    images = functools.cache(lambda: bench.bench_images(s))  # decoded once, shared by the e2e and augment cases
     e2e = [pretrain_bench.e2e_case(s, device, precisions[-1], images), finetune_bench.e2e_case(s, device, precisions[-1], images)]
     pipeline = [pretrain_bench.pipeline_case(s, device), finetune_bench.pipeline_case(s, device)]
     return bench_cases.encoder_cases(s, device, precisions) + pretrain_bench.mae_cases(s, device, precisions) + e2e + pipeline \
-        + bench_cases.stream_cases(s, device)  # fmt: skip
+        + bench_cases.augment_cases(s, device, images) + bench_cases.stream_cases(s, device)  # fmt: skip
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
@@ -138,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
 
     only = None if args.only is None else [o for o in args.only.split(",") if o]
     cases = [c for c in make_cases(s, device) if only is None or any(o in c.name for o in only)]
-    if not cases and args.only not in "probe":
+    with_probe = only is None or any("probe" in o for o in only)  # the probe section is not a case
+    if not cases and not with_probe:
         raise ConfigError(f"--only {args.only!r} matches no case")
     precisions = bench.gemm_precisions(cases, device)
     measured = bench.run_cases(cases, s, device, precisions, memory_command=[sys.executable, __file__, *argv])
     probe = None
-    if args.only is None or "probe" in args.only:
+    if with_probe:
         probe = finetune_bench.probe_benchmark(s, device, precisions[-1])
         print(finetune_bench.probe_line(probe), flush=True)
 

@@ -22,18 +22,20 @@ LINUX = Path("/proc/self/status").exists()
 
 @pytest.mark.slow
 def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
-    out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out, scratch = tmp_path / "bench.json", tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
     proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--device", "cpu", "--json", str(out),
                            "--stream-dir", str(tmp_path / "stream")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)  # fmt: skip  (about 100 s alone on 2 cores)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("bench-pipeline-")]  # the loops' run folders, removed
     report = json.loads(out.read_text())
     s, cpu = bench.settings(quick=True), torch.device("cpu")
     precisions = bench.case_precisions(cpu)[-1:]  # the smoke run measures the device's own precision alone
     expected = [c.name for c in bench_cases.encoder_cases(s, cpu, precisions) + pretrain_bench.mae_cases(s, cpu, precisions)]
     expected += [f"e2e/pretrain/{precisions[-1]}", f"e2e/finetune/{precisions[-1]}", f"pipeline/pretrain/{precisions[-1]}",
-                 f"pipeline/finetune/{precisions[-1]}", "stream/500x375/fp32"]  # fmt: skip
+                 f"pipeline/finetune/{precisions[-1]}", "augment/trivial/fp32", "augment/randaug-erase/fp32", "stream/500x375/fp32"]  # fmt: skip
     assert any(name.startswith("mae-hf/") for name in expected)  # Hugging Face's ViTMAE (transformers, a dev dependency)
     assert {f"encoder/vit_cifar_tiny/{precisions[0]}", f"mae/vit_cifar_tiny/{precisions[0]}"} <= set(expected)  # the small model alone
     assert [c["name"] for c in report["cases"]] == expected
@@ -116,3 +118,9 @@ def test_pick_device_refuses_a_device_that_is_not_there_in_one_line(monkeypatch)
         pick_device("cuda")
     with pytest.raises(ConfigError, match="^--device tpu: expected auto, cpu, cuda or mps$"):
         pick_device("tpu")
+
+
+def test_an_only_that_matches_no_case_and_not_the_probe_is_one_line():
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--device", "cpu", "--only", "ro"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr == "error: --only 'ro' matches no case\n", proc.stderr[-2000:]

@@ -421,19 +421,27 @@ def test_start_batch_yields_the_tail_of_the_epoch():
     assert list(loader().epoch(2, start_batch=6)) == []
 
 
-@pytest.mark.parametrize("with_ops", [False, True], ids=["crop-flip", "trivial-augment"])
-def test_batches_computed_many_crops_at_a_time_equal_the_batch_by_batch_transform(with_ops, monkeypatch):
-    """The epoch's crops are drawn and copied CROP_CHUNK batches at a time; each batch is still bit for bit what the
-    one-batch transform (`augment`) gives it, across a chunk's end, after a resume mid-chunk, with the extra ops drawing
-    from each batch's generator after its crop."""
+AUG_POLICIES = {"crop-flip": None, "trivial-augment": dict(policy="trivial"), "randaug-erase": dict(policy="randaug", random_erase=0.5)}
+
+
+@pytest.mark.parametrize("policy", AUG_POLICIES.values(), ids=AUG_POLICIES.keys())
+@pytest.mark.parametrize("max_floats", [None, 8 * 3 * 10 * 10 * 2], ids=["3-batch-chunks", "memory-capped-2"])
+def test_batches_transformed_many_at_a_time_equal_the_batch_by_batch_transform(policy, max_floats, monkeypatch):
+    """The epoch's batches are cropped and augmented CROP_CHUNK at a time (fewer where the loader's cap on pixel
+    values in one pass, `pass_floats`, allows fewer); each
+    batch is still bit for bit what the one-batch transform (`augment`) gives it, across a chunk's end, after a resume
+    mid-chunk, with the extra ops drawing from each batch's generator after its crop."""
     import vit.data.augment as augment_module
     from vit.config import AugmentConfig
     from vit.data.augment import epoch_order
     from vit.data.randaug import make_ops
 
     monkeypatch.setattr(augment_module, "CROP_CHUNK", 3)  # chunks end inside the 12-batch epoch
-    ops = make_ops(AugmentConfig(mixup=0, cutmix=0)) if with_ops else ()
+    ops = make_ops(AugmentConfig(mixup=0, cutmix=0, **policy)) if policy else ()
     ld = loader(id_set(n=100, size=10), batch_size=8, crop_scale=(0.2, 1.0), ops=ops)
+    if max_floats:
+        ld.pass_floats = max_floats
+    assert ld.chunk_batches() == (2 if max_floats else 3)
     order = epoch_order(100, 8, 0, 5)
     for start in (0, 4):
         batches = list(ld.epoch(5, start_batch=start))

@@ -184,6 +184,18 @@ def test_shear_is_about_the_centre():
     assert (y[..., 7, 7] > 0.99).all() and not torch.allclose(y, x)  # the centre stays, the row tilts
 
 
+@pytest.mark.parametrize("op", POLICIES + [RandomErasing(0.3)], ids=repr)
+def test_many_batches_at_once_equal_each_batch_alone(op):
+    """The loader runs an op on many batches in one pass (`apply` of their `draw`s); every batch comes out bit for bit
+    as a call on it alone, erasing noise included, and each batch's generator ends in the same state."""
+    x = images(3 * 16, seed=5)
+    alone_gens, chunk_gens = [gen(10 + k) for k in range(3)], [gen(10 + k) for k in range(3)]
+    alone = torch.cat([op(x[16 * k : 16 * (k + 1)], g) for k, g in enumerate(alone_gens)])
+    together = op.apply(x, [op.draw(16, 32, 32, g) for g in chunk_gens])
+    assert torch.equal(together, alone)
+    assert all(torch.equal(a.get_state(), c.get_state()) for a, c in zip(alone_gens, chunk_gens))
+
+
 def test_mixed_batch_equals_each_op_alone():
     x = images(len(OPS))
     ops = torch.arange(len(OPS))

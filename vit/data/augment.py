@@ -17,6 +17,13 @@ as `ops`: callables `(images (B, 3, S, S) float in [0, 1], generator) -> images`
 after the crop, drawing from the same per-batch generator (after the crop's draws, so adding
 an op does not move the crops). Mixup mixes labels too and belongs in the loss.
 
+On a GPU the device work runs on many batches at once (`chunk_batches`: up to CROP_CHUNK batches,
+at most CHUNK_FLOATS pixel values): an op that draws per batch and applies to many (`ChunkOp`:
+the ops of `vit.data.randaug`) launches its dozens of small kernels once per chunk instead of
+once per batch, where they cost more host time than a small model's whole training step. Each
+image's result does not depend on which other images share its pass, and chunks start at fixed
+batch indices, so a run resumed mid-epoch transforms the same groups as the run it resumes.
+
 Note: the crop resamples bilinearly without antialiasing, which suits images stored near
 `out_size` (CIFAR at 32). Store large ImageFolder images near the model's size
 (`data.image_size`) rather than cropping 224 px images down to 32.
@@ -35,7 +42,12 @@ from vit.device import to_device
 from vit.errors import DataError
 
 BatchOp = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
-CROP_CHUNK = 64  # training batches whose crops are computed and copied to the device together
+CROP_CHUNK = 64  # training batches whose crops are computed, copied to the device and transformed together
+# Pixel values augmented in one pass, at most (a chunk of large images is one batch). A GPU is bound by kernel launches,
+# so many batches at once pay: 128 MiB of float32. A CPU is bound by its caches: one batch of 256 CIFAR images (3 MiB)
+# already fills a core's share, and passes over 42 of them ran at half the speed of batch by batch (2-core AMD EPYC).
+CHUNK_FLOATS = 2**25
+CPU_CHUNK_FLOATS = 2**20
 
 
 # --------------------------------------------------------------------------- pure ops
@@ -154,13 +166,48 @@ def resize(images: torch.Tensor, out_size: int) -> torch.Tensor:
     return F.interpolate(images, size=(out_size, out_size), mode="bilinear", align_corners=False, antialias=True)
 
 
+class ChunkOp:
+    """An op whose random draws are made batch by batch and whose work runs on many batches at once.
+
+    draw(batch, height, width, generator) -> the batch's parameters (a tuple of CPU tensors and numbers), drawn from
+    its generator exactly as a one-batch call would; apply(images, draws) -> images: `images` holds the batches of
+    `draws` one after another ((sum of their sizes, C, H, W)). Calling the op on one batch is apply with one draw.
+    """
+
+    def draw(self, batch: int, height: int, width: int, generator: torch.Generator) -> tuple:
+        raise NotImplementedError
+
+    def apply(self, images: torch.Tensor, draws: Sequence[tuple]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return self.apply(images, [self.draw(images.shape[0], images.shape[-2], images.shape[-1], generator)])
+
+
+def run_op(op: BatchOp, images: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One op on consecutive equal batches: images (n * B, C, S, S), generators the n batches' -> (n * B, C, S, S).
+    A `ChunkOp` runs once over all of them; any other callable batch by batch."""
+    batch = images.shape[0] // len(generators)
+    if isinstance(op, ChunkOp):
+        return op.apply(images, [op.draw(batch, images.shape[-2], images.shape[-1], g) for g in generators])
+    return torch.cat([op(images[j * batch : (j + 1) * batch], g) for j, g in enumerate(generators)])
+
+
 def finish_batch(images: torch.Tensor, generator: torch.Generator | None, ops: Sequence[BatchOp], mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """What every loader does to a cropped (and flipped) batch on the device: the extra ops in order, then normalisation.
 
     images (B, 3, S, S) float in [0, 1] -> (B, 3, S, S) normalised; `generator` is the batch's, after the crop's draws.
     """
+    return finish_batches(images, [generator] if generator is not None else [], ops, mean, std)
+
+
+def finish_batches(images: torch.Tensor, generators: Sequence[torch.Generator], ops: Sequence[BatchOp], mean: torch.Tensor,
+                   std: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`finish_batch` of n consecutive equal batches at once: images (n * B, 3, S, S), generators the n batches'
+    (each after its crop's draws; empty where there are no ops) -> (n * B, 3, S, S) normalised, each batch as it would
+    be alone."""
     for op in ops:
-        images = op(images, generator)
+        images = run_op(op, images, generators)
     # In place (the batch is a fresh tensor): the same values as `normalize`, without two more batch-sized tensors.
     return images.sub_(mean.view(1, -1, 1, 1)).div_(std.view(1, -1, 1, 1))
 
@@ -250,6 +297,8 @@ class BatchLoader(Loader):
         self.images = data.images.to(self.device)  # (N, 3, H, W) uint8, moved once
         self.labels = data.labels.to(self.device)  # (N,)
         self.classes = list(data.classes)
+        # Pixel values augmented in one pass on the device, at most (`chunk_batches`); 0 takes one batch at a time.
+        self.pass_floats = CPU_CHUNK_FLOATS if self.device.type == "cpu" else CHUNK_FLOATS
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of `epoch` from `start_batch` on: the tail of the same sequence a full epoch yields."""
@@ -258,17 +307,31 @@ class BatchLoader(Loader):
         return self._eval_epoch(start_batch)
 
     def _train_epoch(self, epoch: int, start_batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        bs = self.batch_size
+        bs, per_pass = self.batch_size, self.chunk_batches()
         mine = to_device(epoch_order(self.labels.shape[0], bs, self.seed, epoch, self.rank, self.world_size), self.device)  # (num_batches * B,)
-        for first in range(start_batch, self.num_batches, CROP_CHUNK):
-            # The crops of many batches at once: one pass of host arithmetic and one copy, not a small copy a step.
-            batches = range(first, min(first + CROP_CHUNK, self.num_batches))
-            thetas, generators = self.crops(epoch, batches)
-            for j, b in enumerate(batches):
-                index = mine[b * bs : (b + 1) * bs]
-                x = self.images.index_select(0, index).float().div_(255)  # (B, 3, H, W) in [0, 1]
-                x = resample(x, thetas[j], self.out_size)
-                yield finish_batch(x, generators[j], self.ops, self._mean_t, self._std_t), self.labels.index_select(0, index)
+        # The crops of CROP_CHUNK batches at once (one pass of host arithmetic and one copy, not a small copy a step), the
+        # device work on per_pass of them at once. Both start at fixed batch indices whatever start_batch is, so a
+        # resumed epoch transforms the same groups of batches as the run it resumes.
+        for first in range(start_batch - start_batch % CROP_CHUNK, self.num_batches, CROP_CHUNK):
+            chunk = range(first, min(first + CROP_CHUNK, self.num_batches))
+            thetas, generators = self.crops(epoch, chunk)  # (n, B, 2, 3) and the n batches' generators
+            for lo in range(first, chunk.stop, per_pass):
+                hi = min(lo + per_pass, chunk.stop)
+                if hi <= start_batch:
+                    continue
+                index = mine[lo * bs : hi * bs]  # (k * B,)
+                x = self.images.index_select(0, index).float().div_(255)  # (k * B, 3, H, W) in [0, 1]
+                x = resample(x, thetas[lo - first : hi - first].flatten(0, 1), self.out_size)
+                x = finish_batches(x, generators[lo - first : hi - first], self.ops, self._mean_t, self._std_t)
+                labels = self.labels.index_select(0, index)
+                for j in range(max(start_batch - lo, 0), hi - lo):
+                    yield x[j * bs : (j + 1) * bs], labels[j * bs : (j + 1) * bs]
+
+    def chunk_batches(self) -> int:
+        """Training batches augmented in one pass on the device: CROP_CHUNK, fewer where that many would pass
+        `pass_floats` pixel values (CHUNK_FLOATS; CPU_CHUNK_FLOATS on a CPU)."""
+        side = max(self.out_size, *self.images.shape[-2:])
+        return max(1, min(CROP_CHUNK, self.pass_floats // (self.batch_size * self.images.shape[1] * side * side)))
 
     def crops(self, epoch: int, batches: range) -> tuple[torch.Tensor, list[torch.Generator]]:
         """The crop-and-flip maps of `batches` of `epoch` on the device, thetas (len, B, 2, 3), and each batch's generator

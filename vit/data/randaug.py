@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from vit.data.augment import BatchOp
+from vit.data.augment import BatchOp, ChunkOp
 from vit.config import AugmentConfig
 from vit.device import to_device
 
@@ -79,10 +79,10 @@ def _signs(shape: tuple[int, ...], ops: torch.Tensor, generator: torch.Generator
 
 
 @dataclass(frozen=True)
-class TrivialAugment:
+class TrivialAugment(ChunkOp):
     """TrivialAugmentWide per image: one op drawn uniformly from `OPS`, at a uniformly drawn magnitude bin, random sign.
 
-    (images (B, 3, H, W) float in [0, 1], generator) -> (B, 3, H, W).
+    (images (B, 3, H, W) float in [0, 1], generator) -> (B, 3, H, W); `draw` / `apply` run it on many batches at once.
     """
 
     num_bins: int = NUM_BINS
@@ -94,17 +94,18 @@ class TrivialAugment:
         table = magnitude_table("wide", height, width, self.num_bins)
         return ops, table[ops, bins] * _signs((batch,), ops, generator)
 
-    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        ops, mags = self.sample(images.shape[0], images.shape[-2], images.shape[-1], generator)
-        return apply_ops(images, ops, mags)
+    draw = sample
+
+    def apply(self, images: torch.Tensor, draws: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return apply_ops(images, torch.cat([ops for ops, _ in draws]), torch.cat([mags for _, mags in draws]))
 
 
 @dataclass(frozen=True)
-class RandAugment:
+class RandAugment(ChunkOp):
     """RandAugment per image: `num_ops` ops in sequence, each drawn uniformly from `OPS` (repeats allowed), all at bin
     `magnitude` of 30 (that fraction of torchvision's RandAugment range), with a random sign for signed ops.
 
-    (images (B, 3, H, W) float in [0, 1], generator) -> (B, 3, H, W).
+    (images (B, 3, H, W) float in [0, 1], generator) -> (B, 3, H, W); `draw` / `apply` run it on many batches at once.
     """
 
     num_ops: int = 2
@@ -123,15 +124,17 @@ class RandAugment:
         table = magnitude_table("standard", height, width, self.num_bins)
         return ops, table[ops, self.magnitude] * _signs((self.num_ops, batch), ops, generator)
 
-    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        ops, mags = self.sample(images.shape[0], images.shape[-2], images.shape[-1], generator)
+    draw = sample
+
+    def apply(self, images: torch.Tensor, draws: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        ops, mags = torch.cat([o for o, _ in draws], dim=1), torch.cat([m for _, m in draws], dim=1)  # (num_ops, n * B)
         for step_ops, step_mags in zip(ops, mags):  # a loop over the num_ops steps, each step batched
             images = apply_ops(images, step_ops, step_mags)
         return images
 
 
 @dataclass(frozen=True)
-class RandomErasing:
+class RandomErasing(ChunkOp):
     """With probability p per image, one rectangle filled with per-pixel uniform noise in [0, 1].
 
     torchvision's box recipe (up to 10 tries of area fraction in `scale` and log-uniform aspect h/w in `ratio`,
@@ -141,7 +144,8 @@ class RandomErasing:
     batch generator: a whole batch of noise is too large to draw on the CPU and copy; a run replays exactly on
     the same kind of device.
 
-    (images (B, C, H, W) float in [0, 1], generator) -> (B, C, H, W).
+    (images (B, C, H, W) float in [0, 1], generator) -> (B, C, H, W); `draw` / `apply` run it on many batches at once,
+    each batch's noise still drawn from its own seed.
     """
 
     p: float = 0.25
@@ -169,23 +173,35 @@ class RandomErasing:
         left = (ux * (width - w + 1)).floor().long().clamp(max=width - w)
         return torch.stack([top, left, h, w], dim=1), erase & fits.any(dim=1)
 
-    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        b, c, height, width = images.shape
-        boxes, erase = self.sample(b, height, width, generator)
-        noise_seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # drawn even when nothing is erased
-        if not erase.any():
+    def draw(self, batch: int, height: int, width: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`sample`'s boxes and erase flags, then the seed of the batch's noise: drawn even when nothing is erased."""
+        boxes, erase = self.sample(batch, height, width, generator)
+        return boxes, erase, int(torch.randint(0, 2**62, (1,), generator=generator))
+
+    def apply(self, images: torch.Tensor, draws: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
+        _, c, height, width = images.shape
+        offsets = torch.tensor([0] + [erase.shape[0] for _, erase, _ in draws]).cumsum(0).tolist()  # each batch's first image
+        picked = [(erase.nonzero().squeeze(1), boxes, seed, first) for (boxes, erase, seed), first in zip(draws, offsets)]
+        picked = [(index, boxes, seed, first) for index, boxes, seed, first in picked if index.numel() > 0]
+        if not picked:
             return images
-        index = erase.nonzero().squeeze(1)  # (n,) on the CPU: no device sync to find the erased images
-        index, top, left, h, w = to_device(torch.cat([index[:, None], boxes[index]], dim=1), images.device).unbind(dim=1)  # (n,) each, one copy
+        # (n, 5) on the CPU: no device sync to find the erased images; then one copy
+        rows_cpu = torch.cat([torch.cat([index[:, None] + first, boxes[index]], dim=1) for index, boxes, _, first in picked])
+        index, top, left, h, w = to_device(rows_cpu, images.device).unbind(dim=1)  # (n,) each
         rows = torch.arange(height, device=images.device)
         cols = torch.arange(width, device=images.device)
         in_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])  # (n, H)
         in_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])  # (n, W)
         mask = (in_rows[:, :, None] & in_cols[:, None, :]).unsqueeze(1)  # (n, 1, H, W)
-        noise_gen = torch.Generator(device=images.device).manual_seed(noise_seed)
-        noise = torch.rand(index.shape[0], c, height, width, generator=noise_gen, device=images.device, dtype=images.dtype)
+        noise = torch.cat([self._noise(seed, len(i), c, height, width, images) for i, _, seed, _ in picked])  # (n, C, H, W)
         erased = torch.where(mask, noise, images.index_select(0, index))  # (n, C, H, W)
         return images.index_copy(0, index, erased)
+
+    @staticmethod
+    def _noise(seed: int, n: int, c: int, height: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        """One batch's noise for its n erased images, from its own seed on the images' device: (n, C, H, W) in [0, 1]."""
+        generator = torch.Generator(device=like.device).manual_seed(seed)
+        return torch.rand(n, c, height, width, generator=generator, device=like.device, dtype=like.dtype)
 
 
 def make_ops(aug: AugmentConfig) -> list[BatchOp]:

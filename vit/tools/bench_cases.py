@@ -1,12 +1,16 @@
 """The benchmark's cases that live in the library: the encoder step against timm's, a stage's training loop against its
 own bare step (the pipeline section's machinery; each stage builds its loop in `pretrain.bench` and `finetune.bench`),
-and reading image files with the stream loader against torchvision's. The measuring is `vit.tools.bench`.
+augmenting many batches in one pass against one at a time, and reading image files with the stream loader against
+torchvision's. The measuring is `vit.tools.bench`.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -93,9 +97,12 @@ def bare_step(forward: nn.Module, optimizer, loss_fn, images: torch.Tensor, labe
     return step
 
 
-def pipeline_overrides(s: Settings, device: torch.device, run_dir: str, name: str) -> list[str]:
+def pipeline_overrides(s: Settings, device: torch.device, name: str) -> list[str]:
     """Overrides of a stage's recipe for the pipeline section: its batch (`--e2e-batch`), `--data` (else synthetic
-    images), no tracker, bar or saved figures, a throw-away run folder, `--compile` and `--cuda-graph`."""
+    images), no tracker, bar or saved figures, a throw-away run folder (removed when the process ends), `--compile`
+    and `--cuda-graph`."""
+    run_dir = tempfile.mkdtemp(prefix="bench-pipeline-")
+    atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
     data = ["data.dataset=cifar10", f"data.root={s.data}", "data.download=false"] if s.data else \
         ["data.dataset=synthetic", f"data.synthetic_size={512 if s.quick else 4096}", "data.val_size=0"]  # fmt: skip
     # A CPU loop computes with the benchmark's threads; a GPU one keeps the stage's own default (vit.train.accelerator.set_threads).
@@ -155,6 +162,33 @@ def profile_steps(step: Step, steps: int, device: torch.device, rows: int = 25) 
         parts.append("by device time:\n" + averages.table(sort_by="device_time_total", row_limit=rows))
     parts.append("by host time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows))
     return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------- augmenting many batches at once
+
+AUGMENT_POLICIES = (("trivial", dict(policy="trivial")), ("randaug-erase", dict(policy="randaug", random_erase=0.25)))
+
+
+def augment_cases(s: Settings, device: torch.device, images: Callable[[], Any]) -> list[Case]:
+    """Training batches of images held on `device` (`images()`, an ImageSet): crop, flip, the policy's ops and
+    normalisation, as `BatchLoader` makes them at `s.e2e_batch`, many batches to a pass on the device (ours, its
+    default) against one batch at a time (`pass_floats = 0`, what it did before). A step is one batch; each side keeps
+    its own iterator, so its passes carry across the timed blocks."""
+    from vit.config import AugmentConfig
+    from vit.data.augment import BatchLoader
+    from vit.data.randaug import make_ops
+    from vit.data.sources import CIFAR10_MEAN, CIFAR10_STD
+
+    def side(policy: dict, pass_floats: int | None) -> Step:
+        loader = BatchLoader(images(), s.e2e_batch, device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32, train=True,
+                             seed=s.seed, ops=make_ops(AugmentConfig(mixup=0.0, cutmix=0.0, **policy)))  # fmt: skip
+        if pass_floats is not None:
+            loader.pass_floats = pass_floats
+        batches = batches_forever(loader)
+        return lambda: next(batches)
+
+    return [Case(f"augment/{label}/fp32", "augment", "fp32", s.e2e_batch, ours=partial(side, policy, None), ref=partial(side, policy, 0),
+                 ref_name="the same loader, one batch per pass on the device") for label, policy in AUGMENT_POLICIES]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- streaming image files

@@ -95,6 +95,10 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("model: [unclosed")
     with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
         load_config(PretrainConfig, bad)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"model:\n  name: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="binary.yaml is not UTF-8 text"):
+        load_config(PretrainConfig, binary)
 
 
 def test_same_section_names_in_every_stage():

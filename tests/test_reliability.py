@@ -223,6 +223,20 @@ def test_a_full_disk_under_an_atomic_write_names_the_file_and_keeps_the_old_one(
 
     assert appends() == 2
     assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device\n"
+
+    @exit_on_user_error
+    def writes_into(path):  # any other refused file operation on a path the user gave: the path and the reason
+        (path / "table.csv").write_text("x")
+
+    assert writes_into(target) == 2  # a file where a folder was expected
+    assert capsys.readouterr().err == f"error: {target / 'table.csv'}: Not a directory\n"
+
+    @exit_on_user_error
+    def no_path():  # an OSError that names no path is not the user's to fix: it keeps its traceback
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with pytest.raises(OSError):
+        no_path()
     atomic_write_text(target, "new")  # nothing left behind in the way of the next write
     assert target.read_text() == "new"
 
@@ -400,6 +414,11 @@ def test_bad_checkpoints_for_finetuning_touch_nothing(finished, tmp_path, capsys
     assert finetune(tiny_overrides(tmp_path, name="ft2") + [f"finetune.init={junk}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "junk.pt is not a readable checkpoint" in err
+    empty = tmp_path / "empty.pt"  # torch.load's error for it has no message at all
+    empty.write_bytes(b"")
+    assert finetune(tiny_overrides(tmp_path, name="ft3") + [f"finetune.init={empty}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "empty.pt is empty (0 bytes), not a checkpoint" in err
     assert snapshot(finished / "runs") == before
 
 

@@ -41,7 +41,8 @@ EXIT_USER_ERROR = 2
 
 def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
     """Wrap an entry point so a `UserError` ends the program with one line and exit code 2; so does a write that the
-    disk refused (full, over quota) wherever it happened, naming the file."""
+    disk refused (full, over quota) wherever it happened, and any other refused file operation that names its path
+    (a folder where a file was expected, a missing parent, no permission): the path the user gave, and the reason."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs) -> int:
@@ -51,9 +52,13 @@ def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
         except OSError as e:
-            if e.errno not in STORAGE_ERRNOS:
-                raise
-            print(f"error: cannot write {e.filename or 'a file'}: {e.strerror}", file=sys.stderr, flush=True)
+            if e.errno in STORAGE_ERRNOS:
+                print(f"error: cannot write {e.filename or 'a file'}: {e.strerror}", file=sys.stderr, flush=True)
+            elif e.filename is not None:
+                paths = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
+                print(f"error: {paths}: {e.strerror or type(e).__name__}", file=sys.stderr, flush=True)
+            else:
+                raise  # no path to name: not something the user can fix from the message
             return EXIT_USER_ERROR
         return 0 if code is None else code
 

@@ -25,9 +25,11 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: lis
     if path is not None:
         source = str(path)
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:

@@ -62,10 +62,13 @@ def read_payload(path: str | os.PathLike, what: str = "") -> dict[str, Any]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise CheckpointError(f"{what + ' ' if what else ''}checkpoint {path} does not exist")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes), not a checkpoint")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file; all mean the same to the user
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        detail = (str(e).strip().splitlines() or [""])[0][:120]
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}{': ' + detail if detail else ''})") from None
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path} is not a checkpoint of this project (it holds a {type(payload).__name__})")
     return payload

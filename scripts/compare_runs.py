@@ -11,8 +11,13 @@ Runs without summary.json are unfinished: listed as such, with what metrics.json
 so far. Everything is read from the run folders: no tracker, no network.
 
 `--archive DEST` copies each finished run's record (config, summary, budget; `--with-metrics` adds metrics.jsonl) to
-DEST/<host>/<run>, without the machine's paths, never over a different record (`vit.tools.results.archive`); the
-same command reads the records back: `compare_runs.py DEST/*`.
+DEST/<host>/<run>, without the machine's paths, never over a different record (`vit.tools.results.archive`; adding
+metrics.jsonl to the same record is allowed); the same command reads the records back: `compare_runs.py DEST/*`. The
+runs left out (unfinished, or a config or summary that does not read) are named.
+
+Runs of more than one host get a host column (a key, with the hosts under the table); the CSV always has the host.
+`--csv` never replaces a file that is not a CSV this tool wrote, nor writes into a run folder; bad output paths are
+refused in one line before anything is read or written.
 
 Figures (in `--out`, each `vit.tools.plots.FIGSIZE` at `vit.tools.plots.DPI`): loss, accuracy and learning
 rate against the optimiser step and against training time, a bar chart of the final accuracies,
@@ -29,7 +34,8 @@ import sys
 from pathlib import Path
 
 from vit.tools.compare import compare
-from vit.tools.results import archive, by_host
+from vit.tools.plots import check_output_folder
+from vit.tools.results import archivable, archive, by_host
 from vit.errors import UserError, exit_on_user_error
 
 
@@ -49,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.with_metrics and not args.archive:
         raise UserError("--with-metrics goes with --archive DEST")
+    if args.archive:
+        check_output_folder(args.archive, "--archive")  # before the table: a bad destination is told before any work
     command = shlex.join(["python", "scripts/compare_runs.py", *(sys.argv[1:] if argv is None else argv)])
     result = compare(args.paths, args.out, args.csv, args.runs, command)
     print(result["table"])
@@ -58,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         made = [p for p in result["figures"].values() if p]
         print(f"report: {result['report']} ({len(made)} figures in {args.out})")
     if args.archive:
-        written = archive(by_host(result["runs"]), args.archive, metrics=args.with_metrics)
-        print(f"archive: {len(written)} new record(s) under {args.archive}")
+        kept = [r for r in result["runs"] if archivable(r)]
+        written = archive(by_host(kept), args.archive, metrics=args.with_metrics)
+        left = [f"{r.name} ({'; '.join(['unfinished'] * (not r.finished) + r.problems)})" for r in result["runs"] if not archivable(r)]
+        print(f"archive: {len(written)} new record(s) under {args.archive}" + (f"; left out, not finished or damaged: {', '.join(left)}" if left else ""))
     return 0
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
+from vit.errors import exit_on_user_error
 from vit.tools.gpu_report import report
 
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_report.py", description="The table of scripts/gpu_check.sh's figures")
+    parser.add_argument("folder", help="the OUT folder of scripts/gpu_check.sh")
+    print(report(parser.parse_args(argv).folder))
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python scripts/gpu_report.py FOLDER (the OUT of scripts/gpu_check.sh)")
-    print(report(sys.argv[1]))
+    sys.exit(main())

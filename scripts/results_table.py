@@ -9,7 +9,8 @@ Minutes compare only on one kind of machine: one table per host that the runs' s
 
 The runs come from `configs/sweeps/budget_table.yaml` (`python scripts/sweep.py ... --out runs/budget`). Every choice is
 made on val with seed 0 (the split of each budget, the probe's pretraining); test is read for the chosen runs only.
-The reading and the choices are `vit.tools.results`.
+A run of the sweep without a readable summary (unfinished, crashed, damaged) is listed under each table, and the rows
+and seeds it belongs to say so: its absence can change a choice. The reading and the choices are `vit.tools.results`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import sys
 from pathlib import Path
 
 from vit.errors import UserError, exit_on_user_error
-from vit.tools.results import archive, budget_table, markdown, plot, read_budget_runs
+from vit.tools.plots import check_output_folder, png_path
+from vit.tools.results import archive, budget_table, markdown, plot, read_budget_sweep
 
 
 @exit_on_user_error
@@ -31,17 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         raise UserError(f"{args.folder} is not a folder of run folders")
-    hosts = read_budget_runs(args.folder)
+    plot_to = png_path(args.plot) if args.plot else None  # bad outputs are refused before any work
+    if args.archive:
+        check_output_folder(args.archive, "--archive")
+    hosts, unfinished = read_budget_sweep(args.folder)
     if not hosts:
-        raise UserError(f"{args.folder} holds no finished run of the budget sweeps (scratch_m*, mae_*min_s*, ft_m*, random_probe_s*)")
-    tables = {host: budget_table(runs) for host, runs in hosts.items()}
+        raise UserError(f"{args.folder} holds no finished run of the budget sweeps (scratch_m*, mae_*min_s*, ft_m*, random_probe_s*)"
+                        + (f"; {len(unfinished)} unfinished: {', '.join(sorted(unfinished))}" if unfinished else ""))  # fmt: skip
+    tables = {host: budget_table(runs, unfinished) for host, runs in hosts.items()}
     for host, (rows, random) in tables.items():
-        print(f"Host: {host}\n\n{markdown(rows, random)}\n")
-    if args.plot:
-        print(f"plot: {plot(tables, args.plot)}")
+        print(f"Host: {host}\n\n{markdown(rows, random, unfinished)}\n")
+    if plot_to:
+        print(f"plot: {plot(tables, plot_to)}")
     if args.archive:
         written = archive(hosts, args.archive)
-        print(f"archive: {len(written)} new record(s) under {args.archive}")
+        left = f"; {len(unfinished)} unfinished run(s) left out: {', '.join(sorted(unfinished))}" if unfinished else ""
+        print(f"archive: {len(written)} new record(s) under {args.archive}{left}")
     return 0
 
 

@@ -1,7 +1,13 @@
 """scripts/gpu_check.sh's table (vit.tools.gpu_report): its figures read back from the folder, goals met or missed, gaps named."""
 
 import json
+import subprocess
+import sys
 
+import pytest
+
+from helpers import ROOT
+from vit.errors import UserError
 from vit.tools.gpu_report import NOT_MEASURED, curve_difference, report, smi_mean
 
 
@@ -36,7 +42,7 @@ def test_the_table_reads_every_part_and_judges_the_goals(tmp_path):
     assert "114,000 | >= 100,000 | met" in rows["pretrain loop, batch 1024, one CUDA graph, eager model: img/s"]
     assert "0.97x | >= 0.9x | met" in rows["pretrain loop / its bare step, batch 1024, one CUDA graph, eager model"]
     assert "0.00e+00" in rows["one CUDA graph / eager steps, loss, largest relative difference, all 2 steps"]
-    assert "1.00e-03" in rows["compiled and graphed / eager loss, largest relative difference, first 20 steps"]
+    assert "1.00e-03" in rows["compiled and graphed / eager loss, largest relative difference, first 2 steps"]
     assert (tmp_path / "curves.png").stat().st_size > 0 and json.loads((tmp_path / "curves.json").read_text())["auto"] == [2.0, 1.001]
 
 
@@ -44,3 +50,21 @@ def test_an_empty_folder_reads_not_measured_everywhere(tmp_path):
     lines = report(tmp_path).splitlines()[2:]
     assert lines and all(NOT_MEASURED in line for line in lines)
     assert smi_mean(tmp_path / "missing.csv") is None and curve_difference({}) is None
+
+
+def test_curves_of_different_lengths_say_which_steps_were_compared_and_a_cut_off_line_is_skipped(tmp_path):
+    for mode, n in (("off", 100), ("auto", 10)):
+        (tmp_path / "runs" / f"curve_{mode}").mkdir(parents=True)
+        text = "".join(json.dumps({"step": i, "loss": 2.0 - i / 100}) + "\n" for i in range(n))
+        (tmp_path / "runs" / f"curve_{mode}" / "metrics.jsonl").write_text(text + ('{"step": 10, "lo' if mode == "auto" else ""))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in report(tmp_path).splitlines()}
+    assert "0.00e+00" in rows["compiled and graphed / eager loss, largest relative difference, first 10 steps only (eager 100, auto 10 steps)"]
+    assert "| 1 |" in rows["curve_auto: unreadable lines of its metrics, skipped"]
+    assert not any("all 100 steps" in line or "first 20 steps" in line for line in rows)
+
+
+def test_a_folder_that_does_not_exist_is_one_line_and_exit_code_2(tmp_path):
+    with pytest.raises(UserError, match="is not a folder"):
+        report(tmp_path / "missing")
+    out = subprocess.run([sys.executable, "scripts/gpu_report.py", str(tmp_path / "missing")], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1 and "is not a folder" in out.stderr

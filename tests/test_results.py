@@ -9,7 +9,8 @@ import yaml
 from helpers import ROOT
 from vit.device import cpu_model_and_flags, host_label
 from vit.errors import UserError
-from vit.tools.results import REPO, archive, budget_table, host_slug, markdown, read_budget_runs
+from vit.tools.plots import png_path
+from vit.tools.results import REPO, archive, budget_table, host_slug, markdown, read_budget_runs, read_budget_sweep
 from vit.store.runs import write_config, write_summary
 
 AVX2 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2}
@@ -21,7 +22,8 @@ def run(folder, name, val, test, seconds, budget=None, init=None, **extra):
     path.mkdir(parents=True)
     data = folder.parent / "cifar10"  # where the machine keeps the data: an absolute path, as a user passes it
     command = f"{REPO}/finetune/__main__.py --config configs/finetune/cpu.yaml data.root={data}"
-    write_config(path, yaml.safe_dump({"schedule": {"budget_minutes": budget}, "finetune": {"init": init}, "data": {"root": str(data)},
+    write_config(path, yaml.safe_dump({"schedule": {"budget_minutes": budget}, "finetune": {"init": init},
+                                       "data": {"root": str(data), "cache_dir": str(folder.parent / "cache")},
                                        "meta": {"stage": "finetune", "command": command}}))  # fmt: skip
     write_summary(path, {"val_top1": val, "test_top1": test, "budget": {"stage_seconds": seconds}, **extra})
 
@@ -73,7 +75,7 @@ def test_choices_are_made_on_val_and_the_test_of_the_chosen_runs_is_reported(bud
     assert "| 32.0% (31.0-33.0, 3 seeds) | +10.3 points (3 seeds; largest seed spread 4.0) | 29.8, 30.0 |" in text
     assert "| 30 min | MAE; pretraining 0.25 of the budget, light augmentation | 7.5 min (3 ep) | 22.5 min (5 ep) | 3.0 min | 70.0% | 40.0% | 30.0% |" in text
     assert "| 30 min | scratch; strong augmentation | - | 29.8 min | - | 59.0% | - | - |" in text
-    assert "| 60 min | 72.0%; light augmentation | 74.0%; pretraining 0.25 of the budget, light augmentation |" in text
+    assert "| 60 min | 72.0% (1 seed); light augmentation | 74.0% (1 seed); pretraining 0.25 of the budget, light augmentation |" in text
 
 
 def test_a_run_whose_config_contradicts_its_name_is_refused(budget_runs):
@@ -122,7 +124,7 @@ def test_an_archive_of_records_gives_the_same_tables_and_never_overwrites(budget
     for record in written:  # the machine's paths stay on the machine
         config = (record / "config.yaml").read_text()
         assert str(budget_runs.parent) not in config and str(REPO) not in config
-        assert yaml.safe_load(config)["data"]["root"] == "PATH"
+        assert yaml.safe_load(config)["data"]["root"] == "PATH" and yaml.safe_load(config)["data"]["cache_dir"] == "CACHE_DIR"
         assert yaml.safe_load(config)["meta"]["command"] == "finetune/__main__.py --config configs/finetune/cpu.yaml data.root=PATH"
     again = read_budget_runs(dest)
     assert markdown(*budget_table(again["host not recorded"])) == markdown(*budget_table(hosts["host not recorded"]))
@@ -170,3 +172,72 @@ def test_compare_runs_archives_any_finished_run_with_its_curves_and_without_the_
     assert again.returncode == 0 and "scratch_small_light" in again.stdout and "79.0%" in again.stdout
     refused = subprocess.run([*script, "--with-metrics"], capture_output=True, text=True, cwd=ROOT, check=False)
     assert refused.returncode != 0 and "--with-metrics goes with --archive" in refused.stderr
+
+
+def test_runs_of_the_sweep_without_a_readable_summary_are_named_and_the_rows_and_seeds_they_belong_to_say_so(budget_runs):
+    (budget_runs / "scratch_m30_aug_s0" / "summary.json").unlink()  # crashed: a candidate of the search, on val
+    (budget_runs / "scratch_m30_s1" / "summary.json").write_text('{"val_top1": 0.6')  # cut off: a seed of the chosen recipe
+    (budget_runs / "mae_15min_s2_probe" / "summary.json").unlink()
+    hosts, unfinished = read_budget_sweep(budget_runs)
+    assert unfinished == {"scratch_m30_aug_s0": "no summary.json", "scratch_m30_s1": "summary.json unreadable",
+                          "mae_15min_s2_probe": "no summary.json"}  # fmt: skip
+    rows, random = budget_table(hosts["host not recorded"], unfinished)
+    assert rows[0].unfinished == ["mae_15min_s2_probe", "scratch_m30_aug_s0", "scratch_m30_s1"]
+    assert rows[1].unfinished == ["mae_15min_s2_probe"]  # the 60-minute row's 0.25 share is the same pretraining
+    text = markdown(rows, random, unfinished)
+    assert "| 30 min (3 runs unfinished) | 60.0% (59.0-61.0, 2 of 3 seeds: s1 unfinished); light augmentation |" in text
+    assert "| 45.0% (44.0-46.0, 2 of 3 seeds: s2 unfinished); pretraining 0.50 of the budget |" in text
+    assert "| 30 min | scratch; strong augmentation | - | unfinished: scratch_m30_aug_s0 | - | - | - | - |" in text
+    assert ("Not in the table: 3 run folder(s) of the sweep without a readable summary (unfinished, crashed or damaged): "
+            "mae_15min_s2_probe (no summary.json), scratch_m30_aug_s0 (no summary.json), scratch_m30_s1 (summary.json unreadable)") in text
+    # a row whose runs are all unfinished is kept, and says so
+    (budget_runs / "scratch_m120_s0").mkdir()
+    (budget_runs / "scratch_m120_s0" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    hosts, unfinished = read_budget_sweep(budget_runs)
+    assert "| 120 min (1 run unfinished) | - | - |" in markdown(*budget_table(hosts["host not recorded"], unfinished), unfinished)
+
+
+def test_a_dataset_without_a_test_split_shows_no_test_top1_instead_of_failing(tmp_path):
+    f = tmp_path / "budget"
+    for s in (0, 1):
+        run(f, f"scratch_m15_s{s}", 0.60, None, 900, budget=15)
+        run(f, f"random_probe_s{s}", 0.30, None if s else 0.31, 60)
+    text = markdown(*budget_table(read_budget_runs(f)["host not recorded"]))
+    assert "| 15 min | no test top-1 (0 of 2 seeds: s0 without test top-1, s1 without test top-1); light augmentation | - |" in text
+    assert "| 31.0% (1 of 2 seeds: s1 without test top-1) | - | 15.0, - |" in text
+
+
+def test_plot_paths_are_png_files_and_the_one_written_is_the_one_named(tmp_path):
+    (tmp_path / "bud").mkdir()
+    assert png_path(tmp_path / "bud") == tmp_path / "bud.png"  # matplotlib adds .png; the path printed must say so
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for bad, message in ((tmp_path / "p.txt", "name a .png file"), (afile / "x.png", "is a file, not a folder")):
+        with pytest.raises(UserError, match=message):
+            png_path(bad)
+
+
+def test_archive_adds_the_metrics_to_the_same_record_and_refuses_a_file_as_destination(budget_runs, tmp_path):
+    (budget_runs / "scratch_m60_s0" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    hosts = read_budget_runs(budget_runs)
+    dest = tmp_path / "archive"
+    assert len(archive(hosts, dest)) == 25
+    assert archive(hosts, dest, metrics=True) == [dest / "host-not-recorded" / "scratch_m60_s0"]
+    assert (dest / "host-not-recorded" / "scratch_m60_s0" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+    assert archive(hosts, dest, metrics=True) == []
+
+
+@pytest.mark.slow
+def test_command_line_names_unfinished_runs_and_refuses_bad_outputs_in_one_line(budget_runs, tmp_path):
+    (budget_runs / "scratch_m30_aug_s0" / "summary.json").unlink()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args, message in ((["--plot", tmp_path / "p.txt"], "name a .png file"), (["--plot", afile / "x.png"], "is a file, not a folder"),
+                          (["--archive", afile], "is a file, not a folder")):  # fmt: skip
+        out = subprocess.run([sys.executable, "scripts/results_table.py", str(budget_runs), *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "scripts/results_table.py", str(budget_runs), "--archive", str(tmp_path / "records")],
+                         cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "Not in the table: 1 run folder(s)" in out.stdout and "scratch_m30_aug_s0 (no summary.json)" in out.stdout
+    assert "archive: 24 new record(s)" in out.stdout and "1 unfinished run(s) left out: scratch_m30_aug_s0" in out.stdout

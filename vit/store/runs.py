@@ -127,6 +127,8 @@ def read_config(run_dir: Path) -> dict[str, Any] | None:
         config = yaml.safe_load(path.read_text())
     except yaml.YAMLError:
         raise ConfigError(f"{path} is not valid YAML") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} does not hold a mapping")
     return config
@@ -141,6 +143,8 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
         summary = json.loads(path.read_text())
     except json.JSONDecodeError:
         raise UserError(f"{path} is not valid JSON") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text") from None
     if not isinstance(summary, dict):
         raise UserError(f"{path} does not hold a JSON object")
     return summary
@@ -155,12 +159,12 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
     if not path.is_file():
         return [], 0
     records, bad = [], 0
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():  # bytes: a line that is not UTF-8 is one bad line, not an unreadable file
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             bad += 1
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
@@ -286,24 +290,28 @@ def copy_record(run_dir: Path, dest: Path, replace: dict[str, str] | None = None
     """Copy a finished run's record (RECORD_FILES: config, summary, budget; no weights, states or metrics, unless `files`
     names them) into `dest`, so that a table computed from it can be computed again after the run folder is gone.
     `replace` rewrites strings in the copy (a machine's paths, say). False when `dest` already holds the same record; a
-    different one there is a UserError, never overwritten."""
+    different one there is a UserError, never overwritten; a file the same record there lacks (metrics.jsonl archived
+    later) is added. Bytes that are not UTF-8 are copied as they are."""
     run_dir, dest = Path(run_dir), Path(dest)
     if not (run_dir / SUMMARY_FILE).is_file():
         raise UserError(f"{run_dir} is not a finished run (no {SUMMARY_FILE})")
     record = {}
     for name in files:
         if (run_dir / name).is_file():
-            text = (run_dir / name).read_text()
+            text = (run_dir / name).read_text(errors="surrogateescape")
             for old, new in (replace or {}).items():
                 text = text.replace(old, new)
             record[name] = text
     if dest.exists():
-        if all((dest / name).is_file() and (dest / name).read_text() == text for name, text in record.items()):
+        held = {name: (dest / name).read_text(errors="surrogateescape") for name in record if (dest / name).is_file()}
+        if SUMMARY_FILE not in held or any(held[name] != record[name] for name in held):
+            raise UserError(f"{dest} already holds a different record of a run named {run_dir.name}; move it away or archive elsewhere")
+        record = {name: text for name, text in record.items() if name not in held}
+        if not record:
             return False
-        raise UserError(f"{dest} already holds a different record of a run named {run_dir.name}; move it away or archive elsewhere")
-    dest.mkdir(parents=True)
+    dest.mkdir(parents=True, exist_ok=True)
     for name, text in record.items():
-        (dest / name).write_text(text)
+        (dest / name).write_text(text, errors="surrogateescape")
     return True
 
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from vit.device import host_label
 from vit.tools import plots
 from vit.errors import UserError
-from vit.store.runs import CLASSIFICATION, RUN_MARKERS, RunFolder, is_run_folder, read_run
+from vit.store.runs import CLASSIFICATION, CONFIG_FILE, RUN_MARKERS, RunFolder, is_run_folder, read_run
 
 REPORT_FILE = "report.md"  # in the report folder, beside the figures
-
-
+CSV_HEADER = "name,status,"  # how the CSVs this module writes begin: the only existing files --csv may replace
 
 # --------------------------------------------------------------------------- reading run folders
 
@@ -138,7 +138,17 @@ def model_label(run: RunFolder) -> str | None:
         for k in ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
         if model_cfg.get(k) is not None
     ]
+    if any(p.startswith(CONFIG_FILE) for p in run.problems):
+        changed.append("(config unreadable: overrides unknown)")
     return " ".join([name, *changed])
+
+
+def host_text(info: dict | None) -> str | None:
+    """'NVIDIA H100 80GB HBM3; AMD EPYC 9R14 (avx2 avx512f), 16 cores': the GPU if any, then the CPU (None: not recorded)."""
+    if not info:
+        return None
+    cpu = host_label({k: v for k, v in info.items() if k != "gpu"})
+    return f"{info['gpu']}; {cpu}" if info.get("gpu") else cpu
 
 
 def first(*values):
@@ -164,6 +174,7 @@ def row(run: RunFolder) -> dict[str, Any]:
     return {
         "name": run.name,
         "status": status,
+        "host": host_text(s.get("host")),
         "stage": run.stage,
         "init": init_label,
         "model": model_label(run),
@@ -235,18 +246,54 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def host_keys(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """{host: 'A', ...} when the finished runs span more than one host (one that recorded none counts as another), else {}:
+    speeds of two machines must not sit side by side unmarked."""
+    hosts = list(dict.fromkeys(r["host"] or "host not recorded" for r in rows if r["status"].startswith("finished")))
+    return {h: chr(ord("A") + i) if i < 26 else str(i) for i, h in enumerate(hosts)} if len(hosts) > 1 else {}
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    """The table of the runs; a column of host keys (and their legend under it) when the runs span several hosts."""
+    keys = host_keys(rows)
+    columns = COLUMNS[:1] + [("host", "host", lambda h: keys.get(h, "?"))] + COLUMNS[1:] if keys else COLUMNS
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for r in rows:
         cells = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             value = r.get(key)
+            if key == "host" and value is None and r["status"].startswith("finished"):
+                value = "host not recorded"
             text = "-" if value is None else fmt(value)
             if key == "name" and not r["status"].startswith("finished"):
                 text += " (unfinished)"
+            elif key == "name" and "; " in r["status"]:  # finished, but a file of it is damaged: its row may be wrong
+                text += f" ({r['status'].split('; ', 1)[1]})"
             cells.append(cell(text))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    legend = [f"host {k}: {h}" for h, k in keys.items()]
+    return "\n".join(lines + ([""] + legend if legend else []))
+
+
+def check_outputs(out: Path | None, csv_path: Path | None) -> None:
+    """Refuse, in one line and before any work, outputs that cannot be written or would overwrite what is not ours: a
+    --csv that is a folder, lies in a run folder, or exists without being a CSV this module wrote; an --out that is a
+    file or a run folder (or lies in one)."""
+    for path, what in ((csv_path, "--csv"), (out, "--out")):
+        if path is not None and (inside := next((p for p in [path, *path.absolute().parents] if is_run_folder(p)), None)):
+            raise UserError(f"{what} {path} {'is' if inside == path else 'is inside'} the run folder {inside}; write it elsewhere")
+    if out is not None:
+        plots.check_output_folder(out, "--out")
+    if csv_path is None:
+        return
+    if csv_path.is_dir():
+        raise UserError(f"--csv {csv_path} is a folder; name a file, e.g. {csv_path / 'runs.csv'}")
+    plots.check_output_folder(csv_path.parent, "--csv")
+    if csv_path.exists():
+        with open(csv_path, errors="replace") as f:
+            ours = csv_path.suffix == ".csv" and f.readline().startswith(CSV_HEADER)
+        if not ours:
+            raise UserError(f"--csv {csv_path} exists and is not a CSV that compare_runs.py wrote; it is left as it is")
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -351,8 +398,8 @@ def report_markdown(rows: list[dict[str, Any]], figures: dict[str, Path | None],
     lines += [
         "## Runs",
         "",
-        "| run | folder | data (train / val / test) | seed | device | git commit | command |",
-        "|---|---|---|---|---|---|---|",
+        "| run | folder | data (train / val / test) | seed | device | host | git commit | command |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         split = " / ".join("-" if r[k] is None else str(r[k]) for k in ("train_images", "val_images", "test_images"))
@@ -362,7 +409,7 @@ def report_markdown(rows: list[dict[str, Any]], figures: dict[str, Path | None],
             "| "
             + " | ".join(
                 cell(str(x if x is not None else "-"))
-                for x in (r["name"], r["path"], data, r["seed"], r["device"], r["git_commit"], command)
+                for x in (r["name"], r["path"], data, r["seed"], r["device"], r["host"], r["git_commit"], command)
             )
             + " |"
         )
@@ -379,18 +426,20 @@ def compare(paths: list[str], out: Path | None = None, csv_path: Path | None = N
 
     `command` is the command line quoted at the top of report.md.
     """
+    check_outputs(out, csv_path)
     runs = load_runs(paths, patterns)
     rows = [row(r) for r in runs]
     table = markdown_table(rows)
     result: dict[str, Any] = {"runs": runs, "rows": rows, "table": table, "figures": {}, "report": None, "csv": None}
-    if csv_path is not None:
-        result["csv"] = write_csv(rows, csv_path)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        result["figures"] = make_figures(runs, rows, out)
-        report = out / REPORT_FILE
-        report.write_text(report_markdown(rows, result["figures"], command))
-        result["report"] = report
+    try:
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)  # first: a folder that cannot be made stops it before anything is written
+        if csv_path is not None:
+            result["csv"] = write_csv(rows, csv_path)
+        if out is not None:
+            result["figures"] = make_figures(runs, rows, out)
+            result["report"] = out / REPORT_FILE
+            result["report"].write_text(report_markdown(rows, result["figures"], command))
+    except OSError as e:
+        raise UserError(f"cannot write {e.filename or out or csv_path}: {e.strerror}") from None
     return result
-
-

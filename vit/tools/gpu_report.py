@@ -4,7 +4,9 @@ The folder holds the bench's JSON (`bench_pipeline_256.json`, with the defaults;
 batches and settings; `bench_refs.json`, `bench_timm_compiled.json`), the budgeted runs (`runs/pretrain`,
 `runs/finetune`), nvidia-smi's samples beside them (`nvidia_smi_<stage>.csv`) and the loss-curve runs (`runs/curve_off`:
 eager steps; `runs/curve_graph`: the eager model's step as one CUDA graph; `runs/curve_auto`: the defaults). What is
-missing reads "not measured". `curves(folder)` gives the loss curves (and `report` writes them to `curves.json`).
+missing reads "not measured"; a folder that does not exist is a UserError. `curves(folder)` gives the loss curves (and
+`report` writes them to `curves.json`), read by `vit.store.runs.read_metrics` (a cut-off line is counted and skipped); two
+curves of different lengths are compared over the steps both have, and the row says how many of each there were.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vit.store.runs import METRICS_FILE, SUMMARY_FILE
+from vit.errors import UserError
+from vit.store.runs import SUMMARY_FILE, read_metrics
 
 NOT_MEASURED = "not measured"
 
@@ -49,23 +52,41 @@ def smi_mean(path: Path) -> float | None:
 CURVES = ("off", "graph", "auto")  # eager steps; the eager model's step replayed as one CUDA graph; the defaults (compiled, graphed)
 
 
+def read_curves(folder: Path) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """`curves(folder)`, and {mode: lines of its metrics.jsonl that could not be read} where there were some."""
+    out, bad = {}, {}
+    for mode in CURVES:
+        run = Path(folder) / "runs" / f"curve_{mode}"
+        records, unreadable = read_metrics(run)
+        if records or unreadable:
+            out[mode] = [r["loss"] for r in records if "loss" in r]
+        if unreadable:
+            bad[mode] = unreadable
+    return out, bad
+
+
 def curves(folder: Path) -> dict[str, list[float]]:
     """{"off": [loss per step], "graph": [...], "auto": [...]}: the loss-curve runs that exist (the same masks)."""
-    out = {}
-    for mode in CURVES:
-        path = folder / "runs" / f"curve_{mode}" / METRICS_FILE
-        if path.is_file():
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            out[mode] = [r["loss"] for r in rows if "loss" in r]
-    return out
+    return read_curves(folder)[0]
 
 
 def curve_difference(c: dict[str, list[float]], first: int | None = None, other: str = "auto") -> float | None:
-    """The largest |other - eager| / eager over the first `first` steps (all by default), None without both curves."""
+    """The largest |other - eager| / eager over the first `first` steps (all by default) that both curves have, None
+    without both curves."""
     if not c.get("off") or not c.get(other):
         return None
     pairs = list(zip(c["off"], c[other]))[:first]
     return max(abs(a - b) / abs(a) for a, b in pairs)
+
+
+def compared(c: dict[str, list[float]], other: str, first: int | None = None) -> str:
+    """Which steps `curve_difference` compares: 'all 100 steps', 'first 20 steps', or, when the curves differ in length,
+    'first 10 steps only (eager 100, auto 10 steps)'."""
+    n_off, n_other = len(c.get("off", [])), len(c.get(other, []))
+    n = min(n_off, n_other, first or n_off)
+    if n_off != n_other:
+        return f"first {n} steps only (eager {n_off}, {other} {n_other} steps)"
+    return f"first {n} steps" if first else f"all {n} steps"
 
 
 def variant(case: dict) -> str:
@@ -150,11 +171,12 @@ def reference_rows(t: Table, folder: Path) -> None:
 
 def curve_rows(t: Table, folder: Path) -> None:
     """The loss curves against the eager one; written to curves.json and, with the defaults' curve, to curves.png."""
-    cv = curves(folder)
-    steps = len(cv.get("off", []))
-    t.add(f"one CUDA graph / eager steps, loss, largest relative difference, all {steps} steps", curve_difference(cv, other="graph"), "{:.2e}")
-    t.add("compiled and graphed / eager loss, largest relative difference, first 20 steps", curve_difference(cv, 20), "{:.2e}")
-    t.add(f"compiled and graphed / eager loss, largest relative difference, all {steps} steps", curve_difference(cv), "{:.2e}")
+    cv, bad = read_curves(folder)
+    t.add(f"one CUDA graph / eager steps, loss, largest relative difference, {compared(cv, 'graph')}", curve_difference(cv, other="graph"), "{:.2e}")
+    t.add(f"compiled and graphed / eager loss, largest relative difference, {compared(cv, 'auto', 20)}", curve_difference(cv, 20), "{:.2e}")
+    t.add(f"compiled and graphed / eager loss, largest relative difference, {compared(cv, 'auto')}", curve_difference(cv), "{:.2e}")
+    for mode, n in bad.items():
+        t.text(f"curve_{mode}: unreadable lines of its metrics, skipped", str(n))
     if cv:
         (folder / "curves.json").write_text(json.dumps(cv) + "\n")
     if cv.get("off") and cv.get("auto"):
@@ -164,7 +186,10 @@ def curve_rows(t: Table, folder: Path) -> None:
 
 
 def report(folder: str | Path) -> str:
+    """The table; a UserError when `folder` is not a folder (every row would read "not measured")."""
     folder, t = Path(folder), Table()
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder (the OUT of scripts/gpu_check.sh)")
     for rows in (pipeline_rows, stage_rows, reference_rows, curve_rows):
         rows(t, folder)
     return t.markdown()

@@ -2,6 +2,7 @@
 
     plt = pyplot()                                   # matplotlib on the Agg backend (no display needed)
     save(fig, path)                                  # PNG at DPI, figure closed
+    png_path(Path("out/fig"))                        # out/fig.png: the file a figure is written to; a bad path is a UserError
     plot_curves({"run": curve}, "step", path, ...)   # one metric of several runs, overlaid
     figure_attention_heads(images, maps[-1], path)   # [CLS] attention per head over the input images
 
@@ -11,6 +12,7 @@ A curve is anything with `steps`, `times` (None where not timed) and `values`, o
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -26,6 +28,7 @@ from vit.eval.attention import (
     rollout_cls_map,
     upsample_maps,
 )
+from vit.errors import UserError
 from vit.models.pos_embed import sincos_2d
 
 FIGSIZE = (10.0, 4.0)  # inches, of the curve and bar figures: FIGSIZE * DPI pixels
@@ -53,6 +56,30 @@ def save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": a figure keeps its set size in pixels
     pyplot().close(fig)
+    return path
+
+
+def check_output_folder(path: Path, what: str) -> None:
+    """A UserError (one line) unless `path` is a folder, or one that can be made: no file on the way, a folder to write in."""
+    for p in [Path(path), *Path(path).absolute().parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise UserError(f"{what} {path}: {p} is a file, not a folder")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise UserError(f"{what} {path}: cannot write in {p}")
+            return
+
+
+def png_path(path: Path, what: str = "--plot") -> Path:
+    """The PNG file a figure asked for at `path` is written to: `path` with .png added when it has no suffix; another
+    suffix, or a folder on the way that is a file, is a UserError."""
+    path = Path(path)
+    if path.suffix.lower() not in ("", ".png"):
+        raise UserError(f"{what} {path}: a figure is written as PNG; name a .png file")
+    path = path if path.suffix else path.with_name(path.name + ".png")
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder; name a .png file")
+    check_output_folder(path.parent, what)
     return path
 
 

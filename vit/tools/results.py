@@ -28,7 +28,7 @@ from typing import Any
 
 from vit.device import host_label
 from vit.errors import UserError
-from vit.store.runs import METRICS_FILE, RECORD_FILES, RunFolder, copy_record, is_run_folder, read_run
+from vit.store.runs import CONFIG_FILE, METRICS_FILE, RECORD_FILES, SUMMARY_FILE, RunFolder, copy_record, is_run_folder, read_run
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, whose path a run's recorded command starts with
 
@@ -50,9 +50,21 @@ class Arm:
     minutes: dict[int, float] = field(default_factory=dict)
     share: int | None = None  # the pretraining share (%) chosen on val
     variant: str | None = None  # the recipe variant chosen on val (a key of VARIANTS)
+    unfinished: set[int] = field(default_factory=set)  # seeds of the chosen recipe whose runs have no readable summary
 
     def add(self, seed: int, run: RunFolder, minutes: float) -> None:
-        self.test[seed], self.val[seed], self.minutes[seed] = top1(run, "test"), top1(run, "val"), minutes
+        """A finished seed; one without a test top-1 (a dataset without a test split) counts, but not in the test numbers."""
+        self.val[seed], self.minutes[seed] = top1(run, "val"), minutes
+        if top1(run, "test") is not None:
+            self.test[seed] = top1(run, "test")
+
+    def seeds(self) -> str:
+        """'3 seeds', or '2 of 3 seeds: s1 unfinished' when a seed's run is missing from the test numbers."""
+        ran, n = sorted(self.val.keys() | self.unfinished), len(self.test)
+        text = f"{n} seed{'s' if n != 1 else ''}" if n == len(ran) else f"{n} of {len(ran)} seeds"
+        why = [f"s{s} unfinished" for s in sorted(self.unfinished - self.val.keys())]
+        why += [f"s{s} without test top-1" for s in sorted(self.val.keys() - self.test.keys())]
+        return text + (": " + ", ".join(why) if why else "")
 
     def mean(self) -> float | None:
         return statistics.mean(self.test.values()) if self.test else None
@@ -72,6 +84,7 @@ class Row:
     mae: Arm
     probe: Arm
     search: list[dict[str, Any]]  # per candidate recipe, seed 0: its arm, share, variant, stages' minutes and epochs, val top-1
+    unfinished: list[str] = field(default_factory=list)  # runs of this row without a readable summary: its choices may change
 
 
 def host_of(run: RunFolder) -> str:
@@ -87,8 +100,15 @@ def is_sweep_name(name: str) -> bool:
 def read_budget_runs(folder: Path) -> dict[str, dict[str, RunFolder]]:
     """The finished runs under `folder`, at any depth (a sweep's --out, or an archive of records from several machines),
     whose names follow the budget sweep: {host label: {run name: run}}. The same name twice on one host is a UserError."""
-    paths = sorted(p for p in Path(folder).rglob("*") if is_sweep_name(p.name) and is_run_folder(p))
-    return by_host(read_run(p) for p in paths)
+    return read_budget_sweep(folder)[0]
+
+
+def read_budget_sweep(folder: Path) -> tuple[dict[str, dict[str, RunFolder]], dict[str, str]]:
+    """`read_budget_runs(folder)`, and {name: why} of the run folders named as the sweep names them that hold no readable
+    summary (unfinished, crashed or damaged): a table must say they are missing, since they can change its choices."""
+    runs = [read_run(p) for p in sorted(p for p in Path(folder).rglob("*") if is_sweep_name(p.name) and is_run_folder(p))]
+    unfinished = {r.name: next((p for p in r.problems if p.startswith(SUMMARY_FILE)), f"no {SUMMARY_FILE}") for r in runs if not r.finished}
+    return by_host(runs), unfinished
 
 
 def by_host(runs: Iterable[RunFolder]) -> dict[str, dict[str, RunFolder]]:
@@ -121,7 +141,31 @@ def machine_paths(run: RunFolder) -> dict[str, str]:
     out = (run.config.get("run") or {}).get("dir")
     if out and Path(str(out)).is_absolute():
         paths[str(out)] = f"runs/{Path(str(out)).name}"
-    return {**paths, str(REPO) + "/": ""}
+    # every other absolute path of the record (data.cache_dir, an init outside run.dir): a placeholder named after its key
+    for key, value in absolute_paths([run.config, run.summary or {}]):
+        if not any(value == known or value.startswith(known.rstrip("/") + "/") for known in [*paths, str(REPO)]):
+            name, path = key.upper(), Path(value)
+            paths[value] = name if key.endswith(("dir", "root")) else "/".join([name, *([path.parent.name] if path.suffix else []), path.name])
+    # longest first: a path inside another is replaced by its own placeholder, not by its parent's
+    return {**dict(sorted(paths.items(), key=lambda kv: -len(kv[0]))), str(REPO) + "/": ""}
+
+
+def absolute_paths(tree: Any, key: str = "") -> Iterable[tuple[str, str]]:
+    """(key, value) of every string in a config or summary that is an absolute path (a command is not one)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k != "command":
+                yield from absolute_paths(v, str(k))
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from absolute_paths(v, key)
+    elif isinstance(tree, str) and len(tree) > 1 and tree.startswith("/") and "\n" not in tree:
+        yield key, tree.rstrip("/")
+
+
+def archivable(run: RunFolder) -> bool:
+    """Whether a run's record can be archived: finished, with a config and summary that read (a damaged one is left out)."""
+    return run.finished and not any(p.startswith((CONFIG_FILE, SUMMARY_FILE)) for p in run.problems)
 
 
 def archive(hosts: dict[str, dict[str, RunFolder]], dest: Path, metrics: bool = False) -> list[Path]:
@@ -133,8 +177,11 @@ def archive(hosts: dict[str, dict[str, RunFolder]], dest: Path, metrics: bool = 
     for host, runs in hosts.items():
         for name, run in runs.items():
             target = Path(dest) / host_slug(host) / name
-            if copy_record(run.path, target, replace=machine_paths(run), files=files):
-                written.append(target)
+            try:
+                if copy_record(run.path, target, replace=machine_paths(run), files=files):
+                    written.append(target)
+            except OSError as e:
+                raise UserError(f"cannot write {e.filename or target}: {e.strerror} ({len(written)} record(s) written before)") from None
     return written
 
 
@@ -172,14 +219,16 @@ def check_budget(run: RunFolder, minutes: float, name: str) -> None:
         raise UserError(f"{run.path} has schedule.budget_minutes={budget_minutes(run)}, but {name} needs {minutes:g}")
 
 
-def budget_table(runs: dict[str, RunFolder]) -> tuple[list[Row], Arm]:
-    """The rows (one per budget, ascending) and the random-encoder probe (budget-free)."""
-    random = Arm()
+def budget_table(runs: dict[str, RunFolder], unfinished: Iterable[str] = ()) -> tuple[list[Row], Arm]:
+    """The rows (one per budget, ascending) and the random-encoder probe (budget-free). `unfinished` names the sweep's runs
+    without a readable summary: the rows and seeds they belong to say so (a row whose runs are all unfinished is kept)."""
+    unfinished = set(unfinished) - set(runs)
+    random = Arm(unfinished={int(m.group(1)) for n in unfinished if (m := RANDOM.match(n))})
     for name, run in runs.items():
         if m := RANDOM.match(name):
             random.add(int(m.group(1)), run, stage_minutes(run))
-    budgets = {int(m.group(1)) for n in runs if (m := SCRATCH.match(n) or FINETUNE.match(n))}
-    return [budget_row(runs, minutes) for minutes in sorted(budgets)], random
+    budgets = {int(m.group(1)) for n in [*runs, *unfinished] if (m := SCRATCH.match(n) or FINETUNE.match(n))}
+    return [budget_row(runs, minutes, unfinished) for minutes in sorted(budgets)], random
 
 
 def choose(candidates: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
@@ -188,18 +237,38 @@ def choose(candidates: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
     return max(done, key=lambda c: c[key]) if done else None
 
 
-def budget_row(runs: dict[str, RunFolder], budget: int) -> Row:
-    scratch_runs = {(m.group(2), int(m.group(3))): r for n, r in runs.items() if (m := SCRATCH.match(n)) and int(m.group(1)) == budget}
-    for run in scratch_runs.values():
-        check_budget(run, budget, run.name)
-    ft_runs = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in runs if (m := FINETUNE.match(n)) and int(m.group(1)) == budget}
+def row_unfinished(unfinished: set[str], budget: int, shares: set[int]) -> list[str]:
+    """The unfinished runs that belong to the row of `budget`: its scratch and fine-tune runs, and the pretrainings (and
+    their probes) of the `shares` its fine-tunes name."""
+    mine = {n for n in unfinished if (m := SCRATCH.match(n) or FINETUNE.match(n)) and int(m.group(1)) == budget}
+    for name in unfinished:
+        m = PRETRAIN.match(PROBE.match(name).group(1) if PROBE.match(name) else name)
+        if m and any(abs(float(m.group(1)) - budget * f / 100) < 1e-6 for f in shares):
+            mine.add(name)
+    return sorted(mine)
+
+
+def scratch_search(scratch_runs: dict, unfinished: dict) -> list[dict[str, Any]]:
+    """The scratch candidates (variants) of one row, seed 0; one whose run is unfinished is listed as such."""
     search = []
-    for variant in sorted({v for v, _ in scratch_runs}, key=str):
+    for variant in sorted({v for v, _ in [*scratch_runs, *unfinished]}, key=str):
         if (run := scratch_runs.get((variant, 0))) is not None:
             search.append({"arm": "scratch", "share": None, "variant": variant, "finetune_min": stage_minutes(run),
                            "finetune_epochs": run.summary.get("epochs"), "finetune_val": top1(run, "val")})  # fmt: skip
-    for share, variant in sorted({(f, v) for f, v, _ in ft_runs}, key=lambda k: (k[0], str(k[1]))):
+        elif (name := unfinished.get((variant, 0))) is not None:
+            search.append({"arm": "scratch", "share": None, "variant": variant, "finetune_min": None, "finetune_epochs": None,
+                           "finetune_val": None, "unfinished": name})  # fmt: skip
+    return search
+
+
+def mae_search(runs: dict[str, RunFolder], ft_runs: dict, unfinished: dict, budget: int) -> list[dict[str, Any]]:
+    """The MAE candidates (share, variant) of one row, seed 0; one whose fine-tune is unfinished is listed as such."""
+    search = []
+    for share, variant in sorted({(f, v) for f, v, _ in [*ft_runs, *unfinished]}, key=lambda k: (k[0], str(k[1]))):
         if (name := ft_runs.get((share, variant, 0))) is None:
+            if (name := unfinished.get((share, variant, 0))) is not None:
+                search.append({"arm": "mae", "share": share, "variant": variant, "pretraining": f"mae_{budget * share / 100:g}min_s0",
+                               "finetune_min": None, "finetune_epochs": None, "finetune_val": None, "probe_val": None, "unfinished": name})  # fmt: skip
             continue
         ft, pt = runs[name], pretraining_of(runs, name, budget, share)
         probe = runs.get(pt.name + "_probe")
@@ -209,29 +278,58 @@ def budget_row(runs: dict[str, RunFolder], budget: int) -> Row:
             "finetune_min": stage_minutes(ft), "finetune_epochs": ft.summary.get("epochs"), "finetune_val": top1(ft, "val"),
             "probe_min": stage_minutes(probe) if probe else None, "probe_val": top1(probe, "val") if probe else None,
         })  # fmt: skip
+    return search
+
+
+def budget_row(runs: dict[str, RunFolder], budget: int, unfinished: set[str] = frozenset()) -> Row:
+    scratch_runs = {(m.group(2), int(m.group(3))): r for n, r in runs.items() if (m := SCRATCH.match(n)) and int(m.group(1)) == budget}
+    for run in scratch_runs.values():
+        check_budget(run, budget, run.name)
+    ft_runs = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in runs if (m := FINETUNE.match(n)) and int(m.group(1)) == budget}
+    scratch_gone = {(m.group(2), int(m.group(3))): n for n in unfinished if (m := SCRATCH.match(n)) and int(m.group(1)) == budget}
+    ft_gone = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in unfinished if (m := FINETUNE.match(n)) and int(m.group(1)) == budget}
+    search = scratch_search(scratch_runs, scratch_gone) + mae_search(runs, ft_runs, ft_gone, budget)
     scratch, mae, probe = Arm(), Arm(), Arm()
     if best := choose([c for c in search if c["arm"] == "scratch"], "finetune_val"):
         scratch.variant = best["variant"]
+        scratch.unfinished = {seed for variant, seed in scratch_gone if variant == best["variant"]}
         for (variant, seed), run in sorted(scratch_runs.items(), key=lambda kv: kv[0][1]):
             if variant == best["variant"]:
                 scratch.add(seed, run, stage_minutes(run))
     if best := choose([c for c in search if c["arm"] == "mae"], "finetune_val"):
-        mae.share, mae.variant = best["share"], best["variant"]
-        for (share, variant, seed), name in sorted(ft_runs.items(), key=lambda kv: kv[0][2]):
-            if (share, variant) == (mae.share, mae.variant):
-                pt = pretraining_of(runs, name, budget, share)
-                mae.add(seed, runs[name], stage_minutes(pt) + stage_minutes(runs[name]))
+        add_finetunes(mae, best, runs, ft_runs, budget, ft_gone, unfinished)
     # One probe per pretraining: the (share, variant) candidates of one share share it
-    pretrainings = {c["pretraining"]: c for c in search if c["arm"] == "mae"}.values()
+    pretrainings = {c["pretraining"]: c for c in search if c["arm"] == "mae" and "unfinished" not in c}.values()
     fits = [c for c in pretrainings if c["probe_val"] is not None and c["pretrain_min"] + c["probe_min"] <= budget]
     if best := choose(fits, "probe_val"):
         probe.share = best["share"]
-        minutes = PRETRAIN.match(best["pretraining"]).group(1)
-        for name, run in runs.items():
-            m = PRETRAIN.match(name)
-            if m and m.group(1) == minutes and (probe_run := runs.get(name + "_probe")) is not None:
-                probe.add(int(m.group(2)), probe_run, stage_minutes(run) + stage_minutes(probe_run))
-    return Row(budget, scratch, mae, probe, search)
+        add_probes(probe, runs, PRETRAIN.match(best["pretraining"]).group(1), unfinished)
+    return Row(budget, scratch, mae, probe, search, row_unfinished(unfinished, budget, {k[0] for k in [*ft_runs, *ft_gone]}))
+
+
+def add_finetunes(mae: Arm, best: dict[str, Any], runs: dict[str, RunFolder], ft_runs: dict, budget: int, ft_gone: dict,
+                  unfinished: set[str]) -> None:  # fmt: skip
+    """Every seed's fine-tune of the chosen (share, variant); a seed whose fine-tune or pretraining is unfinished is noted."""
+    mae.share, mae.variant = best["share"], best["variant"]
+    mae.unfinished = {seed for share, variant, seed in ft_gone if (share, variant) == (mae.share, mae.variant)}
+    mae.unfinished |= {int(m.group(2)) for n in unfinished if (m := PRETRAIN.match(n)) and abs(float(m.group(1)) - budget * mae.share / 100) < 1e-6}
+    for (share, variant, seed), name in sorted(ft_runs.items(), key=lambda kv: kv[0][2]):
+        if (share, variant) == (mae.share, mae.variant):
+            pt = pretraining_of(runs, name, budget, share)
+            mae.add(seed, runs[name], stage_minutes(pt) + stage_minutes(runs[name]))
+
+
+def add_probes(probe: Arm, runs: dict[str, RunFolder], minutes: str, unfinished: set[str]) -> None:
+    """Every seed's probe of the pretraining of `minutes` minutes; a seed whose pretraining or probe is unfinished is noted."""
+    for name in [*runs, *unfinished]:
+        m = PRETRAIN.match(name) or PRETRAIN.match(name.removesuffix("_probe"))
+        if not m or m.group(1) != minutes:
+            continue
+        pt_name = f"mae_{minutes}min_s{m.group(2)}"
+        if pt_name in unfinished or pt_name + "_probe" in unfinished:
+            probe.unfinished.add(int(m.group(2)))
+        elif name == pt_name and (probe_run := runs.get(name + "_probe")) is not None:
+            probe.add(int(m.group(2)), probe_run, stage_minutes(runs[name]) + stage_minutes(probe_run))
 
 
 def pct(x: float | None) -> str:
@@ -240,19 +338,22 @@ def pct(x: float | None) -> str:
 
 def recipe(share: int | None, variant: str | None, with_variant: bool = True) -> str:
     """'pretraining 0.25 of the budget, strong augmentation' (either part may be absent)."""
-    parts = ([f"pretraining {share / 100:.2f} of the budget"] if share is not None else []) + ([VARIANTS[variant]] if with_variant else [])
+    parts = ([f"pretraining {share / 100:.2f} of the budget"] if share is not None else []) + ([VARIANTS.get(variant, variant)] if with_variant else [])
     return ", ".join(parts)
 
 
 def cell(arm: Arm, with_variant: bool = True) -> str:
-    """'74.1% (73.5-74.6, 3 seeds); pretraining 0.50 of the budget, light augmentation' or '-'."""
-    if not arm.test:
+    """'74.1% (73.5-74.6, 3 seeds); pretraining 0.50 of the budget, light augmentation', '70.2% (2 of 3 seeds: s1 unfinished); ...',
+    'no test top-1 (1 seed: s0 without test top-1); ...' (a dataset without a test split) or '-' (no run of the column)."""
+    if not arm.val and not arm.unfinished:
         return "-"
-    n = len(arm.test)
-    text = pct(arm.mean())
-    if n > 1:
+    if not arm.test:
+        text = f"no test top-1 ({arm.seeds()})"
+    elif len(arm.test) > 1:
         lo, hi = arm.spread()
-        text += f" ({100 * lo:.1f}-{100 * hi:.1f}, {n} seeds)"
+        text = f"{pct(arm.mean())} ({100 * lo:.1f}-{100 * hi:.1f}, {arm.seeds()})"
+    else:
+        text = f"{pct(arm.mean())} ({arm.seeds()})"
     chosen = recipe(arm.share, arm.variant, with_variant)
     return text + (f"; {chosen}" if chosen else "")
 
@@ -269,13 +370,19 @@ def difference(row: Row) -> str:
     return f"{100 * d:+.1f} points ({len(seeds)} seeds; largest seed spread {100 * spread:.1f})"
 
 
-def markdown(rows: list[Row], random: Arm) -> str:
-    """The equal-compute table (test top-1) and the val search behind it."""
+def markdown(rows: list[Row], random: Arm, unfinished: dict[str, str] | None = None) -> str:
+    """The equal-compute table (test top-1) and the val search behind it; `unfinished` ({name: why}, from `read_budget_sweep`)
+    is listed under the table, and the rows they belong to say how many of their runs are missing."""
     lines = ["| budget (all stages) | scratch ViT | MAE then fine-tune | MAE linear probe | random-encoder probe | MAE - scratch | minutes used: scratch, MAE then fine-tune |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r.minutes} min | {cell(r.scratch)} | {cell(r.mae)} | {cell(r.probe, with_variant=False)} | {cell(random, with_variant=False)} | {difference(r)} | "
+        budget = f"{r.minutes} min" + (f" ({len(r.unfinished)} run{'s' if len(r.unfinished) > 1 else ''} unfinished)" if r.unfinished else "")
+        lines.append(f"| {budget} | {cell(r.scratch)} | {cell(r.mae)} | {cell(r.probe, with_variant=False)} | {cell(random, with_variant=False)} | {difference(r)} | "
                      f"{r.scratch.used()}, {r.mae.used()} |")  # fmt: skip
+    if unfinished:
+        lines += ["", f"Not in the table: {len(unfinished)} run folder(s) of the sweep without a readable summary (unfinished, crashed or damaged): "
+                  + ", ".join(f"{n} ({why})" for n, why in sorted(unfinished.items()))
+                  + ". The choices and numbers of the rows marked unfinished may change once they finish."]  # fmt: skip
     lines += ["", "The search, on val (seed 0): every recipe tried in each row, the minutes (and epochs) each stage took, the val top-1 "
               "of the fine-tune (or of the training from scratch) and of the pretraining's probe, and the pretraining's last kNN top-1.", "",
               "| budget | recipe | pretraining | fine-tuning or training | probe | val top-1 | probe val | kNN val (last) |",
@@ -287,6 +394,10 @@ def markdown(rows: list[Row], random: Arm) -> str:
     for r in rows:
         for s in r.search:
             arm = "scratch" if s["arm"] == "scratch" else "MAE"
+            if "unfinished" in s:
+                lines.append(f"| {r.minutes} min | {arm}; {recipe(s['share'], s['variant'])} | {s.get('pretraining', '-')} | "
+                             f"unfinished: {s['unfinished']} | - | - | - | - |")  # fmt: skip
+                continue
             lines.append(f"| {r.minutes} min | {arm}; {recipe(s['share'], s['variant'])} | {mins(s.get('pretrain_min'), s.get('pretrain_epochs'))} | "
                          f"{mins(s['finetune_min'], s['finetune_epochs'])} | {mins(s.get('probe_min'))} | {pct(s['finetune_val'])} | "
                          f"{pct(s.get('probe_val'))} | {pct(s.get('knn_top1'))} |")  # fmt: skip
@@ -295,7 +406,7 @@ def markdown(rows: list[Row], random: Arm) -> str:
 
 def plot(tables: dict[str, tuple[list[Row], Arm]], path: Path) -> Path:
     """Test top-1 against the budget for each arm (mean over seeds, min-max bars), one line style per host."""
-    from vit.tools.plots import pyplot, save
+    from vit.tools.plots import png_path, pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -324,4 +435,7 @@ def plot(tables: dict[str, tuple[list[Row], Arm]], path: Path) -> Path:
     ax.set_title(title + (f"\n{next(iter(tables))}" if len(tables) == 1 else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return save(fig, path)
+    try:
+        return save(fig, png_path(path))
+    except OSError as e:
+        raise UserError(f"cannot write the plot {e.filename or path}: {e.strerror}") from None

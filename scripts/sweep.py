@@ -7,7 +7,12 @@ The sweep file's format, the jobs' command lines and the scheduling are `vit.too
 in file order (or --only's) as workers free up; a job whose `init` failed is skipped. Each job's output goes to
 <out>/<name>.log. The sweep exits non-zero when any job failed or was skipped; the table covers
 the jobs that finished. A job whose run folder already holds summary.json is not run again: the
-same command continues an interrupted sweep (unfinished jobs resume with run.resume=auto).
+same command continues an interrupted sweep (unfinished jobs resume with run.resume=auto); a finished run that recorded
+other settings than its job now gives is refused (exit 2) before anything starts.
+
+Jobs run in the current folder, as if typed there: a relative --out and relative paths after -- are the current
+folder's; a job's relative `config` is the current folder's, else the checkout's. Ctrl-C or SIGTERM stops the sweep:
+the running jobs save a resume state and exit, one line says what each was left as, and the exit code is 130 / 143.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 from vit.cli import split_overrides
 from vit.errors import exit_on_user_error
-from vit.tools.sweep import check_overrides, read_sweep, run_sweep, select_jobs
+from vit.tools.sweep import Stopped, check_overrides, read_sweep, run_sweep, select_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sweep.py", description="Run the jobs of a sweep file, several at a time, and compare them",
                                      epilog="Overrides after -- go to every job, e.g. -- data.root=PATH run.device=cuda")  # fmt: skip
     parser.add_argument("sweep", type=Path, help="the sweep file (YAML: common, jobs)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for the jobs' run folders and logs")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the jobs' run folders and logs (relative to the current folder)")
     parser.add_argument("--only", nargs="+", metavar="JOB", help="run these jobs, in this order (and the jobs they start from)")
     parser.add_argument("--parallel", type=int, default=1, help="jobs at once (default 1); each takes cores/parallel CPU threads unless run.threads says")
     args = parser.parse_args(argv)
@@ -41,10 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     common, jobs = read_sweep(args.sweep)
     if args.only:
         jobs = select_jobs(jobs, args.only)
+    out = args.out.expanduser().absolute()  # the jobs' run.dir and the table's run folders: the same folder
     started = time.perf_counter()
-    outcome = run_sweep(jobs, args.out, common, extra, args.parallel)
+    try:
+        outcome = run_sweep(jobs, out, common, extra, args.parallel)
+    except Stopped as e:
+        print(e, flush=True)
+        return e.code
     print(f"sweep: {sum(v == 'ok' for v in outcome.values())}/{len(outcome)} jobs ok in {time.perf_counter() - started:.0f}s")
-    finished = [str(args.out / name) for name, v in outcome.items() if v == "ok"]
+    finished = [str(out / name) for name, v in outcome.items() if v == "ok"]
     if finished:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), *finished], cwd=ROOT)
     return 0 if all(v == "ok" for v in outcome.values()) else 1

@@ -17,12 +17,17 @@ A sweep file lists jobs; each is one ordinary stage command (`python -m pretrain
         config: configs/finetune/cpu.yaml
         init: mae_blr1e-3                                 # finetune.init=<out>/mae_blr1e-3; runs after that job succeeded
 
-A job's command line is: its config, run.dir/run.name, finetune.init (from `init`), `common`,
-its `overrides`, then the overrides given to the whole sweep. `run_sweep` starts jobs in file
-order as workers free up (each job's CPU threads default to its share of the cores:
-`vit.train.accelerator.set_threads`), skips a job whose `init` failed, writes each job's output to
-<out>/<name>.log, and keeps a job whose run folder already holds summary.json without running it
-again, so the same sweep continues an interrupted one (unfinished jobs resume with run.resume=auto).
+A job's command line is: its config, run.dir/run.name, finetune.init (from `init`), `common`, its `overrides`, then the
+overrides given to the whole sweep. It runs in the current folder, as if typed there: a relative --out and every relative
+path in the overrides (data.root=...) are the current folder's; a job's relative `config` is the current folder's too,
+else the checkout's (`configs/...` in the shipped sweeps), and is passed on as an absolute path.
+
+`run_sweep` starts jobs in file order as workers free up (each job's CPU threads default to its share of the cores:
+`vit.train.accelerator.set_threads`), skips a job whose `init` failed, writes each job's output to <out>/<name>.log, and
+keeps a job whose run folder already holds summary.json without running it again, so the same sweep continues an
+interrupted one (unfinished jobs resume with run.resume=auto). A finished run that recorded other settings than its job
+now gives is refused before anything starts (`check_kept`), not kept. SIGINT / SIGTERM stop the sweep: its running jobs
+are passed the signal (they save a resume state and exit), and once they ended `Stopped` says what each was left as.
 
 `scripts/sweep.py` is its command line (and prints the comparison table of the finished jobs).
 """
@@ -30,22 +35,27 @@ again, so the same sweep continues an interrupted one (unfinished jobs resume wi
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from vit.data.provenance import SPLIT_KEYS
 from vit.errors import ConfigError
-from vit.store.runs import is_finished
+from vit.store.runs import is_finished, read_config
 from vit.train.accelerator import SHARED_BY_ENV
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's config may be named relative to it, and jobs run there
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's config may be named relative to it; jobs run its packages
 MODULES = ("pretrain", "finetune")
 RESERVED = ("run.dir=", "run.name=", "run.resume=")  # the sweep sets these per job
+LOG_SUFFIX = ".log"  # <out>/<name>.log: a job's output
 
 
 @dataclass
@@ -64,11 +74,13 @@ class Job:
 
 
 def read_sweep(path: Path) -> tuple[list[str], list[Job]]:
-    """The sweep file's common overrides and jobs, checked: unique names, known modules, `init` naming an earlier job."""
+    """The sweep file's common overrides and jobs, checked (`read_job`); a job's config is named by its absolute path."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read sweep file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"sweep file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict) or not isinstance(data.get("jobs"), list) or not data["jobs"]:
@@ -79,27 +91,48 @@ def read_sweep(path: Path) -> tuple[list[str], list[Job]]:
     common = check_overrides(data.get("common") or [], f"{path}: common")
     jobs: list[Job] = []
     for i, raw in enumerate(data["jobs"]):
-        where = f"{path}: jobs[{i}]"
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where} must be a mapping, got {raw!r}")
-        unknown = set(raw) - {"name", "module", "config", "overrides", "init"}
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected name, module, config, overrides, init")
-        name = raw.get("name")
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ConfigError(f"{where}: name must be a non-empty folder name without '/', got {name!r}")
-        if any(j.name == name for j in jobs):
-            raise ConfigError(f"{where}: job name {name!r} is used twice")
-        if raw.get("module") not in MODULES:
-            raise ConfigError(f"{where}: module must be one of {', '.join(MODULES)}, got {raw.get('module')!r}")
-        config = raw.get("config")
-        if not isinstance(config, str) or not (ROOT / config).is_file() and not Path(config).is_file():
-            raise ConfigError(f"{where}: config {config!r} is not a file")
-        init = raw.get("init")
-        if init is not None and not any(j.name == init for j in jobs):
-            raise ConfigError(f"{where}: init {init!r} must name an earlier job")
-        jobs.append(Job(name, raw["module"], config, check_overrides(raw.get("overrides") or [], where), init))
+        jobs.append(read_job(raw, f"{path}: jobs[{i}]", jobs))
     return common, jobs
+
+
+def read_job(raw, where: str, earlier: list[Job]) -> Job:
+    """One job of the sweep file: a name that is a folder of its own in --out (not `.`, `..`, nor a name its log file
+    `<name>.log` could be), a known module, a config file that exists, `init` only on a finetune job and naming an earlier one."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
+    unknown = set(raw) - {"name", "module", "config", "overrides", "init"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected name, module, config, overrides, init")
+    name = raw.get("name")
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise ConfigError(f"{where}: name must be a folder name (not '.' or '..', without '/'), got {name!r}")
+    if name.endswith(LOG_SUFFIX):
+        raise ConfigError(f"{where}: name {name!r} ends in {LOG_SUFFIX!r}, which names the jobs' log files in --out; choose another")
+    if any(j.name == name for j in earlier):
+        raise ConfigError(f"{where}: job name {name!r} is used twice")
+    module = raw.get("module")
+    if module not in MODULES:
+        raise ConfigError(f"{where}: module must be one of {', '.join(MODULES)}, got {module!r}")
+    config = raw.get("config")
+    found = find_config(config) if isinstance(config, str) and config else None
+    if found is None:
+        raise ConfigError(f"{where}: config {config!r} is not a file")
+    init = raw.get("init")
+    if init is not None and module != "finetune":
+        raise ConfigError(f"{where}: init is for finetune jobs (it sets finetune.init); a {module} job starts from no run")
+    if init is not None and not any(j.name == init for j in earlier):
+        raise ConfigError(f"{where}: init {init!r} must name an earlier job")
+    return Job(name, module, str(found), check_overrides(raw.get("overrides") or [], where), init)
+
+
+def find_config(name: str) -> Path | None:
+    """A job's config file, absolute: a relative name in the current folder first, as every other path of a sweep, else
+    in the checkout (the shipped sweeps name `configs/...` so, wherever they are run from). None when neither holds it."""
+    for base in (Path.cwd(), ROOT):
+        path = (base / Path(name).expanduser()).absolute()
+        if path.is_file():
+            return path
+    return None
 
 
 def select_jobs(jobs: list[Job], names: list[str]) -> list[Job]:
@@ -131,38 +164,242 @@ def check_overrides(items, where: str) -> list[str]:
 
 
 def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], parallel: int) -> dict[str, str]:
-    """Run the jobs, at most `parallel` at once, a job only after its `init` succeeded. Returns name -> outcome."""
+    """Run the jobs, at most `parallel` at once, a job only after its `init` succeeded. Returns name -> outcome.
+
+    A relative `out` is the current folder's, and the jobs run in the current folder, so that --out, the finished-earlier
+    check and every relative path of the overrides (data.root=...) name what the caller sees. A kept run that recorded
+    other settings than its job now is a ConfigError before anything starts (`check_kept`). SIGINT / SIGTERM / SIGHUP
+    stop the sweep: the running jobs are told (they save a resume state), and once they ended `Stopped` is raised."""
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    check_kept(jobs, out, common, extra)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, SHARED_BY_ENV: str(parallel)}  # each job takes its share of the cores unless run.threads says
-    outcome: dict[str, str] = {}
-    running: dict[str, tuple[subprocess.Popen, float]] = {}
-    pending = list(jobs)
-    while pending or running:
-        for name, (process, started) in list(running.items()):
+    sweep = Sweep(out, common, extra, parallel, pending=list(jobs))
+    with StopSignals() as stop:
+        while sweep.running or (sweep.pending and stop.received is None):
+            stop.forward([process for process, _ in sweep.running.values()])
+            sweep.reap(stopping=stop.received is not None)
+            if stop.received is None:
+                sweep.start_ready()
+            time.sleep(0.5)
+    if stop.received is not None:
+        raise Stopped(stop.received, sweep.stopped_line(stop.received))
+    return sweep.outcome
+
+
+@dataclass
+class Sweep:
+    """A sweep under way: the jobs not started yet, those running (process, start time) and the outcome of the others."""
+
+    out: Path
+    common: list[str]
+    extra: list[str]
+    parallel: int
+    pending: list[Job]
+    running: dict[str, tuple[subprocess.Popen, float]] = field(default_factory=dict)
+    outcome: dict[str, str] = field(default_factory=dict)
+
+    def reap(self, stopping: bool) -> None:
+        """Record the jobs that ended; while the sweep stops, one that failed is `stopped` (said in `stopped_line`)."""
+        for name, (process, started) in list(self.running.items()):
             code = process.poll()
-            if code is not None:
-                del running[name]
-                outcome[name] = "ok" if code == 0 else f"exit {code}"
-                print(f"sweep: {name}: {outcome[name]} after {time.perf_counter() - started:.0f}s", flush=True)
-        for job in list(pending):
-            if job.init is not None and job.init not in outcome:
-                continue  # its encoder is not trained yet
-            if job.init is not None and outcome[job.init] != "ok":
-                pending.remove(job)
-                outcome[job.name] = f"skipped ({job.init} failed)"
-                print(f"sweep: {job.name}: {outcome[job.name]}", flush=True)
+            if code is None:
                 continue
-            if is_finished(out / job.name):
-                pending.remove(job)
-                outcome[job.name] = "ok"
+            del self.running[name]
+            self.outcome[name] = "ok" if code == 0 else (stopped(code) if stopping else f"exit {code}")
+            if not self.outcome[name].startswith("stopped"):
+                print(f"sweep: {name}: {self.outcome[name]} after {time.perf_counter() - started:.0f}s", flush=True)
+
+    def start_ready(self) -> None:
+        """Start the pending jobs, in order, while a worker is free; skip one whose `init` failed, keep a finished one."""
+        for job in list(self.pending):
+            if job.init is not None and job.init not in self.outcome:
+                continue  # its encoder is not trained yet
+            if job.init is not None and self.outcome[job.init] != "ok":
+                self.pending.remove(job)
+                self.outcome[job.name] = f"skipped ({job.init} failed)"
+                print(f"sweep: {job.name}: {self.outcome[job.name]}", flush=True)
+                continue
+            if is_finished(self.out / job.name):
+                self.pending.remove(job)
+                self.outcome[job.name] = "ok"
                 print(f"sweep: {job.name}: finished earlier, kept", flush=True)
                 continue
-            if len(running) >= parallel:
+            if len(self.running) >= self.parallel:
                 break
-            pending.remove(job)
-            argv = job.argv(out, common, extra)
-            print(f"sweep: start {job.name}: {shlex.join(['python', *argv[1:]])}", flush=True)
-            with open(out / f"{job.name}.log", "a") as log:
-                running[job.name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env), time.perf_counter())
-        time.sleep(0.5)
-    return outcome
+            self.pending.remove(job)
+            self.start(job)
+
+    def start(self, job: Job) -> None:
+        argv = job.argv(self.out, self.common, self.extra)
+        # Each job takes its share of the cores unless run.threads says; it runs the checkout's stages, as the sweep does.
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, SHARED_BY_ENV: str(self.parallel), "PYTHONPATH": path}
+        print(f"sweep: start {job.name}: {shlex.join(['python', *argv[1:]])}", flush=True)
+        with open(self.out / f"{job.name}{LOG_SUFFIX}", "a") as log:
+            # A session of its own: a Ctrl-C at the terminal reaches the job once, passed on by the sweep, not also
+            # directly (a stage stops at a second signal without saving).
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.running[job.name] = (process, time.perf_counter())
+
+    def stopped_line(self, signum: int) -> str:
+        """What a stop left each job as, in one line."""
+        parts = [f"{name}: {outcome}" for name, outcome in self.outcome.items() if outcome.startswith("stopped")]
+        if self.pending:
+            parts.append(f"not started: {', '.join(job.name for job in self.pending)}")
+        left = "; ".join(parts) or "no job was running"
+        return (
+            f"sweep: stopped by {signal.Signals(signum).name} ({left}); the same command continues the sweep, "
+            "a stopped job from its last saved state"
+        )
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+PREEMPTED_EXIT = 143  # pretrain / finetune after SIGTERM or SIGINT stopped their loop (vit.train.loop.Preempted)
+STOP_SIGNALS = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}  # received -> passed on
+
+
+def stopped(code: int) -> str:
+    """A job's outcome when it ended as the sweep stopped: 143 is a stage's exit after it saved a resume state."""
+    return "stopped, its state saved" if code == PREEMPTED_EXIT else f"stopped (exit {code})"
+
+
+class Stopped(Exception):
+    """The sweep was stopped by a signal; raised once the jobs it had started ended. `code`: the exit code to end with."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.code = 128 + signum
+
+
+class StopSignals:
+    """While the sweep runs, SIGINT / SIGTERM / SIGHUP are recorded instead of ending it: the sweep passes each on to
+    its running jobs (SIGTERM for a SIGHUP), which save a resume state and exit (vit.train.loop.SignalGuard; a second
+    signal stops them at once), and ends after them."""
+
+    def __init__(self):
+        self.received: int | None = None  # the first signal
+        self.unsent: list[int] = []
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in STOP_SIGNALS:
+            try:
+                self.previous[sig] = signal.signal(sig, self.handle)
+            except ValueError:  # not the main thread: the signals keep their handlers
+                pass
+        return self
+
+    def handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+        self.unsent.append(signum)
+
+    def forward(self, processes: list[subprocess.Popen]) -> None:
+        while self.unsent:
+            sig = STOP_SIGNALS[self.unsent.pop(0)]
+            for process in processes:
+                if process.poll() is None:
+                    try:
+                        process.send_signal(sig)
+                    except ProcessLookupError:  # it ended this instant
+                        pass
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# --------------------------------------------------------------------------- kept runs
+
+# Keys a finished run may have recorded otherwise than its job sets them now without having run other settings: the
+# sweep sets them per job, they say where the data lies, or how the run is shown, tracked or threaded.
+NOT_COMPARED = frozenset({"run.dir", "run.name", "run.resume", "finetune.init", "data.root", "data.val_root", "data.cache_dir",
+                          "run.threads", "run.tracker", "run.wandb_mode", "run.project", "run.group", "run.progress"})  # fmt: skip
+FILLED_WHEN_AUTO = frozenset({"run.precision"})  # `auto` is recorded as what it became (vit.train.run.Run.start)
+OVERRIDE = re.compile(r"^([A-Za-z_]\w*(?:\.\w+)+)=")  # a dotted override in a recorded command line
+
+
+def check_kept(jobs: list[Job], out: Path, common: list[str], extra: list[str]) -> None:
+    """Refuse, in one line, to keep a finished run in `out` that recorded other settings than its job gives now: the
+    sweep would report the old run as the job's result. Compared are the keys the job's config file and overrides set,
+    and those the run's recorded command line set, against the run's resolved config.yaml (`job_differences`)."""
+    refused = []
+    for job in jobs:
+        if is_finished(out / job.name):
+            differ = job_differences(job_inputs(job, common, extra), out / job.name)
+            if differ:
+                refused.append(f"{job.name} ({', '.join(differ[:4])}{f' and {len(differ) - 4} more' if len(differ) > 4 else ''})")
+    if refused:
+        raise ConfigError(f"finished run(s) in {out} ran other settings than the sweep gives now: {'; '.join(refused)}; "
+                          "use another --out, or delete those run folders to run them again")  # fmt: skip
+
+
+def job_inputs(job: Job, common: list[str], extra: list[str]) -> dict[str, Any]:
+    """The dotted keys a job sets, with their values as the stage reads them before type checks: its config file's,
+    then `common`, its overrides and `extra` (a key set twice: the last value counts)."""
+    try:
+        data = yaml.safe_load(Path(job.config).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"job {job.name}: cannot read its config {job.config}: {str(e).splitlines()[0]}") from None
+    inputs = flat(data if isinstance(data, dict) else {})
+    inputs.pop("meta", None)
+    for item in common + job.overrides + extra:
+        key, raw = item.split("=", 1)
+        try:
+            inputs[key.strip()] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            inputs[key.strip()] = raw  # as vit.config.apply_override reads it
+    return inputs
+
+
+def job_differences(inputs: dict[str, Any], run_dir: Path) -> list[str]:
+    """`key was X, now Y` for each setting the run in `run_dir` recorded otherwise than `inputs` give it."""
+    recorded = read_config(run_dir)
+    if recorded is None:
+        return ["no config.yaml recorded"]
+    meta = recorded.pop("meta", None) or {}
+    then = flat(recorded)
+    command_keys = {m.group(1) for token in str(meta.get("command", "")).split(" ") if (m := OVERRIDE.match(token))}
+    skip = set(NOT_COMPARED) | {key for key in FILLED_WHEN_AUTO if inputs.get(key) == "auto"}
+    if inputs.get("finetune.mode") == "eval":
+        skip |= {f"data.{key}" for key in SPLIT_KEYS}  # an evaluation takes the classifier's split (finetune.train.run_eval)
+    differ = []
+    for key in sorted((set(inputs) | command_keys) - skip):
+        if key not in inputs:
+            differ.append(f"{key} was {then.get(key)!r}, now unset")
+        elif key not in then:
+            differ.append(f"{key} was not recorded, now {inputs[key]!r}")
+        elif not same(inputs[key], then[key]):
+            differ.append(f"{key} was {then[key]!r}, now {inputs[key]!r}")
+    return differ
+
+
+def same(now: Any, then: Any) -> bool:
+    """Whether a value as given (YAML-read) is the one a resolved config recorded, through the config's coercions."""
+    if isinstance(now, (list, tuple)) and isinstance(then, (list, tuple)):
+        return len(now) == len(then) and all(map(same, now, then))
+    if isinstance(then, str) and isinstance(now, bool):  # YAML 1.1 reads no/off/false as false: a choice spelt so
+        return then in (("yes", "on", "true") if now else ("no", "off", "false"))
+    if isinstance(then, str) and isinstance(now, (int, float)):
+        return str(now) == then
+    if isinstance(then, (int, float)) and not isinstance(then, bool) and isinstance(now, str):
+        try:  # PyYAML reads 1e-3 as a string; the config, as a number
+            return float(now) == then
+        except ValueError:
+            return False
+    return now == then
+
+
+def flat(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"base_lr": 1}} -> {"optim.base_lr": 1}."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -1,0 +1,254 @@
+"""vit/tools/sweep.py and scripts/sweep.py: which folder a sweep's relative paths name, keeping a finished run only when it
+ran the job's settings, stopping a sweep by a signal, and the sweep file's checks.
+
+Most tests run `run_sweep` in this process with `subprocess.Popen` replaced, so no job trains; the signals are tested
+once with a stand-in job in this process and once through the script with a real stage job, stopped before it trains."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pretrain.config import PretrainConfig
+from vit.config import dump_config, load_config
+from vit.errors import ConfigError
+from vit.store.runs import write_config, write_summary
+from vit.tools import sweep
+from vit.tools.sweep import Job, Stopped, read_sweep, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = "configs/pretrain/cpu.yaml"
+
+
+def write_sweep(path: Path, jobs: list[dict], common: list[str] | None = None) -> Path:
+    path.write_text(yaml.safe_dump({"common": common or ["run.tracker=none"], "jobs": jobs}))
+    return path
+
+
+class Started:
+    """Stands in for `subprocess.Popen`: records each job's command line and options; the job ends at once with `code`."""
+
+    def __init__(self, code: int = 0):
+        self.calls: list[tuple[list[str], dict]] = []
+        self.code = code
+
+    def __call__(self, argv, **kwargs):
+        self.calls.append((argv, kwargs))
+        return self
+
+    def poll(self):
+        return self.code
+
+    @property
+    def names(self) -> list[str]:
+        return [next(a.split("=", 1)[1] for a in argv if a.startswith("run.name=")) for argv, _ in self.calls]
+
+
+@pytest.fixture
+def started(monkeypatch) -> Started:
+    fake = Started()
+    monkeypatch.setattr(sweep.subprocess, "Popen", fake)
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    return fake
+
+
+def finish_run(out: Path, job: Job, common: list[str], extra: list[str]) -> Path:
+    """The run folder `python -m pretrain` leaves for `job` run by a sweep into `out`: its resolved config, with
+    run.precision `auto` recorded as what it became, the command in `meta`, and a summary."""
+    argv = job.argv(out, common, extra)
+    cfg = load_config(PretrainConfig, job.config, argv[5:])
+    if cfg.run.precision == "auto":
+        cfg.run.precision = "no"
+    run_dir = Path(cfg.run.dir) / job.name
+    run_dir.mkdir(parents=True)
+    write_config(run_dir, dump_config(cfg, {"stage": "pretrain", "command": " ".join([str(ROOT / "pretrain" / "__main__.py"), *argv[3:]])}))
+    write_summary(run_dir, {"stage": "pretrain"})
+    return run_dir
+
+
+# --------------------------------------------------------------------------- relative paths
+
+
+def test_a_relative_out_and_config_name_the_current_folders_for_the_checks_and_the_jobs_alike(tmp_path, monkeypatch, started):
+    """Jobs run in the caller's folder with --out made absolute there, so the runs land where the log and the next
+    sweep's finished-earlier check look; a config found in the current folder is the one the job is given."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("optim:\n  base_lr: 1.0e-3\n")
+    spec = write_sweep(tmp_path / "sweep.yaml", [{"name": "mine", "module": "pretrain", "config": "mine.yaml"},
+                                                 {"name": "shipped", "module": "pretrain", "config": CPU}])  # fmt: skip
+    _, jobs = read_sweep(spec)
+    assert [job.config for job in jobs] == [str(tmp_path / "mine.yaml"), str(ROOT / CPU)]
+    assert run_sweep(jobs, Path("out"), [], [], parallel=2) == {"mine": "ok", "shipped": "ok"}
+    for argv, kwargs in started.calls:
+        assert f"run.dir={tmp_path / 'out'}" in argv and kwargs.get("cwd") in (None, str(tmp_path), tmp_path)
+    assert (tmp_path / "out" / "mine.log").is_file() and not (ROOT / "out" / "mine.log").exists()
+    # Where the job wrote its run is where the next sweep from this folder looks: the finished one is kept.
+    finish_run(tmp_path / "out", jobs[0], [], [])
+    started.calls.clear()
+    assert run_sweep(jobs, Path("out"), [], [], parallel=2) == {"mine": "ok", "shipped": "ok"}
+    assert started.names == ["shipped"]
+    # A file of the current folder comes before the checkout's of the same name.
+    (tmp_path / CPU).parent.mkdir(parents=True)
+    (tmp_path / CPU).write_text("optim:\n  base_lr: 1.0e-3\n")
+    assert read_sweep(spec)[1][1].config == str(tmp_path / CPU)
+
+
+# --------------------------------------------------------------------------- keeping finished runs
+
+BEFORE = {"common": ["run.tracker=none", "run.precision=auto"], "overrides": ["optim.base_lr=1e-3", "optim.grad_accum_steps=2"],
+          "extra": ["data.root=/data/cifar"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("change, differs", [
+    ({}, None),
+    # where the data lies, how the run is shown or threaded, and a value spelt otherwise are the same settings
+    ({"extra": ["data.root=cifar"], "common": ["run.tracker=none", "run.precision=auto", "run.progress=false", "run.threads=1"]}, None),
+    ({"overrides": ["optim.base_lr=0.001", "optim.grad_accum_steps=2.0"]}, None),
+    ({"common": ["run.tracker=none", "run.precision=auto", "optim.base_lr=0.5"]}, None),  # the job's own value wins
+    ({"common": ["run.tracker=none", "run.precision=auto"], "extra": ["data.root=/data/cifar", "optim.base_lr=0.5"]},
+     "optim.base_lr was 0.001, now 0.5"),
+    ({"overrides": ["optim.base_lr=1e-3"]}, "optim.grad_accum_steps was 2, now unset"),
+    ({"extra": ["data.root=/data/cifar", "schedule.epochs=3"]}, "schedule.epochs was 9, now 3"),
+    ({"common": ["run.tracker=none", "run.precision=bf16"]}, "run.precision was 'no', now 'bf16'"),
+])  # fmt: skip
+def test_a_finished_run_is_kept_only_when_it_ran_the_settings_its_job_gives_now(tmp_path, started, change, differs):
+    out = tmp_path / "out"
+    job = Job("a", "pretrain", str(ROOT / CPU), BEFORE["overrides"])
+    finish_run(out, job, BEFORE["common"], BEFORE["extra"])
+    now = {**BEFORE, **change}
+    jobs = [Job("b", "pretrain", str(ROOT / CPU)), Job("a", "pretrain", str(ROOT / CPU), now["overrides"])]
+    if differs is None:
+        assert run_sweep(jobs, out, now["common"], now["extra"], parallel=1) == {"b": "ok", "a": "ok"}
+        assert started.names == ["b"]
+        return
+    with pytest.raises(ConfigError) as e:
+        run_sweep(jobs, out, now["common"], now["extra"], parallel=1)
+    err = str(e.value).splitlines()
+    assert len(err) == 1 and f"a ({differs})" in err[0] and "another --out" in err[0], err
+    assert started.calls == [] and not (out / "b.log").exists()  # refused before anything started
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+@pytest.fixture
+def signals_fail_the_test():
+    """A signal that reaches this process outside `run_sweep` fails the test instead of ending pytest."""
+
+    class Reached(Exception):
+        pass
+
+    def fail(signum, frame):
+        raise Reached(f"signal {signum} reached the test process")
+
+    previous = {sig: signal.signal(sig, fail) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield fail
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+# A stage in miniature: on SIGTERM / SIGINT it "saves" and exits 143, as vit.train.loop.SignalGuard and the stages do.
+STAGE = ("import signal, sys, time\n"
+         "for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, lambda *a: sys.exit(143))\n"
+         "print('training', flush=True)\n"
+         "time.sleep(30)\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_is_passed_on_to_the_running_job_and_the_sweep_ends_after_it(tmp_path, monkeypatch, signals_fail_the_test, sig):
+    children, real_popen = [], subprocess.Popen
+
+    def popen(argv, **kwargs):
+        child = real_popen([sys.executable, "-c", STAGE], stdout=subprocess.PIPE, text=True, start_new_session=kwargs["start_new_session"])
+        assert child.stdout.readline() == "training\n"
+        children.append(child)
+        os.kill(os.getpid(), sig)  # the sweep is told to stop while the job trains
+        return child
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", popen)
+    jobs = [Job("a", "pretrain", str(ROOT / CPU)), Job("b", "pretrain", str(ROOT / CPU))]
+    try:
+        with pytest.raises(Stopped) as e:
+            run_sweep(jobs, tmp_path / "out", [], [], parallel=1)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.stdout.close()
+    assert len(children) == 1 and children[0].returncode == 143  # it was told, saved and ended before the sweep did
+    assert e.value.code == 128 + sig
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"sweep: stopped by {signal.Signals(sig).name}")
+    assert "a: stopped, its state saved" in line and "not started: b" in line
+    assert signal.getsignal(sig) is signals_fail_the_test  # the handlers are given back
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the job's process in /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_the_sweep_command_stopped_by_a_signal_ends_its_job_and_says_so_in_one_line(tmp_path, sig):
+    """SIGTERM to sweep.py, or a Ctrl-C's SIGINT to its process group: the running job ends too (it would otherwise go on
+    training and hold its run folder), the exit code is 128 + the signal, and no traceback is printed."""
+    tiny = ["data.dataset=synthetic", "data.synthetic_size=128", "data.val_size=32", "model.embed_dim=32", "model.depth=1",
+            "model.num_heads=2", "model.patch_size=8", "optim.batch_size=32", "schedule.epochs=1000", "schedule.warmup_epochs=0",
+            "run.tracker=none", "run.progress=false", "run.threads=1", "run.device=cpu", "run.precision=no"]  # fmt: skip
+    spec = write_sweep(tmp_path / "sweep.yaml", [{"name": name, "module": "pretrain", "config": CPU} for name in ("a", "b")])
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "sweep.py"), str(spec), "--out", "out", "--", *tiny], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    job = None
+    try:
+        assert proc.stdout.readline().startswith("sweep: start a: "), proc.stderr.read()
+        deadline = time.monotonic() + 30
+        while job is None and time.monotonic() < deadline:  # the sweep says it starts the job just before it does
+            found = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            job = int(found[0]) if found else None
+            time.sleep(0.05)
+        assert job is not None
+        if sig == signal.SIGTERM:
+            os.kill(proc.pid, sig)
+        else:
+            os.killpg(proc.pid, sig)  # a Ctrl-C: to the terminal's foreground process group, which the sweep leads here
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if job is not None and Path(f"/proc/{job}").exists():
+            os.kill(job, signal.SIGKILL)
+            pytest.fail(f"the job (process {job}) was still running after the sweep ended")
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in out + err and err == ""
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"sweep: stopped by {signal.Signals(sig).name} (a: stopped") and "not started: b" in last
+    assert (tmp_path / "out" / "a.log").is_file()
+
+
+# --------------------------------------------------------------------------- the sweep file's checks
+
+
+@pytest.mark.parametrize("job, message", [
+    ({"name": ".."}, "name must be a folder name (not '.' or '..', without '/'), got '..'"),
+    ({"name": "."}, "name must be a folder name"),
+    ({"name": "a/b"}, "name must be a folder name"),
+    ({"name": "a.log"}, "name 'a.log' ends in '.log', which names the jobs' log files"),
+    ({"name": "ft", "init": "pre"}, "init is for finetune jobs (it sets finetune.init); a pretrain job starts from no run"),
+])  # fmt: skip
+def test_a_job_name_outside_out_or_a_log_files_and_init_on_a_pretrain_job_are_refused(tmp_path, job, message):
+    spec = write_sweep(tmp_path / "sweep.yaml", [{"name": "pre", "module": "pretrain", "config": CPU},
+                                                 {"module": "pretrain", "config": CPU, **job}])  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        read_sweep(spec)
+    err = str(e.value).splitlines()
+    assert len(err) == 1 and "jobs[1]" in err[0] and message in err[0], err
+
+
+def test_a_sweep_file_that_is_not_utf8_is_one_line(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError) as e:
+        read_sweep(spec)
+    assert str(e.value) == f"sweep file {spec} is not UTF-8 text (byte 0); save it as UTF-8"

@@ -328,6 +328,21 @@ def test_quickstart_runs_each_stage_command_in_order_and_writes_the_report(quick
     assert f"Report: {out / 'report' / 'report.md'}" in stdout
 
 
+@pytest.mark.slow
+def test_quickstart_again_keeps_the_finished_stages_and_refuses_other_settings(quickstart_out, tmp_path, capsys):
+    out, _, _ = quickstart_out
+    records = {p: p.read_bytes() for name in ("mae", "linprobe", "finetune") for p in (out / name).glob("*.*") if p.is_file()}
+    tiny = quickstart_overrides(out.parent)
+    assert pipeline.quickstart(out, None, tiny, REPORT_SCRIPT, runner=in_process) == 0
+    assert capsys.readouterr().out.count("finished earlier with these settings: kept") == 3
+    assert {p: p.read_bytes() for p in records} == records  # summaries, configs and metrics as the first run left them
+    assert pipeline.quickstart(out, None, tiny + ["optim.weight_decay=0.3"], REPORT_SCRIPT, runner=in_process) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"error: {out / 'mae'} holds a finished run of other settings (optim.weight_decay was ")
+    assert err[1] == "quickstart: stopped at the MAE pretraining stage" and len(err) == 2
+    assert {p: p.read_bytes() for p in records} == records
+
+
 def test_quickstart_stops_at_the_first_failing_stage_with_one_line(tmp_path, capsys):
     tiny = [o for o in quickstart_overrides(tmp_path) if not o.startswith("data.dataset=")]  # CIFAR-10 from --data
     code = pipeline.quickstart(tmp_path / "qs", str(tmp_path / "no_such_folder"), tiny, REPORT_SCRIPT, runner=in_process)

@@ -5,7 +5,7 @@
 
 Each stage is the ordinary entry point (`python -m pretrain|finetune --config configs/...`, run
 folder OUT/<stage>, run.resume=auto), run as a subprocess and printed first, so every command can
-be copied and rerun alone; the probe and the fine-tune start from the pretraining run's encoder
+be copied and rerun alone; run again, quickstart keeps the stages that finished with the same settings; the probe and the fine-tune start from the pretraining run's encoder
 (and join its wandb group through it). A time budget is split between pretraining and
 fine-tuning (`schedule.budget_minutes` each); the linear probe runs outside it. The report is
 `report_script` (the compare_runs command line) over the three run folders.
@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from vit.errors import EXIT_USER_ERROR, ConfigError
+from vit.store.runs import is_finished
 from vit.tools.compare import REPORT_FILE
+from vit.tools.sweep import Job, job_differences, job_inputs
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: the stages' configs are named relative to it
 DATA_ENV = "VIT_DATA"  # where the data is when --data is not given
@@ -119,10 +122,36 @@ def run_command(argv: list[str]) -> int:
             continue
 
 
+def finished_earlier(command: list[str]) -> Path | None:
+    """The run folder of a stage command (`python -m STAGE --config YAML overrides...`) when it holds a run that finished
+    with the settings the command gives: kept, not entered again (a finished run resumed would evaluate again and write
+    its summary over the first one). None when there is none; a finished run of other settings is a ConfigError."""
+    if command[1] != "-m":
+        return None  # the report: written again from the runs
+    given = dict(item.split("=", 1) for item in command if item.startswith(("run.dir=", "run.name=")))
+    run_dir = Path(given["run.dir"]) / given["run.name"]
+    if not is_finished(run_dir):
+        return None
+    differ = job_differences(job_inputs(Job(given["run.name"], command[2], command[4], command[5:]), [], []), run_dir)
+    if differ:
+        raise ConfigError(f"{run_dir} holds a finished run of other settings ({', '.join(differ[:4])}); "
+                          "use another --out, or delete that run folder to run the stage again")  # fmt: skip
+    return run_dir
+
+
 def run_stages(commands: list[tuple[str, list[str]]], runner: Callable[[list[str]], int] = run_command) -> int:
-    """Run each command with `runner`, printed first as a person would type it; returns 0, or the exit code of the first that failed."""
+    """Run each command with `runner`, printed first as a person would type it; returns 0, or the exit code of the first
+    that failed. A stage whose run finished earlier with the same settings is kept (`finished_earlier`)."""
     for i, (title, command) in enumerate(commands, 1):
         print(f"\n[{i}/{len(commands)}] {title}\n$ {shlex.join([shown_python(), *command[1:]])}", flush=True)
+        try:
+            kept = finished_earlier(command)
+        except ConfigError as e:
+            print(f"error: {e}\nquickstart: stopped at the {title} stage", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
+        if kept is not None:
+            print(f"quickstart: {kept} finished earlier with these settings: kept", flush=True)
+            continue
         code = runner(command)
         if code != 0:
             hint = "rerun the same command to resume it" if code in (130, 143) else "its message is above"

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import ROOT, free_port, tiny_overrides
+from helpers import ROOT, free_port, reset_accelerate, tiny_overrides
 from vit.config import DataConfig
 from vit.data.splits import ImageSet
 from vit.data.decode import decode_crop, decode_image, to_rgb
@@ -415,6 +416,58 @@ def test_shards_split_by_rank_and_worker_and_resume_exactly(tmp_path):
     with pytest.raises(DataError) as e:
         StreamLoader(shards, 4, device="cpu", mean=(0.5,) * 3, std=(0.5,) * 3, out_size=16, train=True, rank=0, world_size=9)
     assert_one_line_naming(e, "8 shard(s)", "9 processes")
+
+
+def test_the_stream_loader_leaves_the_global_rng_alone(tmp_path):
+    """MAE masks and patch dropout draw from the global torch RNG, which a resume restores to the saved step's state. A
+    DataLoader iterator that seeds its workers from that RNG would shift the masks of a run resumed mid-epoch (it makes
+    its iterator at another point of the stream than the uninterrupted run did), so no loader may draw from it."""
+    data = stream_files(tmp_path, n=12)
+    pattern = write_shards(tmp_path / "shards", shards=2, per_shard=4)
+    shards, _ = open_quiet(data_cfg(tmp_path, dataset="webdataset", root=pattern, loader="stream", shuffle_buffer=2), out_size=16)
+    for workers in (0, 1):
+        for images, train in ((data.splits.train, True), (data.splits.train, False), (shards.splits.train, True)):
+            loader = StreamLoader(images, 4, device="cpu", mean=(0.5,) * 3, std=(0.5,) * 3, out_size=16, train=train, seed=1,
+                                  workers=workers)  # fmt: skip
+            for epoch in (0, 1):  # the first epoch starts the training workers, the second reuses them
+                torch.manual_seed(0)
+                state = torch.get_rng_state()
+                assert len(list(loader.epoch(epoch, start_batch=1))) == len(loader) - 1
+                assert torch.equal(torch.get_rng_state(), state), (workers, train, type(images).__name__, epoch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 1])
+def test_streamed_pretraining_resumed_mid_epoch_ends_bitwise_equal(tmp_path, workers, capsys):
+    """Random masks with the stream loader: a run resumed from a state mid-epoch ends with the weights of one never stopped."""
+    from pretrain.train import main as pretrain_main
+    from vit.store.runs import ENCODER_FILE, SUMMARY_FILE, state_dirs
+
+    write_folder(tmp_path / "photos", 20, size=(30, 40))
+
+    def args(**extra):
+        return tiny_overrides(tmp_path, **{
+            "data.dataset": "folder", "data.root": str(tmp_path / "photos"), "data.val_size": 4, "data.loader": "stream",
+            "data.workers": workers, "optim.batch_size": 4, "schedule.epochs": 2, "run.save_every": 2, "run.keep_states": 10,
+            "mae.knn_every": 0, "mae.figure_images": 0, "mae.decoder_embed_dim": 32, "mae.decoder_depth": 1,
+            "mae.decoder_num_heads": 2, **extra,
+        })  # fmt: skip
+
+    run_dir = tmp_path / "runs" / "run"
+    assert pretrain_main(args()) == 0
+    reset_accelerate()
+    whole = torch.load(run_dir / ENCODER_FILE, weights_only=True)["state_dict"]
+    # As if killed after its state at step 2 of the first epoch's 4: the later states and the summary never written.
+    assert [p.name for p in state_dirs(run_dir)] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    for state in state_dirs(run_dir)[1:]:
+        shutil.rmtree(state)
+    (run_dir / SUMMARY_FILE).unlink()
+    assert pretrain_main(args(**{"run.resume": "auto"})) == 0
+    reset_accelerate()
+    assert "step_00000002 at step 2" in capsys.readouterr().out
+    resumed = torch.load(run_dir / ENCODER_FILE, weights_only=True)["state_dict"]
+    for k in whole:
+        assert torch.equal(whole[k], resumed[k]), k
 
 
 # --------------------------------------------------------------------------- bad data

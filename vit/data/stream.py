@@ -24,6 +24,8 @@ Order and randomness are pure functions of their coordinates, as in the memory p
   than they hold. Every rank yields exactly `len(loader)` batches, so ranks stay in step. Batch b
   comes from worker b % workers; a resume skips, without decoding, the samples of the batches
   already trained, so it is exact when the process count and `data.workers` are unchanged.
+The loader draws nothing from the global torch RNG (its DataLoaders seed their workers from a generator of their own):
+MAE masks and patch dropout draw from it, and a resumed run restores it, so they too are those of an uninterrupted run.
 
 Images that do not decode stop the epoch with one line naming the file, unless `skip_bad`:
 then they are left out of their batch, counted and reported by `BadImageLog`.
@@ -327,9 +329,14 @@ class StreamLoader(Loader):
 
     def _data_loader(self, dataset, persistent: bool = False, **kwargs) -> torch.utils.data.DataLoader:
         workers = self.workers
+        # Each iterator the DataLoader makes (even with no worker) draws its workers' base seed from `generator`, by
+        # default the global torch RNG, from which masks and patch dropout draw: a run resumed mid-epoch makes its
+        # iterator at another point of that stream than the run it continues, and its masks would differ. Nothing here
+        # uses that seed (every draw is seeded by its coordinates), so a generator of our own keeps the global RNG untouched.
         return torch.utils.data.DataLoader(
             dataset, num_workers=workers, collate_fn=_identity, pin_memory=self.device.type == "cuda",
-            prefetch_factor=2 if workers > 0 else None, persistent_workers=persistent and workers > 0, **kwargs,
+            prefetch_factor=2 if workers > 0 else None, persistent_workers=persistent and workers > 0,
+            generator=seeded_generator("workers", self.seed, self.rank), **kwargs,
         )  # fmt: skip
 
     def _batches(self, epoch: int, start_batch: int) -> Iterator[dict[str, Any]]:

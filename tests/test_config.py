@@ -95,6 +95,13 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("model: [unclosed")
     with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
         load_config(PretrainConfig, bad)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("mae:\n  mask_ratio: 0.5\nmae:\n  norm_pix_loss: false\n")  # the first section would be lost
+    with pytest.raises(ConfigError, match="twice.yaml is not valid YAML: key 'mae' is given twice \\(line 3\\)"):
+        load_config(PretrainConfig, twice)
+    twice.write_text("mae:\n  mask_ratio: 0.5\n  mask_ratio: 0.6\n")
+    with pytest.raises(ConfigError, match="key 'mask_ratio' is given twice"):
+        load_config(PretrainConfig, twice)
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"model:\n  name: \xff\xfe\n")
     with pytest.raises(ConfigError, match="binary.yaml is not UTF-8 text"):
@@ -132,3 +139,10 @@ def test_every_job_of_every_shipped_sweep_loads(path):
     for job in jobs:
         cls = PretrainConfig if job.module == "pretrain" else FinetuneConfig
         load_config(cls, ROOT / job.config, common + job.overrides)
+
+
+@pytest.mark.parametrize("override, key", [("run.name=..", "run.name"), ("run.name=.", "run.name"), ("run.seed=-1", "run.seed"),
+                                           ("run.seed=4294967296", "run.seed")])  # fmt: skip
+def test_run_names_outside_run_dir_and_seeds_numpy_refuses_are_config_errors(override, key):
+    with pytest.raises(ConfigError, match=f"^{key} must be"):
+        load_config(PretrainConfig, None, [override])

@@ -442,3 +442,60 @@ def test_overwrite_replaces_a_finished_run_only_when_asked(finished, tmp_path):
     shutil.copytree(finished / "runs", copy)
     assert pretrain(tiny_overrides(tmp_path, name="done", **{"schedule.epochs": 1, "run.overwrite": True, "run.seed": 5})) == 0
     assert json.loads((copy / "done" / "summary.json").read_text())["seed"] == 5
+
+
+def test_resuming_keeps_a_run_s_record_and_refuses_what_would_mix_two_runs(finished, tmp_path, capsys):
+    """A resume checks the folder before writing to it: another stage's run, other settings, or a finished run with no
+    state left (starting afresh would write over it) are refused in one line, and the run's files stay as they were."""
+    import yaml
+
+    def saved(folder):  # the run's files; run.lock is the OS lock's handle, not something the run saved
+        return {name: digest for name, digest in snapshot(folder).items() if name != "run.lock"}
+
+    run_dir = tmp_path / "runs" / "done"
+    shutil.copytree(finished / "runs" / "done", run_dir)
+    args = tiny_overrides(tmp_path, name="done", **{"schedule.epochs": 1})
+    before = saved(run_dir)
+    cases = [
+        (finetune, ["finetune.init=scratch"], "holds a pretrain run, not a finetune one"),
+        (pretrain, ["optim.batch_size=16", "run.seed=7"], "was started with other settings (optim.batch_size 32 -> 16, run.seed 0 -> 7)"),
+        (pretrain, ["run.resume=yes"], "not a complete resume state (no trainer.json inside)"),  # the config it recorded is kept
+    ]
+    for entry, extra, message in cases:
+        assert entry(args + ["run.resume=auto"] + extra) == 2, extra
+        reset_accelerate()
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+        assert saved(run_dir) == before, extra
+    shutil.rmtree(run_dir / "states")  # a finished run whose states were removed to free the disk
+    before = saved(run_dir)
+    assert pretrain(args + ["run.resume=auto"]) == 2
+    reset_accelerate()
+    assert "holds a finished run and no resume state to continue from" in capsys.readouterr().err
+    assert saved(run_dir) == before
+    # a run that died before its first state: started afresh, its earlier records cleared rather than mixed in
+    (run_dir / "summary.json").unlink()
+    (run_dir / "metrics.jsonl").write_text('{"step": 999, "loss": 9.0}\n')
+    assert pretrain(args + ["run.resume=auto"]) == 0
+    reset_accelerate()
+    assert all(json.loads(line)["step"] != 999 for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["seed"] == 0
+
+
+def test_an_overwrite_refuses_to_delete_what_it_reads_and_clears_every_earlier_output(finished, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "done"
+    shutil.copytree(finished / "runs" / "done", run_dir)
+    before = snapshot(run_dir)
+    args = tiny_overrides(tmp_path, name="done", **{"schedule.epochs": 1}) + ["run.overwrite=true"]
+    assert finetune(args + [f"finetune.init={run_dir}"]) == 2  # the encoder it would start from is in the folder it replaces
+    reset_accelerate()
+    err = capsys.readouterr().err
+    assert err == f"error: run.overwrite=true would delete {run_dir}, which finetune.init reads; choose another run.name\n"
+    assert {k: v for k, v in snapshot(run_dir).items() if k != "run.lock"} == {k: v for k, v in before.items() if k != "run.lock"}
+    (run_dir / "confusion_val.png").write_bytes(b"an earlier fine-tune's figure")
+    (run_dir / "figures").mkdir(exist_ok=True)
+    (run_dir / "figures" / "old.png").write_bytes(b"x")
+    assert finetune(args + ["finetune.init=scratch", "finetune.confusion_matrix=false"]) == 0
+    reset_accelerate()
+    assert not (run_dir / "confusion_val.png").exists() and not (run_dir / "figures" / "old.png").exists()
+    assert not (run_dir / "encoder.pt").exists() and (run_dir / "classifier.pt").is_file()  # the pretraining's outputs went too

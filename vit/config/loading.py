@@ -17,6 +17,21 @@ from vit.errors import ConfigError
 # --------------------------------------------------------------------------- loading
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.safe_load`, refusing a key given twice in one mapping: plain YAML keeps the last silently, so a section
+    written twice in a config file would lose every setting of its first copy."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice (line {key_node.start_mark.line + 1})",
+                                                        key_node.start_mark)  # fmt: skip
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] = (), only: Sequence[str] | None = None) -> Any:
     """Build `cls` from a YAML file and `key.sub=value` overrides, type-checked and validated. `only`: read these sections
     of the file and leave the others unread (a run folder's config.yaml read for its data, say)."""
@@ -31,7 +46,7 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: lis
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
@@ -89,6 +104,17 @@ def to_dict(cfg: Any) -> dict[str, Any]:
         return v
 
     return plain(dataclasses.asdict(cfg))
+
+
+def flat_keys(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys, the way overrides name them: {"optim": {"base_lr": 1}} -> {"optim.base_lr": 1}."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def dump_config(cfg: Any, extra: dict[str, Any] | None = None) -> str:

@@ -224,7 +224,9 @@ class RunConfig:
     nan_skip_budget: int = 0  # non-finite losses skipped before the run stops
 
     def validate(self) -> None:
-        check(bool(self.name) and "/" not in self.name, "run.name", "must be a non-empty folder name without '/'")
+        check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name",
+              "must be a non-empty folder name without '/' (and not '.' or '..', which are not a folder of run.dir)")
+        check(0 <= self.seed < 2**32, "run.seed", "must be in [0, 2**32 - 1]")
         check(self.threads is None or self.threads > 0, "run.threads", "must be positive")
         for key in ("log_every", "save_every", "keep_states"):
             check(getattr(self, key) > 0, f"run.{key}", "must be positive")

@@ -93,8 +93,9 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def clear_outputs(run_dir: Path) -> None:
-    """Delete a previous run's outputs, so they cannot be mistaken for the next run's."""
-    for name in RUN_OUTPUTS:
+    """Delete a previous run's outputs, figures included, so they cannot be mistaken for the next run's."""
+    figures = [p.name for p in Path(run_dir).glob(confusion_path(run_dir, "*").name)]
+    for name in (*RUN_OUTPUTS, BUDGET_FILE, RECONSTRUCTION_FILE, FIGURES_DIR, *figures):
         path = Path(run_dir) / name
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 

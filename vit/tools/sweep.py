@@ -47,6 +47,7 @@ from typing import Any
 
 import yaml
 
+from vit.config import flat_keys
 from vit.data.provenance import SPLIT_KEYS
 from vit.errors import ConfigError
 from vit.store.runs import is_finished, read_config
@@ -345,7 +346,7 @@ def job_inputs(job: Job, common: list[str], extra: list[str]) -> dict[str, Any]:
         data = yaml.safe_load(Path(job.config).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"job {job.name}: cannot read its config {job.config}: {str(e).splitlines()[0]}") from None
-    inputs = flat(data if isinstance(data, dict) else {})
+    inputs = flat_keys(data if isinstance(data, dict) else {})
     inputs.pop("meta", None)
     for item in common + job.overrides + extra:
         key, raw = item.split("=", 1)
@@ -362,7 +363,7 @@ def job_differences(inputs: dict[str, Any], run_dir: Path) -> list[str]:
     if recorded is None:
         return ["no config.yaml recorded"]
     meta = recorded.pop("meta", None) or {}
-    then = flat(recorded)
+    then = flat_keys(recorded)
     command_keys = {m.group(1) for token in str(meta.get("command", "")).split(" ") if (m := OVERRIDE.match(token))}
     skip = set(NOT_COMPARED) | {key for key in FILLED_WHEN_AUTO if inputs.get(key) == "auto"}
     if inputs.get("finetune.mode") == "eval":
@@ -392,14 +393,3 @@ def same(now: Any, then: Any) -> bool:
         except ValueError:
             return False
     return now == then
-
-
-def flat(data: dict, prefix: str = "") -> dict[str, Any]:
-    """{"optim": {"base_lr": 1}} -> {"optim.base_lr": 1}."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out

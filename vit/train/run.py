@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import torch
 
-from vit.config import RunConfig, dump_config, to_dict
+from vit.config import RunConfig, dump_config, flat_keys, to_dict
 from vit.device import host
-from vit.errors import ConfigError
+from vit.errors import ConfigError, UserError
 from vit.store.lock import RunLock, lock_run
-from vit.store.runs import METRICS_FILE, append_metrics, clear_outputs, holds_run, last_logged, write_config, write_summary
+from vit.store.runs import (METRICS_FILE, append_metrics, clear_outputs, holds_run, is_finished, last_logged, read_config,
+                            state_dirs, write_config, write_summary)
 from vit.train import tracking
 from vit.train.accelerator import make_accelerator, set_threads
 
@@ -65,7 +66,8 @@ class Run:
         # The main process alone holds it; the other ranks of this run follow it.
         lock = lock_run(run_dir) if accelerator.is_main_process else None
         try:
-            check_run_dir(run_dir, run_cfg)
+            check_run_dir(run_dir, run_cfg, cfg)
+            keep_record = check_resume(run_dir, cfg, stage)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -86,7 +88,7 @@ class Run:
         }
         run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta,
                   lock=lock)  # fmt: skip
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and not keep_record:  # a resumed run keeps the record its first process wrote
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir, dump_config(cfg, meta))
         run.print(
@@ -228,8 +230,9 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_run_dir(run_dir: Path, run_cfg: RunConfig) -> None:
-    """Refuse to start a fresh run over an existing one unless told to overwrite."""
+def check_run_dir(run_dir: Path, run_cfg: RunConfig, cfg: Any) -> None:
+    """Refuse to start a fresh run over an existing one unless told to overwrite, and an overwrite that would delete
+    what this run reads (its encoder in the folder it replaces, say)."""
     if run_cfg.resume or not run_dir.exists():
         return
     if not holds_run(run_dir):
@@ -239,9 +242,57 @@ def check_run_dir(run_dir: Path, run_cfg: RunConfig) -> None:
             f"run folder {run_dir} already holds a run; resume it with run.resume=auto, "
             "choose another run.name, or pass run.overwrite=true to replace it"
         )
+    inside = run_dir.resolve()
+    for key, value in flat_keys(to_dict(cfg)).items():
+        path = Path(str(value).split(":", 1)[-1]).expanduser() if isinstance(value, str) and value and key != "run.dir" else None
+        if path is not None and path.exists() and (path.resolve() == inside or inside in path.resolve().parents):
+            raise ConfigError(f"run.overwrite=true would delete {path}, which {key} reads; choose another run.name")
     # Overwrite: clear the previous run's outputs so they cannot be mistaken for this one's.
     if int(os.environ.get("RANK", "0")) == 0:
         clear_outputs(run_dir)
+
+
+# Settings a resumed run may change: where things are and how it runs, not what it trains. The rest must be what the
+# run recorded, or the result would be neither run (its config.yaml would say one thing while its first steps did another).
+RESUMABLE_CHANGES = frozenset({
+    "run.dir", "run.name", "run.resume", "run.overwrite", "run.device", "run.precision", "run.threads", "run.compile", "run.cuda_graph",
+    "run.log_every", "run.save_every", "run.keep_states", "run.figure_every", "run.tracker", "run.wandb_mode", "run.project",
+    "run.group", "run.progress", "data.root", "data.val_root", "data.cache_dir", "data.download", "data.workers",
+    "data.memory_budget_gb", "finetune.init", "schedule.max_steps",  # where a run stops: a stopped run continues past it
+})  # fmt: skip
+
+
+def check_resume(run_dir: Path, cfg: Any, stage: str) -> bool:
+    """Before a resume touches the folder: refuse a finished run with no state to continue from (starting afresh would
+    write over its results) and a run recorded with other settings or by another stage, naming what differs. True when
+    the folder's record (config.yaml) is the one to keep; False when there is none to keep (a fresh run)."""
+    run_cfg = cfg.run
+    if not run_cfg.resume or not holds_run(run_dir):
+        return False
+    if run_cfg.resume == "auto" and not state_dirs(run_dir):
+        if is_finished(run_dir):  # starting afresh would write over its results
+            raise ConfigError(f"run folder {run_dir} holds a finished run and no resume state to continue from; choose another "
+                              "run.name, or pass run.overwrite=true (without run.resume) to run it again")  # fmt: skip
+        if int(os.environ.get("RANK", "0")) == 0:
+            clear_outputs(run_dir)  # it died before its first state: its records would mix with this fresh run's
+        return False
+    try:
+        recorded = read_config(run_dir)
+    except UserError:
+        recorded = None
+    if recorded is None:
+        return False  # no record to keep: this run writes one
+    then = recorded.pop("meta", None) or {}
+    if then.get("stage", stage) != stage:
+        raise ConfigError(f"run.resume: {run_dir} holds a {then['stage']} run, not a {stage} one; choose another run.name")
+    now, before = flat_keys(to_dict(cfg)), flat_keys(recorded)
+    differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
+              if key not in RESUMABLE_CHANGES and now.get(key) != before.get(key)]  # fmt: skip
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        raise ConfigError(f"run.resume: the run in {run_dir} was started with other settings ({shown}); resume it with "
+                          "the settings it recorded in config.yaml, or choose another run.name")  # fmt: skip
+    return True
 
 
 def git_commit() -> str:

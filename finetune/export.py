@@ -1,9 +1,10 @@
 """Export a finished ViT classifier as a timm / Hugging Face Hub folder (head included) with a model card.
 
-    python -m finetune.export runs/finetune --out exports/finetune [--push USER/NAME]
+    python -m finetune.export runs/finetune --out exports/finetune [--push USER/NAME] [--overwrite]
 
 The same folder format and card as `python -m pretrain.export` (encoders); a linear probe's BatchNorm is
-folded into its Linear head so timm's plain ViT gives the probe's logits.
+folded into its Linear head so timm's plain ViT gives the probe's logits. `--out` is refused, as there, when it is
+not empty (unless it holds this very export, or `--overwrite`) or lies in a run folder.
 """
 
 from __future__ import annotations

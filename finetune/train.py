@@ -35,8 +35,9 @@ from vit.errors import ConfigError, DataError, exit_on_user_error
 from vit.data.files import ShardSet
 from vit.data.loaders import Data, open_data
 from vit.models.encoder import preset_image_size
-from vit.data.provenance import SPLIT_KEYS, check_overlap, split_record
+from vit.data.provenance import SPLIT_KEYS, check_overlap, split_record, unrecorded
 from vit.data.randaug import make_ops
+from vit.store.hub import hub_provenance, is_hub_init
 from vit.store.runs import CLASSIFIER_FILE, confusion_path
 
 
@@ -280,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         run.use_encoder(encoder)
     data = open_run_data(cfg, run, input_size(cfg))
     splits = data.splits
-    check_pretraining_overlap(cfg, run, splits)
     built = build_classifier(cfg, len(splits.train.classes), run.accelerator.device, say=run.print)
+    check_pretraining_overlap(cfg, run, splits)  # after the weights load, so an init that cannot load is one line, no warning
     # Each rank drew its own random init (per-rank seed); a cached probe's encoder is never wrapped in DDP, so make them one.
     sync_from_main(built.model, run.accelerator)
     if cfg.finetune.mode == "knn":
@@ -351,12 +352,23 @@ def summarize(cfg: FinetuneConfig, run: Run, data: Data, built: Built, trained: 
 
 
 def check_pretraining_overlap(cfg: FinetuneConfig, run: Run, splits: Splits) -> None:
-    """Refuse val images the MAE encoder was pretrained on (`finetune.allow_overlap=true` goes on regardless)."""
-    path = encoder_init(cfg.finetune.init)
-    if path is None:  # timm and Hub weights carry no record of their data
+    """Refuse val images the encoder was pretrained on (`finetune.allow_overlap=true` goes on regardless); warn where
+    its training images are not recorded (timm weights, Hub folders other than our encoder exports)."""
+    init, path = cfg.finetune.init, encoder_init(cfg.finetune.init)
+    if path is not None:
+        record, what = read_encoder(path).get("meta", {}).get("data"), f"the encoder {path}"
+    elif is_hub_init(init):
+        record, what = hub_provenance(init), f"the encoder {init}"  # our encoder exports carry it in config.json
+        if record is None:
+            run.warn(unrecorded(what, "its config.json has no pretrained_on: not a vit-mae encoder export, or an older one",
+                                "export it again with python -m pretrain.export, or fine-tune from its run folder"))  # fmt: skip
+            return
+    else:
+        if init != "scratch":
+            run.warn(unrecorded(f"the encoder {init}", "timm's pretrained weights do not record their training images",
+                                "make sure this run's val images are not among them"))  # fmt: skip
         return
-    record = read_encoder(path).get("meta", {}).get("data")
-    note = check_overlap(record, splits, f"the encoder {path}", "finetune.allow_overlap", cfg.finetune.allow_overlap)
+    note = check_overlap(record, splits, what, "finetune.allow_overlap", cfg.finetune.allow_overlap)
     if note:
         run.warn(note)
 

@@ -1,6 +1,10 @@
 """Export an MAE encoder as a timm / Hugging Face Hub folder with a model card.
 
-    python -m pretrain.export runs/mae --out exports/mae [--push USER/NAME]   # a pretraining run folder or an encoder.pt
+    python -m pretrain.export runs/mae --out exports/mae [--push USER/NAME] [--overwrite]   # a pretraining run folder or an encoder.pt
+
+`--out` must be a new or empty folder outside every run folder (or hold this very export); `--overwrite` replaces
+the files of another export there. config.json carries the data split the encoder was pretrained on, so a
+fine-tune from the folder checks its val images as one from the run folder does.
 
 The folder and its card are `vit.store.export`'s (the same as `python -m finetune.export` writes for a classifier).
 """

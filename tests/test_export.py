@@ -20,6 +20,7 @@ from finetune.models import classifier_as_vit, load_classifier
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
+from vit.errors import ConfigError
 from vit.store.checkpoint import CheckpointError, encoder_from_checkpoint, save_encoder
 import vit.store.hub
 from vit.data.sources import CIFAR10_MEAN, SYNTHETIC_MEAN, SYNTHETIC_STD
@@ -260,3 +261,89 @@ def test_an_encoder_saved_before_it_recorded_its_normalisation_takes_its_dataset
     save_encoder(encoder_like_the_run(), run / "encoder.pt", meta={"run": str(run)})
     (run / "config.yaml").write_text(yaml.safe_dump({"data": {"dataset": "cifar10"}}))
     assert encoder_export(run).mean == list(CIFAR10_MEAN)
+
+
+# --------------------------------------------------------------------------- --out never loses what is there
+
+
+def export_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_non_empty_out_is_refused_in_one_line_and_its_files_are_kept(exported, tmp_path, capsys):
+    out = tmp_path / "full"
+    out.mkdir()
+    (out / "README.md").write_text("important\n")
+    assert export_encoder([str(exported.runs / "mae"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --out {out} is not empty (its README.md differs") and "--overwrite" in err
+    assert export_files(out) == {"README.md": b"important\n"}
+    assert export_encoder([str(exported.runs / "mae"), "--out", str(out), "--overwrite"]) == 0
+    assert set(export_files(out)) == {"README.md", "model.safetensors", "config.json"} and (out / "README.md").read_text() != "important\n"
+
+
+def test_another_encoder_is_not_exported_over_an_export_without_overwrite(exported, tmp_path, capsys):
+    other = tmp_path / "other"
+    save_encoder(encoder_like_the_run(), other / "encoder.pt", meta={"run": str(other)})
+    (other / "config.yaml").write_text(yaml.safe_dump({"data": {"dataset": "cifar10"}}))
+    out = tmp_path / "out"
+    assert export_encoder([str(exported.runs / "mae"), "--out", str(out)]) == 0
+    first = export_files(out)
+    (out / "notes.txt").write_text("mine\n")
+    assert export_encoder([str(other), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "its model.safetensors holds other weights" in err and "notes.txt is not a file of an export" in err
+    assert export_files(out) == {**first, "notes.txt": b"mine\n"}
+    assert export_encoder([str(other), "--out", str(out), "--overwrite"]) == 0
+    now = export_files(out)
+    assert now["model.safetensors"] != first["model.safetensors"] and now["notes.txt"] == b"mine\n"  # --overwrite: only the export's files
+
+
+def test_exporting_the_same_weights_again_into_their_export_writes_nothing(exported, tmp_path, capsys):
+    out = tmp_path / "again"
+    assert export_encoder([str(exported.runs / "mae"), "--out", str(out)]) == 0
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    assert export_encoder([str(exported.runs / "mae"), "--out", str(out)]) == 0
+    assert "already holds this encoder" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    (out / "README.md").write_text("my edits\n")  # the same weights, an edited card: kept
+    assert export_encoder([str(exported.runs / "mae"), "--out", str(out)]) == 2
+    assert "the weights are the same" in capsys.readouterr().err and (out / "README.md").read_text() == "my edits\n"
+
+
+@pytest.mark.parametrize("inside", ["", "export"])
+def test_an_out_at_or_inside_a_run_folder_is_refused_even_with_overwrite(exported, capsys, inside):
+    run = exported.runs / "mae"
+    before = sorted(p.name for p in run.iterdir())
+    out = run / inside if inside else run
+    for extra in ([], ["--overwrite"]):
+        assert export_encoder([str(run), "--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ("is the run folder" if not inside else f"is inside the run folder {run}") in err
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert export_classifier([str(exported.runs / "probe"), "--out", str(exported.runs / "probe"), "--overwrite"]) == 2
+
+
+def test_push_of_an_existing_identical_export_still_says_how_to_upload(exported, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "pushed"
+    for _ in range(2):
+        assert export_encoder([str(exported.runs / "mae"), "--out", str(out), "--push", "me/tiny-mae"]) == 2
+        assert f"hf upload me/tiny-mae {out}" in capsys.readouterr().err
+    assert export_encoder([str(exported.runs / "mae"), "--out", str(tmp_path / "x"), "--push", "me/..bad"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--push: 'me/..bad' is not a Hub model id" in err and not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------------- hf-hub: ids
+
+
+@pytest.mark.parametrize("repo_id", ["a/b/c", "../../etc", "me/..", "a b/c"])
+def test_a_malformed_hub_id_is_one_line_naming_finetune_init(tmp_path, monkeypatch, capsys, repo_id):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match=re.escape(f"finetune.init=hf-hub:{repo_id}@main: {repo_id!r} is not a Hub model id")):
+        load_hub_weights(encoder_like_the_run(), f"hf-hub:{repo_id}@main")
+    assert finetune(small(tmp_path, "bad", **{"finetune.init": f"hf-hub:{repo_id}"})) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: finetune.init=hf-hub:{repo_id}: {repo_id!r} is not a Hub model id")

@@ -1,6 +1,7 @@
 """Checkpoints record the data split they were trained on; later runs refuse to evaluate on images they trained on."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +107,68 @@ def test_pretraining_on_streamed_shards_without_a_val_split_then_probing_them(tm
     probe += ["finetune.mode=linear", "finetune.probe_cache=false", f"finetune.init={tmp_path / 'runs' / 'mae'}"]
     assert finetune(probe) == 0
     assert "trained on these shards, read in order" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- encoders from exported folders, the Hub and timm
+
+
+@pytest.fixture(scope="module")
+def mae_export(mae_run, tmp_path_factory) -> Path:
+    from pretrain.export import main as export_encoder
+
+    out = tmp_path_factory.mktemp("export") / "mae"
+    assert export_encoder([str(mae_run), "--out", str(out)]) == 0
+    return out
+
+
+def test_an_export_carries_the_record_of_its_encoder(mae_run, mae_export):
+    from vit.data.provenance import record_from_json
+
+    stored = torch.load(mae_run / "encoder.pt", weights_only=True)["meta"]["data"]
+    record = record_from_json(json.loads((mae_export / "config.json").read_text())["pretrained_on"], "config.json")
+    assert torch.equal(record.pop("trained_on"), stored["trained_on"])
+    assert record == {k: stored[k] for k in record}
+
+
+def test_probing_an_exported_encoder_on_val_images_it_was_pretrained_on_is_refused(mae_export, tmp_path, capsys):
+    init = f"finetune.init=local-dir:{mae_export}"
+    bigger_val = tiny_overrides(tmp_path, name="knn", **{"data.val_size": 80}) + ["finetune.mode=knn", init]
+    assert finetune(bigger_val) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"40 of this run's 80 val images were training images of the encoder local-dir:{mae_export}" in err[0]
+    reset_accelerate()
+    assert finetune(tiny_overrides(tmp_path, name="same") + ["finetune.mode=knn", f"finetune.init=local-dir:{mae_export}"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_an_encoder_that_records_no_data_is_used_with_one_warning_saying_why(mae_run, mae_export, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    bare = tmp_path / "bare"  # an export without the record: older, or not ours
+    bare.mkdir()
+    config = json.loads((mae_export / "config.json").read_text())
+    del config["pretrained_on"]
+    (bare / "config.json").write_text(json.dumps(config))
+    (bare / "model.safetensors").write_bytes((mae_export / "model.safetensors").read_bytes())
+    weights = tmp_path / "weights.safetensors"  # timm's weights, from a file
+    save_file(load_file(mae_export / "model.safetensors"), weights)
+    for name, init, why in (("bare", f"finetune.init=local-dir:{bare}", "its config.json has no pretrained_on"),
+                            ("timm", f"finetune.init=timm:vit_tiny_patch16_224 finetune.init_file={weights}",
+                             "timm's pretrained weights do not record their training images")):  # fmt: skip
+        assert finetune(tiny_overrides(tmp_path, name=name, **{"data.val_size": 80}) + ["finetune.mode=knn", *init.split()]) == 0
+        reset_accelerate()
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "not checked" in line]
+        assert len(warnings) == 1 and why in warnings[0] and "records no data split" in warnings[0]
+
+
+@pytest.mark.parametrize("damage, why", [({"trained_on": "!!"}, "not base64"), ({"trained_on": "AAAA"}, "holds 3 bytes"),
+                                         ({"fingerprint": None}, "no fingerprint")])  # fmt: skip
+def test_a_damaged_record_in_an_export_is_one_line(mae_export, tmp_path, capsys, damage, why):
+    folder = tmp_path / "damaged"
+    shutil.copytree(mae_export, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["pretrained_on"].update(damage)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert finetune(tiny_overrides(tmp_path, name="knn") + ["finetune.mode=knn", f"finetune.init=local-dir:{folder}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pretrained_on is damaged" in err and why in err

@@ -11,10 +11,17 @@ checkpoint saw. Test images never come from the source's training split, so only
 WebDataset shards on the stream loader are read in order, never indexed: their samples have no
 positions, `trained_on` is None, and whether a later run's val images were seen is not checked
 (one warning says so).
+
+An exported encoder folder (`python -m pretrain.export`) carries the same record in its config.json, under
+`pretrained_on`, as JSON (`record_to_json`: `trained_on` as base64 text), so `finetune.init=local-dir:` and
+`hf-hub:` inits of our exports are checked like their run folders. Weights that record nothing (timm's, other
+Hub models, older exports) are not checked, and one warning says why (`unrecorded`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 import numpy as np
@@ -22,7 +29,7 @@ import torch
 
 from vit.config import DataConfig
 from vit.data.splits import Splits
-from vit.errors import DataError
+from vit.errors import CheckpointError, DataError
 
 SPLIT_KEYS = ("dataset", "val_size", "split_seed", "train_fraction")
 
@@ -37,6 +44,40 @@ def split_record(data_cfg: DataConfig, splits: Splits) -> dict[str, Any]:
         trained_on = torch.from_numpy(np.packbits(trained))
     return {**{k: getattr(data_cfg, k) for k in SPLIT_KEYS}, "fingerprint": source.fingerprint, "source_size": source.size,
             "trained_on": trained_on}  # fmt: skip
+
+
+def record_to_json(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` (from `split_record`) as plain JSON values: the packed `trained_on` mask as base64 text."""
+    trained_on = record.get("trained_on")
+    packed = None if trained_on is None else base64.b64encode(trained_on.numpy().tobytes()).decode("ascii")
+    return {**{k: record.get(k) for k in (*SPLIT_KEYS, "fingerprint", "source_size")}, "trained_on": packed}
+
+
+def record_from_json(value: Any, where: str) -> dict[str, Any]:
+    """The record that `record_to_json` wrote; a damaged one is one CheckpointError naming `where`."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{where} is damaged ({why}): delete it to go on without the val-overlap check")
+
+    if not isinstance(value, dict) or not isinstance(value.get("fingerprint"), str):
+        raise bad("no fingerprint")
+    size, packed = value.get("source_size"), value.get("trained_on")
+    if not isinstance(size, int) or size < 0:
+        raise bad(f"source_size {size!r}")
+    trained_on = None
+    if packed is not None:
+        try:
+            raw = base64.b64decode(packed, validate=True)
+        except (TypeError, ValueError, binascii.Error):
+            raise bad("trained_on is not base64 text") from None
+        if len(raw) != (size + 7) // 8:
+            raise bad(f"trained_on holds {len(raw)} bytes, {size} images need {(size + 7) // 8}")
+        trained_on = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return {**{k: value.get(k) for k in (*SPLIT_KEYS, "fingerprint")}, "source_size": size, "trained_on": trained_on}
+
+
+def unrecorded(what: str, why: str, instead: str) -> str:
+    """The warning for an encoder whose training images are not recorded: why, and what would have it checked."""
+    return f"{what} records no data split ({why}): whether it trained on this run's val images is not checked; {instead}"
 
 
 def val_seen(record: dict[str, Any], splits: Splits) -> int | None:

@@ -4,6 +4,9 @@
     python -m pretrain.export runs/mae --out exports/mae --push USER/NAME   # and upload it to the Hub
     python -m finetune.export runs/finetune --out exports/finetune          # a classifier, head included (same options)
 
+`--out` must be a new or empty folder, outside every run folder; a folder holding an identical earlier export is
+completed (nothing in it changes), and `--overwrite` replaces the three files of another one.
+
 The folder (`vit.store.hub`: model.safetensors, config.json, README.md) loads as it is:
 `timm.create_model("local-dir:exports/mae", pretrained=True)`, and starts a fine-tune or probe with
 `finetune.init=local-dir:exports/mae` (`hf-hub:USER/NAME` once pushed).
@@ -11,6 +14,8 @@ The folder (`vit.store.hub`: model.safetensors, config.json, README.md) loads as
 The model card holds the architecture, the data and recipe of the run that made the weights (epochs,
 wall time, device, git commit, command), and the val/test accuracy of the runs that used them
 (run folders beside it whose encoder came from it), with Hub front matter (library, tags, datasets, metrics).
+An encoder's config.json carries the data split it was pretrained on (`vit.store.hub.PROVENANCE_KEY`), so a
+fine-tune from the folder refuses val images the encoder trained on, as one from its run folder does.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from typing import Any, Callable
 
 import yaml
 
+from vit.data.provenance import record_to_json
 from vit.data.sources import NORMALIZATION
 from vit.store.checkpoint import encoder_from_checkpoint, read_encoder
 from vit.errors import CheckpointError, UserError
-from vit.store.hub import hub_config, push_folder, write_hub_folder
+from vit.store.hub import check_repo_id, hub_config, push_folder, write_hub_folder
 from vit.models.encoder import VisionTransformer, count_parameters
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, read_config, read_summary, run_folder_of
 
@@ -47,6 +53,7 @@ class Export:
     step: int | None = None
     parent: str | None = None  # a classifier's pretraining run
     used_by: list[dict[str, Any]] = field(default_factory=list)  # summaries of the runs that started from an encoder
+    pretrained_on: dict[str, Any] | None = None  # an encoder's data split as JSON (`vit.data.provenance.record_to_json`), if recorded
 
 
 def read_run_file(run_dir: Path | None, reader: Callable[[Path], dict[str, Any] | None]) -> dict[str, Any]:
@@ -87,7 +94,8 @@ def encoder_export(path: str | Path) -> Export:
     else:
         raise CheckpointError(f"{path} does not record the input normalisation it was trained with, and no run folder beside it names the dataset")
     return Export(model, "encoder", list(mean), list(std), dataset, run_dir, step=payload.get("step"),
-                  used_by=runs_started_from(run_dir) if run_dir is not None else [])  # fmt: skip
+                  used_by=runs_started_from(run_dir) if run_dir is not None else [],
+                  pretrained_on=record_to_json(data) if data.get("fingerprint") else None)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the model card
@@ -199,15 +207,20 @@ def model_card(exp: Export, name: str, load_as: str) -> str:
 # --------------------------------------------------------------------------- the command line
 
 
-def export(exp: Export, out: str | Path, push: str | None = None) -> Path:
-    """Write the Hub folder for `exp` into `out` and, with `push=USER/NAME`, upload it."""
-    out = Path(out).expanduser()
-    name = push.split("/")[-1] if push else out.resolve().name
-    load_as = f"hf-hub:{push}" if push else f"local-dir:{out}"
-    config = hub_config(exp.model, exp.mean, exp.std, exp.label_names)
-    folder = write_hub_folder(out, exp.model, config, model_card(exp, name, load_as))
-    print(f"export: {exp.kind} ({exp.model.config['embed_dim']}d x {exp.model.config['depth']}) -> {folder} "
-          f"(load with timm.create_model(\"local-dir:{folder}\", pretrained=True))")  # fmt: skip
+def export(exp: Export, out: str | Path, push: str | None = None, overwrite: bool = False) -> Path:
+    """Write the Hub folder for `exp` into `out` and, with `push=USER/NAME`, upload it.
+
+    `out` must be new, empty or hold this very export, unless `overwrite` (`vit.store.hub.write_hub_folder`)."""
+    folder = Path(out).expanduser()
+    name = push.split("/")[-1] if push else folder.resolve().name
+    load_as = f"hf-hub:{push}" if push else f"local-dir:{folder}"
+    config = hub_config(exp.model, exp.mean, exp.std, exp.label_names, exp.pretrained_on)
+    written = write_hub_folder(folder, exp.model, config, model_card(exp, name, load_as), overwrite)
+    what = f"{exp.kind} ({exp.model.config['embed_dim']}d x {exp.model.config['depth']})"
+    if written:
+        print(f'export: {what} -> {folder} (load with timm.create_model("local-dir:{folder}", pretrained=True))')
+    else:
+        print(f"export: {folder} already holds this {what} export, file for file; nothing written")
     if push:
         print(f"export: pushed to {push_folder(folder, push)}")
     return folder
@@ -218,8 +231,14 @@ def cli(argv: list[str] | None, load: Callable[[str], Export], prog: str, what: 
     parser.add_argument("source", help=f"{what}: its run folder or checkpoint file")
     parser.add_argument("--out", required=True, help="folder to write model.safetensors, config.json and README.md into")
     parser.add_argument("--push", metavar="USER/NAME", help="also upload the folder to this Hub model repository (needs network and a login)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace model.safetensors, config.json and README.md in an --out that holds other files or another "
+                             "export (other files there are left alone); without it such an --out is refused. An --out at or "
+                             "inside a run folder is always refused")  # fmt: skip
     args = parser.parse_args(argv)
     if args.push is not None and args.push.count("/") != 1:
         parser.error(f"--push {args.push!r} must look like USER/NAME")
-    export(load(args.source), args.out, args.push)
+    if args.push is not None:
+        check_repo_id(args.push, "--push")
+    export(load(args.source), args.out, args.push, args.overwrite)
     return 0

@@ -8,6 +8,10 @@ A folder holds what `timm.create_model("local-dir:DIR")` and the Hub read as the
                         "crop_pct", ...}, "label_names": [...] (a classifier)}
     README.md           the model card (written by `vit.store.export`)
 
+An encoder's config.json also holds `pretrained_on`: the data split it was pretrained on (`vit.data.provenance`,
+as JSON), so fine-tuning from the folder checks val images against it as it does from the run folder; timm
+ignores the key. Writing never replaces another folder's files or a run's (`write_hub_folder`).
+
 `finetune.init=local-dir:DIR` and `finetune.init=hf-hub:USER/NAME` load such a folder, ours or any timm
 ViT on the Hub, with the checks and resampling of `timm:` inits (`vit.store.checkpoint.load_timm_weights`).
 """
@@ -24,15 +28,18 @@ from urllib.parse import urlparse
 import torch
 import torch.nn as nn
 
+from vit.data.provenance import record_from_json
 from vit.store.checkpoint import CheckpointError, load_timm_weights, read_weights_file
-from vit.store.atomic import atomic_write, atomic_write_text
-from vit.errors import UserError
+from vit.store.atomic import atomic_write
+from vit.store.runs import LOCK_FILE, holds_run, read_config
+from vit.errors import ConfigError, UserError
 from vit.models.encoder import VisionTransformer
 
 WEIGHTS_FILE = "model.safetensors"
 LEGACY_WEIGHTS_FILE = "pytorch_model.bin"  # what older Hub repos hold instead
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
+PROVENANCE_KEY = "pretrained_on"  # config.json: the data split an encoder was pretrained on (`vit.data.provenance`)
 PREFIXES = ("local-dir:", "hf-hub:")
 # timm builds any ViT from a registered name plus `model_args` that override its sizes; this is the family's reference.
 TEMPLATE_ARCHITECTURE = "vit_base_patch16_224"
@@ -49,11 +56,26 @@ def is_hub_init(init: str) -> bool:
     return init.startswith(PREFIXES)
 
 
+def check_repo_id(repo_id: str, where: str) -> None:
+    """Refuse, naming `where`, a Hub repository id the Hub cannot hold (`a/b/c`, `../x`, spaces, ...), before any
+    download or cache lookup turns it into the hub client's traceback."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ConfigError(f"{where}: {repo_id!r} is not a Hub model id (expected USER/NAME: letters, digits, '-', '_' and '.', "
+                          "neither starting nor ending with '-' or '.', no '--' or '..')") from None  # fmt: skip
+
+
 # --------------------------------------------------------------------------- writing
 
 
-def hub_config(model: VisionTransformer, mean, std, label_names: list[str] | None = None) -> dict[str, Any]:
-    """timm's config.json for our encoder (headless) or classifier, with the input normalisation it was trained on."""
+def hub_config(model: VisionTransformer, mean, std, label_names: list[str] | None = None,
+               pretrained_on: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """timm's config.json for our encoder (headless) or classifier, with the input normalisation it was trained on and,
+    given, the data split it was pretrained on (`vit.data.provenance.record_to_json`)."""
     c = model.config
     num_classes = c["num_classes"]
     model_args = {
@@ -84,22 +106,71 @@ def hub_config(model: VisionTransformer, mean, std, label_names: list[str] | Non
     }
     if label_names and num_classes:
         config["label_names"] = list(label_names)
+    if pretrained_on:
+        config[PROVENANCE_KEY] = pretrained_on
     return config
 
 
-def write_hub_folder(out: str | os.PathLike, model: VisionTransformer, config: dict[str, Any], card: str) -> Path:
-    """Write model.safetensors, config.json and README.md into `out` (each file atomically); returns the folder."""
-    from safetensors.torch import save_file
+def write_hub_folder(out: str | os.PathLike, model: VisionTransformer, config: dict[str, Any], card: str,
+                     overwrite: bool = False) -> list[str]:  # fmt: skip
+    """Write model.safetensors, config.json and README.md into `out` (each file atomically); returns the names written.
+
+    A folder that is not empty is refused unless all it holds equals what would be written (an earlier export of the
+    same weights, config and card: only what is missing is written, often nothing) or `overwrite` (the three files are
+    replaced, anything else there is left alone). A folder at or inside a run folder is refused, `overwrite` or not.
+    """
+    from safetensors.torch import save
 
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    run = run_folder_holding(out)
+    if run is not None:
+        where = "is the run folder" if run == out.resolve() else f"is inside the run folder {run}"
+        raise UserError(f"--out {out} {where}: an export goes into a folder of its own, outside every run folder")
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
-    atomic_write_text(out / CARD_FILE, card)
-    return out
+    files = {WEIGHTS_FILE: save(state, metadata={"format": "pt"}), CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode(),
+             CARD_FILE: card.encode()}  # fmt: skip
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    ordered = [name for name in files if name in present] + [name for name in present if name not in files]
+    clashes = [name for name in ordered if name not in files or not same_bytes(out / name, files[name])]
+    if clashes and not overwrite:
+        same = WEIGHTS_FILE in present and WEIGHTS_FILE not in clashes
+        reasons = [clash_reason(name, files, same) for name in clashes]
+        raise UserError(f"--out {out} is not empty ({'; '.join(reasons)}): nothing was written; choose a new or empty folder, "
+                        f"or pass --overwrite to replace {', '.join(files)} there")  # fmt: skip
+    names = [name for name in files if name not in present or name in clashes]  # identical files stay untouched
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        atomic_write(out / name, lambda tmp, data=files[name]: Path(tmp).write_bytes(data))
+    return names
+
+
+def same_bytes(path: Path, data: bytes) -> bool:
+    return path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data
+
+
+def clash_reason(name: str, files: dict[str, bytes], same_weights: bool) -> str:
+    if name not in files:
+        return f"{name} is not a file of an export"
+    if name == WEIGHTS_FILE:
+        return f"its {name} holds other weights"
+    same = " (the weights are the same: an earlier or edited export of them)" if same_weights else ""
+    return f"its {name} differs from this export's{same}"
+
+
+def run_folder_holding(path: Path) -> Path | None:
+    """`path`, or the folder above it, that is a run folder (a run's outputs, lock, or config.yaml with `meta`); else None."""
+    path = path.resolve()
+    for folder in (path, *path.parents):
+        if holds_run(folder) or (folder / LOCK_FILE).exists():
+            return folder
+        try:
+            if isinstance((read_config(folder) or {}).get("meta"), dict):
+                return folder
+        except (UserError, OSError):
+            continue  # a config.yaml that is no run's
+    return None
 
 
 # --------------------------------------------------------------------------- the hub
@@ -161,6 +232,7 @@ def hub_folder(init: str) -> Path:
     if kind == "local-dir":
         return Path(ident).expanduser()
     repo_id, _, revision = ident.partition("@")
+    check_repo_id(repo_id, f"finetune.init={init}")
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import EntryNotFoundError
 
@@ -189,9 +261,18 @@ def hub_folder(init: str) -> Path:
 # --------------------------------------------------------------------------- reading
 
 
-def read_hub_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """config.json and the weights of a timm / Hub folder; a missing, corrupt or foreign folder is one CheckpointError."""
-    folder = Path(folder)
+def hub_provenance(init: str) -> dict[str, Any] | None:
+    """The data split the encoder of `init` (`local-dir:...` or `hf-hub:...`) was pretrained on, None when its
+    config.json records none (timm's and other Hub models, older exports); a damaged record is a CheckpointError."""
+    folder = hub_folder(init)
+    config, _ = read_hub_config(folder)
+    if PROVENANCE_KEY not in config:
+        return None
+    return record_from_json(config[PROVENANCE_KEY], f"{folder / CONFIG_FILE}'s {PROVENANCE_KEY}")
+
+
+def read_hub_config(folder: Path) -> tuple[dict[str, Any], Path]:
+    """config.json of a timm / Hub folder and the path of its weights file; a missing or foreign folder is one CheckpointError."""
     if not folder.is_dir():
         raise CheckpointError(f"model folder {folder} does not exist")
     config_path = folder / CONFIG_FILE
@@ -206,6 +287,12 @@ def read_hub_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str
     weights = next((folder / n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE) if (folder / n).is_file()), None)
     if weights is None:
         raise CheckpointError(f"{folder} holds no weights ({WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE})")
+    return config, weights
+
+
+def read_hub_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json and the weights of a timm / Hub folder; a missing, corrupt or foreign folder is one CheckpointError."""
+    config, weights = read_hub_config(Path(folder))
     return config, read_weights_file(weights)
 
 

@@ -170,7 +170,7 @@ def quickstart(out: Path, data: str | None, extra: list[str], report_script: Pat
         return code
     print(f"\nquickstart: done. Report: {out / 'report' / REPORT_FILE} (figures and runs.csv beside it)")
     print(f"Look inside the encoder: python scripts/visualize.py --checkpoint {out / STAGES[0].run_name} --out {out / 'figures'}")
-    print(f"Share it: python -m vit.store.export {out / STAGES[0].run_name} --out {out / 'export'} [--push USER/NAME]")
+    print(f"Share it: python -m pretrain.export {out / STAGES[0].run_name} --out {out / 'export'} [--push USER/NAME]")
     if (out / "wandb").is_dir():
         print(f"The runs in wandb: browse them with `wandb leet {out / 'wandb'}`, upload them with `wandb sync {out / 'wandb'}`")
     return 0

@@ -48,6 +48,8 @@ class FinetuneSection:
         # eval mode trains nothing, so a training recipe's patch_keep is accepted there (and unused): its config evaluates as it is
         check(self.patch_keep == 1.0 or (self.arch in ("vit", "timm_vit") and self.mode in ("full", "eval")), "finetune.patch_keep",
                "< 1 needs finetune.mode=full and a ViT (finetune.arch=vit or timm_vit)")
+        check(self.init.strip() != "", "finetune.init", "must be scratch, a run folder or checkpoint, timm:<model name>, "
+              "local-dir:<folder> or hf-hub:<user>/<name>")  # fmt: skip
         check(self.mode != "eval" or self.init != "scratch", "finetune.init", "must name a finished run folder or classifier.pt in eval mode")
         for prefix, what in (("timm:", "model name"), ("local-dir:", "folder"), ("hf-hub:", "user/name")):
             if self.init.startswith(prefix):

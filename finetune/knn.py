@@ -34,7 +34,10 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
             queries[split] = encode(encoder, data.loader(images, cfg.optim.batch_size, train=False), acc, ft.probe_pool)
     feature_time = time.perf_counter() - started
     num_classes = len(splits.train.classes)
-    results = {split: knn_accuracy(bank, bank_labels, f, y, num_classes, ft.knn_k, ft.knn_temperature, acc)
+    k = min(ft.knn_k, bank.shape[0])
+    if k < ft.knn_k:
+        run.warn(f"finetune.knn_k={ft.knn_k} is more than the {bank.shape[0]} training images of the bank: all {k} vote")
+    results = {split: knn_accuracy(bank, bank_labels, f, y, num_classes, k, ft.knn_temperature, acc)
                for split, (f, y) in queries.items()}  # fmt: skip
     wall_time = time.perf_counter() - started
     images = len(splits.train) + sum(r["count"] for r in results.values())
@@ -46,7 +49,7 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
         "parent": parent,
         "model": cfg.model.name,
         "arch": built.arch,
-        "knn": {"k": ft.knn_k, "temperature": ft.knn_temperature, "pool": ft.probe_pool, "bank": bank.shape[0]},
+        "knn": {"k": k, "temperature": ft.knn_temperature, "pool": ft.probe_pool, "bank": bank.shape[0]},
         "wall_time_sec": round(wall_time, 2),
         "feature_time_sec": round(feature_time, 2),
         "images_per_sec": round(images / max(feature_time, 1e-9), 1),
@@ -58,6 +61,6 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
         **flat,
     })  # fmt: skip
     lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()] or ["no val or test split to classify"]
-    run.print(f"knn (k {ft.knn_k}, T {ft.knn_temperature}, bank {bank.shape[0]}): " + ", ".join(lines)
+    run.print(f"knn (k {k}, T {ft.knn_temperature}, bank {bank.shape[0]}): " + ", ".join(lines)
               + f" in {wall_time:.1f}s ({feature_time:.1f}s of features) -> {run.dir}")  # fmt: skip
     return 0

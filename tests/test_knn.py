@@ -68,6 +68,11 @@ def test_pretraining_logs_knn_top1_every_epoch_and_the_stage_gives_the_same_numb
     assert s["val_top1"] == knn[-1]["knn_top1"] and s["val_top5"] == knn[-1]["knn_top5"]
     assert 0.0 <= s["test_top1"] <= s["test_top5"] <= 1.0 and s["final_test_top1"] == s["test_top1"]
     assert s["feature_images_per_sec"] > 0 and "val top-1" in out and not (tmp_path / "runs" / "knn" / "classifier.pt").exists()
+    # k above the bank's size: every training image votes, said in a warning and recorded as the k that voted
+    assert finetune(tiny_overrides(tmp_path, name="knn_all") + args + ["finetune.knn_k=100000"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: finetune.knn_k=100000 is more than the 216 training images of the bank: all 216 vote" in err
+    assert json.loads((tmp_path / "runs" / "knn_all" / "summary.json").read_text())["knn"]["k"] == 216
 
 
 def test_knn_monitor_can_be_switched_off_and_is_skipped_without_a_val_split(tmp_path):
@@ -81,7 +86,7 @@ def test_knn_monitor_can_be_switched_off_and_is_skipped_without_a_val_split(tmp_
 
 def test_knn_needs_our_vit_and_sane_settings(tmp_path, capsys):
     for extra, key in ((["finetune.arch=resnet18"], "finetune.arch"), (["finetune.knn_k=0"], "finetune.knn_k"),
-                       (["finetune.knn_temperature=0"], "finetune.knn_temperature")):  # fmt: skip
+                       (["finetune.knn_temperature=0"], "finetune.knn_temperature"), (["finetune.init="], "finetune.init")):  # fmt: skip
         assert finetune(tiny_overrides(tmp_path) + ["finetune.mode=knn", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {key}"), err

@@ -69,7 +69,7 @@ from finetune import bench as finetune_bench
 from pretrain import bench as pretrain_bench
 from vit.tools import bench, bench_cases
 from vit.device import pick_device
-from vit.errors import ConfigError, exit_on_user_error
+from vit.errors import exit_on_user_error
 
 
 def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
@@ -140,11 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(bench.host_step_memory(case, side, s.warmup)))
         return 0
 
-    only = None if args.only is None else [o for o in args.only.split(",") if o]
-    cases = [c for c in make_cases(s, device) if only is None or any(o in c.name for o in only)]
-    with_probe = only is None or any("probe" in o for o in only)  # the probe section is not a case
-    if not cases and not with_probe:
-        raise ConfigError(f"--only {args.only!r} matches no case")
+    cases, with_probe = bench.select_cases(make_cases(s, device), args.only)
     precisions = bench.gemm_precisions(cases, device)
     measured = bench.run_cases(cases, s, device, precisions, memory_command=[sys.executable, __file__, *argv])
     probe = None

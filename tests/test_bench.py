@@ -120,7 +120,13 @@ def test_pick_device_refuses_a_device_that_is_not_there_in_one_line(monkeypatch)
         pick_device("tpu")
 
 
-def test_an_only_that_matches_no_case_and_not_the_probe_is_one_line():
-    proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--device", "cpu", "--only", "ro"], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr == "error: --only 'ro' matches no case\n", proc.stderr[-2000:]
+def test_only_selects_cases_by_substring_and_refuses_what_matches_neither_a_case_nor_the_probe():
+    from vit.errors import ConfigError
+
+    names = ("encoder/a/fp32", "mae/a/fp32", "augment/t/fp32")
+    cases = [bench.Case(name, name.split("/")[0], "fp32", 1, ours=None, ref=None, ref_name="") for name in names]
+    assert bench.select_cases(cases, None) == (cases, True)
+    assert bench.select_cases(cases, "mae,augment") == (cases[1:], False)
+    assert bench.select_cases(cases, "probe") == ([], True)  # the probe section alone
+    with pytest.raises(ConfigError, match="^--only 'ro' matches no case$"):  # a piece of "probe" is not the probe
+        bench.select_cases(cases, "ro")

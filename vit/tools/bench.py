@@ -209,6 +209,17 @@ def bench_images(s: Settings) -> ImageSet:
     return load_splits(cfg).train
 
 
+def select_cases(cases: list[Case], only: str | None) -> tuple[list[Case], bool]:
+    """The cases `--only` names (any of its comma-separated substrings in a case's name; None: all), and whether the
+    probe section runs too (it is not a case: `--only probe`). An `--only` that selects neither is a ConfigError."""
+    parts = None if only is None else [o for o in only.split(",") if o]
+    chosen = [c for c in cases if parts is None or any(o in c.name for o in parts)]
+    with_probe = parts is None or any("probe" in o for o in parts)
+    if not chosen and not with_probe:
+        raise ConfigError(f"--only {only!r} matches no case")
+    return chosen, with_probe
+
+
 def compile_note(requested: str, device: torch.device) -> str:
     """' (torch.compile MODE)' where `requested` compiles on `device`, else ''."""
     mode = compile_mode(requested, device)

@@ -136,8 +136,8 @@ def test_a_damaged_rng_state_is_caught_and_the_run_still_ends_bitwise_equal(tmp_
     """Accelerate only logs an RNG state it cannot load; the state's manifest catches it, the state before is loaded,
     and the final weights are those of an uninterrupted run."""
 
-    def args(name, **extra):
-        return tiny_overrides(tmp_path, name=name, **{"run.save_every": 2, "run.keep_states": 3, **extra})
+    def args(name, **extra):  # records every 3 steps, states every 2: the state at step 4 falls inside a record's window
+        return tiny_overrides(tmp_path, name=name, **{"run.save_every": 2, "run.keep_states": 3, "run.log_every": 3, **extra})
 
     assert pretrain(args("whole")) == 0
     reset_accelerate()
@@ -156,6 +156,10 @@ def test_a_damaged_rng_state_is_caught_and_the_run_still_ends_bitwise_equal(tmp_
     a, b = weights(tmp_path / "runs" / "whole"), weights(run_dir)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # A record closes at every state, so the resumed run logs the windows and means of the run that went on.
+    logged = [[(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r] for name in ("whole", "cut")]  # fmt: skip
+    assert logged[0] == logged[1] and len(logged[0]) > 3
 
 
 def full_disk(form: str, calls: list):

@@ -376,6 +376,10 @@ class TrainLoop:
 
     def save(self) -> None:
         self.check_finite()  # a state never holds a step past a non-finite loss the run stops at
+        if self.window.steps:
+            # A record closes at every state, so a run resumed from it logs the same windows (and means) as the run that
+            # went on: the window's sums live on the device and are not part of the state.
+            self.run.log(self.record())
         self.count_time()
         save_state(self.run, self.progress)
 

@@ -180,3 +180,18 @@ def test_a_budget_plan_counts_what_the_epochs_ends_took_before_it(tmp_path, monk
     assert plan["eval_seconds"] >= 0.1  # the estimate from the training rate would be a few milliseconds
     summary = __import__("json").loads((tmp_path / "runs" / "run" / "summary.json").read_text())
     assert summary["budget"]["stage_seconds"] <= budget_minutes * 60 + 3
+
+
+def test_a_budget_spent_before_the_step_time_is_measured_says_so(tmp_path, monkeypatch, capsys):
+    """The step time needs a few seconds of steps (`measure_seconds`); a budget shorter than that cannot hold: the stage
+    stops where the plan is made and says, in a warning, that it ran over."""
+    from helpers import reset_accelerate, tiny_overrides
+    from pretrain import train
+    from vit.train import loop
+
+    monkeypatch.setattr(loop, "measure_seconds", lambda minutes: 0.3)  # a short measurement, still far over a 0.06 s budget
+    reset_accelerate()
+    assert train.main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": 0.001, "mae.knn_every": 0})) == 0
+    err = capsys.readouterr().err
+    assert "warning: schedule.budget_minutes=0.001 (0 s) was spent before the step time was measured (" in err
+    assert "the stage stops here, over its budget" in err

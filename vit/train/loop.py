@@ -304,6 +304,9 @@ class TrainLoop:
         self.run.print(f"budget: {plan.budget_minutes:g} min -> {plan.total_steps} steps ({plan.total_steps / spec.steps_per_epoch:.2f} epochs) "
                        f"at {seconds_per_step:.3f} s/step measured over {plan.measured_steps} steps, {elapsed:.0f} s spent, evaluations "
                        f"~{plan.eval_seconds:.0f} s each + {plan.final_seconds:.0f} s at the end")
+        if plan.total_steps <= p.step:
+            self.run.warn(f"schedule.budget_minutes={plan.budget_minutes:g} ({plan.budget_minutes * 60:.0f} s) was spent before the step "
+                          f"time was measured ({elapsed:.0f} s, {p.step} steps): the stage stops here, over its budget")  # fmt: skip
 
     def host_losses(self) -> dict[int, list[float]]:
         """{step: every process's loss} of the steps since the last record, read from the device once per step."""

@@ -60,7 +60,7 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
         "test_split": splits.test is not None,
         **flat,
     })  # fmt: skip
-    lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()] or ["no val or test split to classify"]
+    lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()] or ["nothing classified (no val split: data.val_size=0, and no test split in this dataset)"]
     run.print(f"knn (k {k}, T {ft.knn_temperature}, bank {bank.shape[0]}): " + ", ".join(lines)
               + f" in {wall_time:.1f}s ({feature_time:.1f}s of features) -> {run.dir}")  # fmt: skip
     return 0

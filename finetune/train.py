@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                        cfg.finetune.confusion_matrix)  # fmt: skip
     summary = run.finish(summarize(cfg, run, data, built, trained, parent, flat))
     lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in trained.results.items()]
-    if splits.test is None:
+    if not lines:
+        lines.append("nothing evaluated (no val split: data.val_size=0, and no test split in this dataset)")
+    elif splits.test is None:
         lines.append("(no test split in this dataset: val only)")
     run.print(f"done in {summary['wall_time_sec']:.0f}s: " + ", ".join(lines) + f" -> {run.dir}")
     return 0

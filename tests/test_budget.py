@@ -119,6 +119,7 @@ def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(
     import shutil
 
     from helpers import reset_accelerate, tiny_overrides
+
     from pretrain.train import main
     from vit.store.runs import read_budget, read_state_progress, state_dirs
 
@@ -163,6 +164,7 @@ def test_a_budget_plan_counts_what_the_epochs_ends_took_before_it(tmp_path, monk
     import time
 
     from helpers import reset_accelerate, tiny_overrides
+
     from pretrain import train
     from vit.store.runs import read_budget
 
@@ -186,6 +188,7 @@ def test_a_budget_spent_before_the_step_time_is_measured_says_so(tmp_path, monke
     """The step time needs a few seconds of steps (`measure_seconds`); a budget shorter than that cannot hold: the stage
     stops where the plan is made and says, in a warning, that it ran over."""
     from helpers import reset_accelerate, tiny_overrides
+
     from pretrain import train
     from vit.train import loop
 

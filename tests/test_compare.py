@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import ROOT
+
 from vit.errors import UserError
 from vit.tools import compare
 

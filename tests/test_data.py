@@ -421,7 +421,7 @@ def test_start_batch_yields_the_tail_of_the_epoch():
     assert list(loader().epoch(2, start_batch=6)) == []
 
 
-AUG_POLICIES = {"crop-flip": None, "trivial-augment": dict(policy="trivial"), "randaug-erase": dict(policy="randaug", random_erase=0.5)}
+AUG_POLICIES = {"crop-flip": None, "trivial-augment": {"policy": "trivial"}, "randaug-erase": {"policy": "randaug", "random_erase": 0.5}}
 
 
 @pytest.mark.parametrize("policy", AUG_POLICIES.values(), ids=AUG_POLICIES.keys())

@@ -24,14 +24,15 @@ The op set and magnitude ranges are torchvision's (`transforms.TrivialAugmentWid
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from vit.data.augment import BatchOp, ChunkOp
 from vit.config import AugmentConfig
+from vit.data.augment import BatchOp, ChunkOp
 from vit.device import to_device
 
 OPS = (

@@ -166,7 +166,7 @@ def profile_steps(step: Step, steps: int, device: torch.device, rows: int = 25) 
 
 # --------------------------------------------------------------------------- augmenting many batches at once
 
-AUGMENT_POLICIES = (("trivial", dict(policy="trivial")), ("randaug-erase", dict(policy="randaug", random_erase=0.25)))
+AUGMENT_POLICIES = (("trivial", {"policy": "trivial"}), ("randaug-erase", {"policy": "randaug", "random_erase": 0.25}))
 
 
 def augment_cases(s: Settings, device: torch.device, images: Callable[[], Any]) -> list[Case]:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
+from vit.errors import UserError
 from vit.eval.attention import (
     attention_rollout,
     cls_attention,
@@ -28,7 +30,6 @@ from vit.eval.attention import (
     rollout_cls_map,
     upsample_maps,
 )
-from vit.errors import UserError
 from vit.models.pos_embed import sincos_2d
 
 FIGSIZE = (10.0, 4.0)  # inches, of the curve and bar figures: FIGSIZE * DPI pixels

@@ -13,9 +13,10 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -23,8 +24,18 @@ from vit.config import RunConfig, dump_config, flat_keys, to_dict
 from vit.device import host
 from vit.errors import ConfigError, UserError
 from vit.store.lock import RunLock, lock_run
-from vit.store.runs import (METRICS_FILE, append_metrics, clear_outputs, holds_run, is_finished, last_logged, read_config,
-                            state_dirs, write_config, write_summary)
+from vit.store.runs import (
+    METRICS_FILE,
+    append_metrics,
+    clear_outputs,
+    holds_run,
+    is_finished,
+    last_logged,
+    read_config,
+    state_dirs,
+    write_config,
+    write_summary,
+)
 from vit.train import tracking
 from vit.train.accelerator import make_accelerator, set_threads
 

@@ -83,3 +83,36 @@ def test_a_non_finite_loss_on_one_rank_is_skipped_by_both(tmp_path):
     assert s["steps"] == 216 // (16 * 2) and s["skipped_steps"] == 1  # both ranks skipped the same step's update
     checksums = [r["param_checksum"] for r in s["ranks"]]
     assert checksums[0] == checksums[1] and checksums[0] == checksums[0]  # the same weights, and not NaN
+
+
+SLOW_EPOCH_ENDS_ON_RANK_0 = '''
+import os, sys, time
+from pretrain.train import main
+from vit.train import loop
+from vit.train.run import Run
+
+loop.measure_seconds = lambda minutes: 0.6  # plan early, while most of the budget is left
+
+original = Run.log
+
+def log(self, record):
+    if os.environ["RANK"] == "0" and "val_loss" in record:
+        time.sleep(0.3)  # the main process alone writes an epoch's record (and figures, states): its epoch ends cost more
+    return original(self, record)
+
+Run.log = log
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_a_time_budget_is_one_plan_on_every_rank(tmp_path):
+    """Ranks whose epoch ends cost differently plan from the slowest: one step count, so the run ends (planned apart,
+    they waited for each other forever at the first state past the shorter plan)."""
+    script = tmp_path / "slow_epoch_ends_on_rank_0.py"
+    script.write_text(SLOW_EPOCH_ENDS_ON_RANK_0)
+    args = tiny_overrides(tmp_path, name="budget", **{"schedule.budget_minutes": 0.15, "optim.batch_size": 16, "mae.knn_every": 0,
+                                                      "run.save_every": 7})  # fmt: skip
+    out = launch([str(script)], args, timeout=90)  # a hang is a TimeoutExpired
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = summary(tmp_path, "budget")
+    assert s["steps"] == s["budget"]["total_steps"] > 0

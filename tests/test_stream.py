@@ -701,3 +701,17 @@ def test_a_probe_or_knn_that_must_read_streamed_shards_unaugmented_is_a_one_line
     assert finetune_main(overrides) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: finetune.{'probe_cache' if mode == 'linear' else 'mode=knn'}") and remedy in err[0], err
+
+
+def test_the_knn_monitor_runs_on_a_streamed_pretraining_of_labelled_files(tmp_path, capsys):
+    """Pretraining on labelled files with the stream loader monitors kNN at each epoch end, as with the memory loader
+    (it stopped with a traceback: the bank's size was read from the memory loader's labels)."""
+    from pretrain.train import main as pretrain_main
+
+    write_tree(tmp_path / "t", per_class=6)
+    args = tiny_overrides(tmp_path, "knn_stream", **{"data.dataset": "imagefolder", "data.root": str(tmp_path / "t"), "data.val_size": 4,
+                                                    "data.loader": "stream", "optim.batch_size": 4, "schedule.epochs": 1, "model.img_size": 24})
+    assert pretrain_main(args) == 0
+    summary = json.loads((tmp_path / "runs" / "knn_stream" / "summary.json").read_text())
+    assert summary["data"]["loader"] == "stream" and 0.0 <= summary["final_knn_top1"] <= 1.0
+    assert "kNN monitor: off" not in capsys.readouterr().out

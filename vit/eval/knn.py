@@ -120,7 +120,7 @@ def knn_evaluate(encoder, bank_loader, query_loader, accelerator, num_classes: i
     Returns {"top1", "top5", "count", "bank", "seconds"}: seconds of feature extraction and voting on this rank.
     """
     started = time.perf_counter()
-    bank, bank_labels = encode(encoder, bank_loader, accelerator, pool, total=len(bank_loader.labels))
+    bank, bank_labels = encode(encoder, bank_loader, accelerator, pool, total=bank_loader.size)
     queries, labels = encode(encoder, query_loader, accelerator, pool)
     result = knn_accuracy(bank, bank_labels, queries, labels, num_classes, k, temperature, accelerator)
     return {**result, "bank": bank.shape[0], "seconds": time.perf_counter() - started}

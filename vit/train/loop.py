@@ -289,10 +289,13 @@ class TrainLoop:
     def plan_budget(self) -> None:
         """Fix the step count from the measured step time, once, identically on every rank; it goes into every resume state."""
         acc, spec, p = self.run.accelerator, self.spec, self.progress
-        measured = torch.tensor([self.meter.seconds_per_step, time.perf_counter() - self.run.started], device=acc.device)
-        seconds_per_step, elapsed = (acc.reduce(measured, reduction="max") if acc.num_processes > 1 else measured).tolist()
+        # Every input of the plan is the slowest rank's: the main one writes records and states at its epochs' ends, and
+        # ranks that planned different step counts would wait for each other forever at the first state past the shorter.
+        epoch_end = sum(self.epoch_ends) / len(self.epoch_ends) if self.epoch_ends else 0.0
+        measured = torch.tensor([self.meter.seconds_per_step, time.perf_counter() - self.run.started, epoch_end], device=acc.device)
+        seconds_per_step, elapsed, epoch_end = (acc.reduce(measured, reduction="max") if acc.num_processes > 1 else measured).tolist()
         plan = make_plan(spec.budget, seconds_per_step, elapsed, p.step, self.images_per_step, acc.num_processes, spec.steps_per_epoch,
-                         self.epoch_ends, self.meter.steps)  # fmt: skip
+                         [epoch_end] if self.epoch_ends else [], self.meter.steps)  # fmt: skip
         spec.planned_steps = p.planned_steps = plan.total_steps
         p.plan = self.run.budget_plan = plan.to_dict()
         self.meter = None

@@ -471,6 +471,12 @@ def test_resuming_keeps_a_run_s_record_and_refuses_what_would_mix_two_runs(finis
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
         assert saved(run_dir) == before, extra
+    record = (run_dir / "config.yaml").read_text()
+    (run_dir / "config.yaml").write_text(record.replace("\n  processes: 1\n", "\n  processes: 2\n"))  # as if started on two
+    assert pretrain(args + ["run.resume=auto"]) == 2
+    reset_accelerate()
+    assert "was started with 2 process(es), this one has 1: resume it with 2" in capsys.readouterr().err
+    (run_dir / "config.yaml").write_text(record)
     shutil.rmtree(run_dir / "states")  # a finished run whose states were removed to free the disk
     before = saved(run_dir)
     assert pretrain(args + ["run.resume=auto"]) == 2

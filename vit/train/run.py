@@ -78,7 +78,7 @@ class Run:
         lock = lock_run(run_dir) if accelerator.is_main_process else None
         try:
             check_run_dir(run_dir, run_cfg, cfg)
-            keep_record = check_resume(run_dir, cfg, stage)
+            keep_record = check_resume(run_dir, cfg, stage, accelerator.num_processes)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -273,9 +273,10 @@ RESUMABLE_CHANGES = frozenset({
 })  # fmt: skip
 
 
-def check_resume(run_dir: Path, cfg: Any, stage: str) -> bool:
+def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int) -> bool:
     """Before a resume touches the folder: refuse a finished run with no state to continue from (starting afresh would
-    write over its results) and a run recorded with other settings or by another stage, naming what differs. True when
+    write over its results) and a run recorded with other settings, by another stage or with another number of
+    processes, naming what differs. True when
     the folder's record (config.yaml) is the one to keep; False when there is none to keep (a fresh run)."""
     run_cfg = cfg.run
     if not run_cfg.resume or not holds_run(run_dir):
@@ -296,6 +297,9 @@ def check_resume(run_dir: Path, cfg: Any, stage: str) -> bool:
     then = recorded.pop("meta", None) or {}
     if then.get("stage", stage) != stage:
         raise ConfigError(f"run.resume: {run_dir} holds a {then['stage']} run, not a {stage} one; choose another run.name")
+    if then.get("processes", processes) != processes:  # the effective batch, and with it the schedule's steps and learning rate
+        raise ConfigError(f"run.resume: the run in {run_dir} was started with {then['processes']} process(es), this one has {processes}: "
+                          f"resume it with {then['processes']} (its effective batch and schedule), or choose another run.name")  # fmt: skip
     now, before = flat_keys(to_dict(cfg)), flat_keys(recorded)
     differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
               if key not in RESUMABLE_CHANGES and now.get(key) != before.get(key)]  # fmt: skip

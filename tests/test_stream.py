@@ -219,6 +219,13 @@ def test_webdataset_val_root_and_unlabelled_shards(tmp_path):
     data, _ = open_quiet(data_cfg(tmp_path, dataset="webdataset", root=train, val_root=val, val_size=3, loader="stream"), out_size=16)
     assert (len(data.splits.train), len(data.splits.val), data.splits.labelled) == (10, 3, False)
     assert data.splits.train.exclude == frozenset()
+    # The memory path reads data.root alone: with val shards, auto streams, and memory by name is refused
+    data, lines = open_quiet(data_cfg(tmp_path, dataset="webdataset", root=train, val_root=val, val_size=3, loader="auto"), out_size=16)
+    assert (len(data.splits.train), len(data.splits.val)) == (10, 3) and any("auto: data.val_root is read by the stream loader only" in
+                                                                            line for line in lines)  # fmt: skip
+    with pytest.raises(DataError) as e:
+        open_quiet(data_cfg(tmp_path, dataset="webdataset", root=train, val_root=val, val_size=3, loader="memory"), out_size=16)
+    assert_one_line_naming(e, "data.loader=memory", "data.val_root is read by the stream loader only; use data.loader=stream")
 
 
 def test_shard_errors_are_one_line(tmp_path):

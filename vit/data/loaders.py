@@ -71,9 +71,13 @@ def default_workers(cfg: DataConfig, device: torch.device, threads: int, local_p
 def choose_loader(source: Source, out_size: int, listed: dict[str, Any] | None = None) -> tuple[str, str]:
     """("memory" | "stream", why) for `data.loader`; `listed`: the source's file sets when the caller listed them already."""
     cfg = source.cfg
-    why_not = source.why_not_streamed()
+    why_not, why_not_memory = source.why_not_streamed(), source.why_not_memory()
     if cfg.loader == "memory":
+        if why_not_memory:
+            raise DataError(f"data.loader=memory cannot read this data as configured: {why_not_memory}; use data.loader=stream")
         return "memory", "data.loader=memory"
+    if why_not_memory and not why_not:
+        return "stream", f"auto: {why_not_memory}"
     if cfg.loader == "stream":
         if why_not:
             raise DataError(f"data.loader=stream reads image files, folders, shards or Hugging Face datasets: {why_not}; use data.loader=memory")

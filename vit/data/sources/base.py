@@ -57,6 +57,10 @@ class Source:
         """Why this source cannot be streamed (read one image at a time), or None when it can."""
         return f"data.dataset={self.cfg.dataset} is read as arrays, not image files"
 
+    def why_not_memory(self) -> str | None:
+        """Why the memory loader cannot read this source as configured, or None when it can."""
+        return None
+
     def file_sets(self) -> dict[str, FileSet]:
         """{"train", "val"?, "test"?: FileSet}: the image files, listed (sources with files)."""
         raise NotImplementedError(f"data.dataset={self.cfg.dataset} has no image files to list")

@@ -37,6 +37,10 @@ class Shards(Source):
     def why_not_streamed(self) -> str | None:
         return None
 
+    def why_not_memory(self) -> str | None:
+        # The memory path decodes data.root alone and carves val from it; the val shards are the stream loader's to read.
+        return "data.val_root is read by the stream loader only" if self.cfg.val_root is not None else None
+
     def read(self, skipped: list) -> dict[str, ImageSet]:
         cfg = self.cfg
         urls = expand_shards(cfg.root)

@@ -198,3 +198,18 @@ def test_a_budget_spent_before_the_step_time_is_measured_says_so(tmp_path, monke
     err = capsys.readouterr().err
     assert "warning: schedule.budget_minutes=0.001 (0 s) was spent before the step time was measured (" in err
     assert "the stage stops here, over its budget" in err
+
+
+def test_a_floor_above_the_peak_learning_rate_is_refused_and_a_warmup_past_the_end_is_said(tmp_path, capsys):
+    from helpers import reset_accelerate, tiny_overrides
+    from pretrain import train
+
+    reset_accelerate()
+    args = tiny_overrides(tmp_path, **{"optim.base_lr": 1e-3, "optim.min_lr": 1.0, "mae.knn_every": 0})
+    assert train.main(args) == 2  # peak 1e-3 x 32 / 256: the cosine would climb to 1.0 after the warm-up
+    err = capsys.readouterr().err
+    assert err.startswith("error: optim.min_lr=1 is above the peak learning rate 0.000125 (optim.base_lr x effective batch 32 / 256)")
+    reset_accelerate()
+    assert train.main(tiny_overrides(tmp_path, name="long_warmup", **{"schedule.warmup_epochs": 50, "mae.knn_every": 0})) == 0
+    assert "warning: schedule.warmup_epochs spans 300 steps, more than the 12 the run trains: the learning rate never reaches" in \
+        capsys.readouterr().err

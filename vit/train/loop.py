@@ -154,6 +154,9 @@ class TrainLoop:
         self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here
         spec.planned_steps = progress.planned_steps  # a resumed budget run keeps its plan
         run.budget_plan = progress.plan
+        if spec.budget is None and spec.warmup_steps > spec.total_steps and progress.step == 0:
+            run.warn(f"schedule.warmup_epochs spans {spec.warmup_steps} steps, more than the {spec.total_steps} the run trains: "
+                     f"the learning rate never reaches its peak {spec.peak_lr:.3g}")  # fmt: skip
         device = run.accelerator.device
         self.meter = StepMeter(min_seconds=measure_seconds(spec.budget.minutes), sync=lambda: synchronize(device)) \
             if spec.budget is not None and spec.planned_steps is None else None  # fmt: skip

@@ -65,6 +65,10 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluation: 
         )
     effective = cfg.optim.batch_size * accum * num_processes
     peak = cfg.optim.lr if cfg.optim.lr is not None else cfg.optim.base_lr * effective / 256
+    if cfg.optim.min_lr > peak:
+        how = "optim.lr" if cfg.optim.lr is not None else f"optim.base_lr x effective batch {effective} / 256"
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr:g} is above the peak learning rate {peak:.3g} ({how}): the cosine decay "
+                          "would climb after the warm-up; lower optim.min_lr")  # fmt: skip
     return LoopSpec(
         epochs=cfg.schedule.epochs,
         steps_per_epoch=steps_per_epoch,

@@ -259,6 +259,7 @@ def run_eval(cfg: FinetuneConfig) -> int:
     note = check_overlap(record, splits, f"the classifier {cfg.finetune.init}", "finetune.allow_overlap", cfg.finetune.allow_overlap)
     if note:
         run.warn(note)
+    run.ready()
     model = model.to(acc.device)
     evals = eval_loaders(cfg, data)
     results = {s: evaluate(model, loader, acc, len(splits.train.classes)) for s, loader in evals.items()}
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     check_pretraining_overlap(cfg, run, splits)  # after the weights load, so an init that cannot load is one line, no warning
     # Each rank drew its own random init (per-rank seed); a cached probe's encoder is never wrapped in DDP, so make them one.
     sync_from_main(built.model, run.accelerator)
+    run.ready()
     if cfg.finetune.mode == "knn":
         return run_knn(cfg, run, data, built, parent.get("run"))
     if built.arch == "linear_probe" and cfg.data.val_size == 0 and splits.test is None:

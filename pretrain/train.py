@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse(PretrainConfig, argv, "pretrain", "MAE pretraining of a ViT encoder")
     run = Run.start(cfg, stage="pretrain")
     t = setup(cfg, run)
+    run.ready()
     acc, model, splits = run.accelerator, t.model, t.data.splits
     knn = knn_monitor(cfg, run, t.data)
     pretrained_on = split_record(cfg.data, splits)  # encoder.pt records it, so fine-tuning can refuse val images seen here

@@ -502,6 +502,10 @@ def test_an_overwrite_refuses_to_delete_what_it_reads_and_clears_every_earlier_o
     err = capsys.readouterr().err
     assert err == f"error: run.overwrite=true would delete {run_dir}, which finetune.init reads; choose another run.name\n"
     assert {k: v for k, v in snapshot(run_dir).items() if k != "run.lock"} == {k: v for k, v in before.items() if k != "run.lock"}
+    assert pretrain(args + ["optim.batch_size=100000"]) == 2  # refused once set up: the run it would replace stays whole
+    reset_accelerate()
+    assert "fewer than a batch of 100000" in capsys.readouterr().err
+    assert {k: v for k, v in snapshot(run_dir).items() if k != "run.lock"} == {k: v for k, v in before.items() if k != "run.lock"}
     (run_dir / "confusion_val.png").write_bytes(b"an earlier fine-tune's figure")
     (run_dir / "figures").mkdir(exist_ok=True)
     (run_dir / "figures" / "old.png").write_bytes(b"x")

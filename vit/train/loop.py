@@ -144,6 +144,7 @@ class TrainLoop:
     def __init__(self, run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, loader, loss_fn: LossFn, spec: LoopSpec, progress: Progress):
         self.run, self.model, self.optimizer, self.loader, self.loss_fn, self.spec = run, model, optimizer, loader, loss_fn, spec
         self.progress = progress
+        run.ready()  # the stage is set up: a run this one replaces is cleared now, not before its input was checked
         self.accum = run.cfg.optim.grad_accum_steps
         self.images_per_step = loader.batch_size * self.accum * run.accelerator.num_processes
         self.lr = spec.lr(progress.step)  # the last step's learning rate, logged with each record

@@ -60,6 +60,7 @@ class Run:
     gpu_busy: float | None = None  # mean GPU utilisation (%) over the training after the first step (CUDA with NVML)
     lock: RunLock | None = None  # the run folder's, held by the main process until `finish` (or the process's end)
     budget_plan: dict[str, Any] | None = None  # a time budget's plan, once the loop has made it (or resumed it)
+    replacing: str | None = None  # run.overwrite: this run's config, written by `ready` when it clears the run it replaces
 
     @classmethod
     def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
@@ -77,7 +78,7 @@ class Run:
         # The main process alone holds it; the other ranks of this run follow it.
         lock = lock_run(run_dir) if accelerator.is_main_process else None
         try:
-            check_run_dir(run_dir, run_cfg, cfg)
+            replacing = check_run_dir(run_dir, run_cfg, cfg)
             keep_record = check_resume(run_dir, cfg, stage, accelerator.num_processes)
         except BaseException:
             if lock is not None:
@@ -99,7 +100,9 @@ class Run:
         }
         run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta,
                   lock=lock)  # fmt: skip
-        if accelerator.is_main_process and not keep_record:  # a resumed run keeps the record its first process wrote
+        if replacing:  # the run it replaces stays as it is until the stage is set up (`ready`): input it refuses loses nothing
+            run.replacing = dump_config(cfg, meta)
+        elif accelerator.is_main_process and not keep_record:  # a resumed run keeps the record its first process wrote
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir, dump_config(cfg, meta))
         run.print(
@@ -108,6 +111,17 @@ class Run:
         )
         run.start_trackers(parent)
         return run
+
+    def ready(self) -> None:
+        """The stage is set up (data, model, init and schedule checked): a run that replaces another (run.overwrite)
+        clears that one's outputs and writes its own config only now. Call it before the stage writes anything."""
+        if self.replacing is None:
+            return
+        if self.is_main:
+            clear_outputs(self.dir)
+            write_config(self.dir, self.replacing)
+        self.replacing = None
+        self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------ output
 
@@ -241,13 +255,14 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_run_dir(run_dir: Path, run_cfg: RunConfig, cfg: Any) -> None:
+def check_run_dir(run_dir: Path, run_cfg: RunConfig, cfg: Any) -> bool:
     """Refuse to start a fresh run over an existing one unless told to overwrite, and an overwrite that would delete
-    what this run reads (its encoder in the folder it replaces, say)."""
+    what this run reads (its encoder in the folder it replaces, say). True when this run replaces one (`Run.ready`
+    clears it once the stage is set up)."""
     if run_cfg.resume or not run_dir.exists():
-        return
+        return False
     if not holds_run(run_dir):
-        return  # an empty folder, or one holding only the config of a run that failed to start
+        return False  # an empty folder, or one holding only the config of a run that failed to start
     if not run_cfg.overwrite:
         raise ConfigError(
             f"run folder {run_dir} already holds a run; resume it with run.resume=auto, "
@@ -258,9 +273,7 @@ def check_run_dir(run_dir: Path, run_cfg: RunConfig, cfg: Any) -> None:
         path = Path(str(value).split(":", 1)[-1]).expanduser() if isinstance(value, str) and value and key != "run.dir" else None
         if path is not None and path.exists() and (path.resolve() == inside or inside in path.resolve().parents):
             raise ConfigError(f"run.overwrite=true would delete {path}, which {key} reads; choose another run.name")
-    # Overwrite: clear the previous run's outputs so they cannot be mistaken for this one's.
-    if int(os.environ.get("RANK", "0")) == 0:
-        clear_outputs(run_dir)
+    return True
 
 
 # Settings a resumed run may change: where things are and how it runs, not what it trains. The rest must be what the

@@ -60,17 +60,17 @@ class BudgetPlan:
 
 
 def make_plan(budget: Budget, seconds_per_step: float, elapsed: float, done_steps: int, images_per_step: int, processes: int,
-              steps_per_epoch: int, epoch_end_seconds: list[float], measured_steps: int) -> BudgetPlan:  # fmt: skip
+              steps_per_epoch: int, epoch_end_seconds: float | None, measured_steps: int) -> BudgetPlan:  # fmt: skip
     """The plan of `budget`, from the measured seconds per step and the stage's seconds so far. Every process evaluates
     its share of the images, so an evaluation takes its images / processes; where epochs closed before the plan, what
-    their ends took (evaluation, figures, weights, states) is used if it outweighs the estimate (a GPU closes an epoch a
-    second, each with work that does not run at the training rate)."""
+    their ends took on average (`epoch_end_seconds`: evaluation, figures, weights, states; None where none closed) is used
+    if it outweighs the estimate (a GPU closes an epoch a second, each with work that does not run at the training rate)."""
     ev = budget.evaluation
     rate = images_per_step / seconds_per_step
     per_rank = max(1, processes)
     eval_s = eval_seconds_estimate(ev.images // per_rank, rate / per_rank, ev.cost)
-    if epoch_end_seconds:
-        eval_s = max(eval_s, sum(epoch_end_seconds) / len(epoch_end_seconds) * ev.every)
+    if epoch_end_seconds is not None:
+        eval_s = max(eval_s, epoch_end_seconds * ev.every)
     final_s = eval_seconds_estimate(ev.final_images // per_rank, rate / per_rank, ev.cost)
     steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s, ev.every, final_s)
     return BudgetPlan(budget.minutes, steps, round(seconds_per_step, 4), round(eval_s, 1), round(final_s, 1), round(elapsed, 1), measured_steps)

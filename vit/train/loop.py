@@ -299,7 +299,7 @@ class TrainLoop:
         measured = torch.tensor([self.meter.seconds_per_step, time.perf_counter() - self.run.started, epoch_end], device=acc.device)
         seconds_per_step, elapsed, epoch_end = (acc.reduce(measured, reduction="max") if acc.num_processes > 1 else measured).tolist()
         plan = make_plan(spec.budget, seconds_per_step, elapsed, p.step, self.images_per_step, acc.num_processes, spec.steps_per_epoch,
-                         [epoch_end] if self.epoch_ends else [], self.meter.steps)  # fmt: skip
+                         epoch_end if self.epoch_ends else None, self.meter.steps)  # fmt: skip
         spec.planned_steps = p.planned_steps = plan.total_steps
         p.plan = self.run.budget_plan = plan.to_dict()
         self.meter = None

@@ -245,14 +245,9 @@ def peak_memory() -> dict[str, float] | None:
     return {"peak_rss_mib": round(this, 1), "children_peak_rss_mib": round(children, 1)}
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
-    return out
+def flatten(d: dict) -> dict:
+    """Dotted keys (`flat_keys`) with the values trackers take: numbers, strings, booleans and None; anything else as text."""
+    return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in flat_keys(d).items()}
 
 
 def check_run_dir(run_dir: Path, run_cfg: RunConfig, cfg: Any) -> bool:
@@ -289,8 +284,8 @@ RESUMABLE_CHANGES = frozenset({
 def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int) -> bool:
     """Before a resume touches the folder: refuse a finished run with no state to continue from (starting afresh would
     write over its results) and a run recorded with other settings, by another stage or with another number of
-    processes, naming what differs. True when
-    the folder's record (config.yaml) is the one to keep; False when there is none to keep (a fresh run)."""
+    processes, naming what differs. True when the folder's record (config.yaml) is the one to keep; False when there is
+    none to keep (a fresh run)."""
     run_cfg = cfg.run
     if not run_cfg.resume or not holds_run(run_dir):
         return False

@@ -237,13 +237,18 @@ def choose(candidates: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
     return max(done, key=lambda c: c[key]) if done else None
 
 
+def is_share(minutes: str, budget: int, share: int) -> bool:
+    """Whether a pretraining of `minutes` (as its name writes them) is `share`% of `budget` minutes."""
+    return abs(float(minutes) - budget * share / 100) < 1e-6
+
+
 def row_unfinished(unfinished: set[str], budget: int, shares: set[int]) -> list[str]:
     """The unfinished runs that belong to the row of `budget`: its scratch and fine-tune runs, and the pretrainings (and
     their probes) of the `shares` its fine-tunes name."""
     mine = {n for n in unfinished if (m := SCRATCH.match(n) or FINETUNE.match(n)) and int(m.group(1)) == budget}
     for name in unfinished:
         m = PRETRAIN.match(PROBE.match(name).group(1) if PROBE.match(name) else name)
-        if m and any(abs(float(m.group(1)) - budget * f / 100) < 1e-6 for f in shares):
+        if m and any(is_share(m.group(1), budget, f) for f in shares):
             mine.add(name)
     return sorted(mine)
 
@@ -312,7 +317,7 @@ def add_finetunes(mae: Arm, best: dict[str, Any], runs: dict[str, RunFolder], ft
     """Every seed's fine-tune of the chosen (share, variant); a seed whose fine-tune or pretraining is unfinished is noted."""
     mae.share, mae.variant = best["share"], best["variant"]
     mae.unfinished = {seed for share, variant, seed in ft_gone if (share, variant) == (mae.share, mae.variant)}
-    mae.unfinished |= {int(m.group(2)) for n in unfinished if (m := PRETRAIN.match(n)) and abs(float(m.group(1)) - budget * mae.share / 100) < 1e-6}
+    mae.unfinished |= {int(m.group(2)) for n in unfinished if (m := PRETRAIN.match(n)) and is_share(m.group(1), budget, mae.share)}
     for (share, variant, seed), name in sorted(ft_runs.items(), key=lambda kv: kv[0][2]):
         if (share, variant) == (mae.share, mae.variant):
             pt = pretraining_of(runs, name, budget, share)

@@ -202,6 +202,7 @@ def test_a_budget_spent_before_the_step_time_is_measured_says_so(tmp_path, monke
 
 def test_a_floor_above_the_peak_learning_rate_is_refused_and_a_warmup_past_the_end_is_said(tmp_path, capsys):
     from helpers import reset_accelerate, tiny_overrides
+
     from pretrain import train
 
     reset_accelerate()

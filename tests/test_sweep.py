@@ -252,3 +252,13 @@ def test_a_sweep_file_that_is_not_utf8_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         read_sweep(spec)
     assert str(e.value) == f"sweep file {spec} is not UTF-8 text (byte 0); save it as UTF-8"
+
+
+def test_a_sweep_file_that_gives_a_key_twice_is_one_line(tmp_path):
+    """As a config file: YAML would keep the second `jobs` (or `overrides`) alone and drop the first without a word."""
+    spec = tmp_path / "twice.yaml"
+    job = "- {name: a, module: pretrain, config: configs/pretrain/cpu.yaml}"
+    spec.write_text(f"jobs:\n{job}\njobs:\n{job.replace('name: a', 'name: b')}\n")
+    with pytest.raises(ConfigError) as e:
+        read_sweep(spec)
+    assert str(e.value) == f"{spec} is not valid YAML: key 'jobs' is given twice (line 3)"

@@ -32,6 +32,11 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def read_yaml(text: str) -> Any:
+    """A YAML file's content as `yaml.safe_load` reads it, except that a key given twice in one mapping is a YAMLError."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
+
+
 def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] = (), only: Sequence[str] | None = None) -> Any:
     """Build `cls` from a YAML file and `key.sub=value` overrides, type-checked and validated. `only`: read these sections
     of the file and leave the others unread (a run folder's config.yaml read for its data, say)."""
@@ -46,7 +51,7 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: lis
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
         try:
-            data = yaml.load(text, Loader=UniqueKeyLoader) or {}
+            data = read_yaml(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):

@@ -47,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from vit.config import flat_keys
+from vit.config import flat_keys, read_yaml
 from vit.data.provenance import SPLIT_KEYS
 from vit.errors import ConfigError
 from vit.store.runs import is_finished, read_config
@@ -77,7 +77,7 @@ class Job:
 def read_sweep(path: Path) -> tuple[list[str], list[Job]]:
     """The sweep file's common overrides and jobs, checked (`read_job`); a job's config is named by its absolute path."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = read_yaml(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read sweep file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
@@ -343,7 +343,7 @@ def job_inputs(job: Job, common: list[str], extra: list[str]) -> dict[str, Any]:
     """The dotted keys a job sets, with their values as the stage reads them before type checks: its config file's,
     then `common`, its overrides and `extra` (a key set twice: the last value counts)."""
     try:
-        data = yaml.safe_load(Path(job.config).read_text(encoding="utf-8"))
+        data = read_yaml(Path(job.config).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"job {job.name}: cannot read its config {job.config}: {str(e).splitlines()[0]}") from None
     inputs = flat_keys(data if isinstance(data, dict) else {})

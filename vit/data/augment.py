@@ -43,9 +43,10 @@ from vit.errors import DataError
 
 BatchOp = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 CROP_CHUNK = 64  # training batches whose crops are computed, copied to the device and transformed together
-# Pixel values augmented in one pass, at most (a chunk of large images is one batch). A GPU is bound by kernel launches,
-# so many batches at once pay: 128 MiB of float32. A CPU is bound by its caches: one batch of 256 CIFAR images (3 MiB)
-# already fills a core's share, and passes over 42 of them ran at half the speed of batch by batch (2-core AMD EPYC).
+# Pixel values augmented in one pass, at most (a chunk of large images is one batch). On a GPU the ops' small kernels cost
+# host time per pass, so many batches at once should pay (`scripts/bench.py --only augment` measures it): 128 MiB of
+# float32. A CPU is bound by its caches: one batch of 256 CIFAR images (3 MiB) already fills a core's share, and passes
+# over many of them ran slower there than batch by batch.
 CHUNK_FLOATS = 2**25
 CPU_CHUNK_FLOATS = 2**20
 

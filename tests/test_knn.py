@@ -22,8 +22,21 @@ def test_scores_are_the_exp_weighted_vote_of_the_k_most_cosine_similar():
         sims = [torch.nn.functional.cosine_similarity(queries[q], b, dim=0).item() for b in bank]
         nearest = sorted(range(30), key=lambda i: -sims[i])[:6]
         expected = [sum(math.exp(sims[i] / 0.1) for i in nearest if labels[i] == c) for c in range(4)]
-        torch.testing.assert_close(scores[q], torch.tensor(expected), rtol=1e-4, atol=1e-4)
+        top = math.exp(sims[nearest[0]] / 0.1)  # each query's votes come divided by its largest weight
+        torch.testing.assert_close(scores[q], torch.tensor(expected) / top, rtol=1e-4, atol=1e-6)
     assert knn_scores(bank, labels, queries, 4, k=100).sum(1).gt(0).all()  # k above the bank size: the whole bank votes
+
+
+@pytest.mark.parametrize("temperature", [0.07, 0.01, 0.001])
+def test_a_small_temperature_still_ranks_the_nearest_neighbours_class_first(temperature):
+    # Cosine similarities 1.0 (class 1) and 0.95, 0.94 (class 0): exp(s / T) overflows float32 below T = 0.0113,
+    # and two infinite votes would tie. At any temperature here class 1 outweighs the two others (e^(5/T) > 2).
+    bank = torch.tensor([[1.0, 0.0], [0.95, (1 - 0.95**2) ** 0.5], [0.94, (1 - 0.94**2) ** 0.5]])
+    labels = torch.tensor([1, 0, 0])
+    queries = torch.tensor([[1.0, 0.0]])
+    scores = knn_scores(bank, labels, queries, num_classes=2, k=3, temperature=temperature)
+    assert scores.isfinite().all() and scores[0, 1] > scores[0, 0]
+    assert knn_accuracy(bank, labels, queries, torch.tensor([1]), 2, k=3, temperature=temperature)["top1"] == 1.0
 
 
 def test_accuracy_counts_top1_and_top5_and_does_not_depend_on_chunking():
@@ -39,6 +52,16 @@ def test_accuracy_counts_top1_and_top5_and_does_not_depend_on_chunking():
     r = knn_accuracy(bank, bank_labels, queries, wrong, 10, k=20)
     assert r["top1"] == 0.0 and r["count"] == 50
     assert knn_accuracy(bank, bank_labels, queries, wrong, 10, k=20, chunk=7) == r
+
+
+@pytest.mark.parametrize("label", range(10))
+def test_top5_counts_no_class_that_no_neighbour_voted_for(label):
+    # Both neighbours are of classes 8 and 9; eight classes tie at zero votes, and which of them topk ranks into the
+    # top 5 is only the order in which topk breaks the tie: that must not make a hit.
+    bank, bank_labels = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([9, 8])
+    r = knn_accuracy(bank, bank_labels, torch.tensor([[1.0, 0.1]]), torch.tensor([label]), num_classes=10, k=2)
+    assert r["top5"] == (1.0 if label in (8, 9) else 0.0)
+    assert r["top1"] == (1.0 if label == 9 else 0.0)
 
 
 def test_bank_and_queries_are_seeded_sorted_subsets():

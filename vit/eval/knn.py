@@ -75,29 +75,37 @@ def knn_scores(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Ten
                temperature: float = 0.07) -> torch.Tensor:  # fmt: skip
     """Class votes: bank (M, D), bank_labels (M,), queries (Q, D) -> scores (Q, num_classes).
 
-    Each query's k nearest bank features by cosine similarity s vote for their labels with weight exp(s / temperature).
+    Each query's k nearest bank features by cosine similarity s vote for their labels with weight exp(s / temperature),
+    divided by the query's largest weight exp(s_max / temperature): the same ranking of the classes, and no overflow.
     """
     bank = F.normalize(bank.float(), dim=1)
     queries = F.normalize(queries.float(), dim=1)
-    sim, index = (queries @ bank.T).topk(min(k, bank.shape[0]), dim=1)  # (Q, k)
+    sim, index = (queries @ bank.T).topk(min(k, bank.shape[0]), dim=1)  # (Q, k), most similar first
+    # exp(1 / temperature) passes float32's maximum below temperature 0.0113: every vote near the top would be inf,
+    # and the classes tie. Shifting by the row's maximum scales a query's votes alike, so its ranking stays exact.
+    # The floor keeps a far neighbour's vote above zero after exp underflows: a score of 0 means no neighbour voted.
+    weights = ((sim - sim[:, :1]) / temperature).exp().clamp(min=torch.finfo(torch.float32).tiny)  # (Q, k), in (0, 1]
     scores = torch.zeros(queries.shape[0], num_classes, device=queries.device)
-    return scores.scatter_add_(1, bank_labels[index], (sim / temperature).exp())
+    return scores.scatter_add_(1, bank_labels[index], weights)
 
 
 def knn_accuracy(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, labels: torch.Tensor, num_classes: int,
                  k: int = 20, temperature: float = 0.07, accelerator=None, chunk: int = 512) -> dict[str, float]:  # fmt: skip
     """Top-1 / top-5 of the weighted kNN vote over queries (Q, D) with labels (Q,).
 
+    A class counts only where a neighbour voted for it: with fewer than five classes among the k neighbours, the rest
+    of a top-5 would be classes with no vote, in whatever order `topk` breaks their tie.
     With `accelerator`, the queries are this rank's shard and the counts are summed over ranks.
     Returns {"top1", "top5", "count"}.
     """
     top1 = top5 = 0
     for lo in range(0, queries.shape[0], chunk):  # (chunk, M) similarities at a time keeps memory flat
         scores = knn_scores(bank, bank_labels, queries[lo : lo + chunk], num_classes, k, temperature)
-        ranked = scores.topk(min(5, num_classes), dim=1).indices  # (chunk, 5)
+        ranked = scores.topk(min(5, num_classes), dim=1)  # (chunk, 5)
         y = labels[lo : lo + chunk].unsqueeze(1)
-        top1 += int((ranked[:, :1] == y).sum())
-        top5 += int((ranked == y).any(1).sum())
+        hit = (ranked.indices == y) & (ranked.values > 0)  # (chunk, 5)
+        top1 += int(hit[:, 0].sum())
+        top5 += int(hit.any(1).sum())
     hits = torch.tensor([top1, top5, queries.shape[0]], dtype=torch.float64, device=queries.device)
     if accelerator is not None and accelerator.num_processes > 1:
         hits = accelerator.reduce(hits, reduction="sum")

@@ -151,6 +151,15 @@ def test_patch_dropout_keeps_the_configured_fraction_in_training_and_is_identity
     assert model.patch_drop.eval()(tokens) is tokens
 
 
+def test_patch_dropout_keeps_at_least_one_patch_as_timm_does():
+    # 4 patches at rate 0.8: int(4 * 0.2) = 0, but an average over no patch token is NaN; timm keeps one.
+    model = VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=1, num_heads=2, num_classes=3, patch_drop_rate=0.8, global_pool="avg")
+    assert timm.layers.PatchDropout(0.8).train()(torch.randn(1, 1 + 4, 8)).shape[1] == 1 + 1
+    x = torch.randn(2, 3, 32, 32)
+    assert model.train().forward_features(x).shape == (2, 1 + 1, 32)
+    assert model(x).isfinite().all()
+
+
 def test_patch_dropout_runs_the_encoder_on_the_kept_patches_in_their_places():
     model = VisionTransformer(**{**SMALL, "global_pool": "avg"}, patch_drop_rate=0.5)
     x = torch.randn(4, 3, 32, 32)
@@ -171,6 +180,19 @@ def test_ids_keep_subset_keeps_positions():
     assert sub.shape == (2, 4, 32)
     for b in range(2):
         torch.testing.assert_close(sub[b, 1:], full[b, 1 + ids[b]])
+
+
+@pytest.mark.parametrize("pos_embed", ["learned", "sincos"])
+def test_the_timm_baseline_trains_the_parameters_our_encoder_trains(pos_embed):
+    """finetune.arch=timm_vit runs timm's code on our weights: a fixed sin-cos table must stay fixed there too."""
+    from vit.tools.reference import timm_vit as timm_baseline
+
+    ours = VisionTransformer(**SMALL, pos_embed=pos_embed)
+    theirs = timm_baseline(ours.config)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    trained = lambda m: {n for n, p in m.named_parameters() if p.requires_grad}  # noqa: E731
+    assert trained(theirs) == trained(ours)
+    assert ("pos_embed" in trained(ours)) == (pos_embed == "learned")
 
 
 @pytest.mark.parametrize("global_pool", ["token", "avg"])

@@ -170,7 +170,7 @@ class DropPath(nn.Module):
 
 
 class PatchDropout(nn.Module):
-    """Patch dropout (Liu et al. 2022): in training each sample keeps a random `int(N * (1 - p))` of its N patch tokens.
+    """Patch dropout (Liu et al. 2022): in training each sample keeps a random `max(1, int(N * (1 - p)))` of its N patch tokens.
 
     x: (B, P + N, D) -> (B, P + K, D); the P prefix tokens ([CLS]) always stay. The tokens already
     carry their positional embedding, so each kept patch keeps its place. Identity in eval mode:
@@ -189,7 +189,10 @@ class PatchDropout(nn.Module):
         if not self.training or self.p == 0.0:
             return x
         P = self.num_prefix_tokens
-        ids_keep, _, _ = random_masking(x.shape[0], x.shape[1] - P, self.p, x.device)  # (B, K)
+        N = x.shape[1] - P
+        # At least one patch, as timm's PatchDropout keeps: with none, average pooling is a mean over nothing (NaN).
+        keep = max(1, int(N * (1 - self.p)))
+        ids_keep = torch.argsort(torch.rand(x.shape[0], N, device=x.device), dim=1)[:, :keep]  # (B, K), the draw of `random_masking`
         return torch.cat([x[:, :P], gather_tokens(x[:, P:], ids_keep)], dim=1)  # (B, P + K, D)
 
     def extra_repr(self) -> str:

@@ -26,14 +26,17 @@ def timm_vit(config: dict[str, Any]) -> nn.Module:
     """timm's own VisionTransformer with our encoder's configuration (fc_norm=False matches our avg pooling).
 
     `config` is a `VisionTransformer.config`. Its `patch_drop_rate` is timm's own patch dropout, which keeps
-    the same number of patches, int(N * (1 - rate)), as our encoder's `PatchDropout`.
+    the same number of patches, max(1, int(N * (1 - rate))), as our encoder's `PatchDropout`. A fixed sin-cos table
+    (`pos_embed: sincos`) stays fixed: timm's table always trains, so it is frozen here; its values come with our weights.
     """
     import timm.models.vision_transformer as tv
 
     kwargs = {k: config[k] for k in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
                                      "qkv_bias", "drop_rate", "attn_drop_rate", "drop_path_rate", "global_pool")}  # fmt: skip
     # A config without `patch_drop_rate` (a classifier.pt that does not record it) means none.
-    return tv.VisionTransformer(fc_norm=False, patch_drop_rate=config.get("patch_drop_rate", 0.0), **kwargs)
+    model = tv.VisionTransformer(fc_norm=False, patch_drop_rate=config.get("patch_drop_rate", 0.0), **kwargs)
+    model.pos_embed.requires_grad_(config.get("pos_embed", "learned") == "learned")
+    return model
 
 
 class ReferenceMAE(nn.Module):

@@ -20,30 +20,32 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
     model.eval()
     sync_from_main(model, accelerator, buffers_only=True)  # every rank evaluates with rank 0's BatchNorm statistics, the saved ones
     device = accelerator.device
-    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
-    extra = torch.zeros(2, dtype=torch.float64, device=device)  # top-5 hits, summed loss
+    # Counts in int64 and the loss in float32: exact or close, and on every device (MPS has no float64).
+    confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)  # (C * C,) row = true class
+    top5_hits = torch.zeros((), dtype=torch.long, device=device)
+    loss_sum = torch.zeros((), device=device)
     for images, labels in loader.epoch(0):
         with accelerator.autocast():
             logits = model(images)
         logits = logits.float()
-        extra[1] += nn.functional.cross_entropy(logits, labels, reduction="sum").double()
+        loss_sum += nn.functional.cross_entropy(logits, labels, reduction="sum")
         k = min(5, num_classes)
         top = logits.topk(k, dim=1).indices  # (B, k)
-        extra[0] += (top == labels.unsqueeze(1)).any(dim=1).sum().double()
-        pred = top[:, 0]
-        confusion.view(-1).index_add_(0, labels * num_classes + pred, torch.ones_like(pred, dtype=torch.float64))
-    confusion = accelerator.reduce(confusion, reduction="sum")
-    extra = accelerator.reduce(extra, reduction="sum")
+        top5_hits += (top == labels.unsqueeze(1)).any(dim=1).sum()
+        confusion += torch.bincount(labels * num_classes + top[:, 0], minlength=num_classes * num_classes)
+    confusion = accelerator.reduce(confusion, reduction="sum").view(num_classes, num_classes)
+    top5_hits = accelerator.reduce(top5_hits, reduction="sum")
+    loss_sum = accelerator.reduce(loss_sum, reduction="sum")
     model.train(was_training)
-    count = confusion.sum().item()
+    count = int(confusion.sum().item())
     per_class = (confusion.diag() / confusion.sum(1).clamp(min=1)).tolist()
     return {
         "top1": confusion.diag().sum().item() / max(count, 1),
-        "top5": extra[0].item() / max(count, 1),
-        "loss": extra[1].item() / max(count, 1),
-        "count": int(count),
+        "top5": top5_hits.item() / max(count, 1),
+        "loss": loss_sum.item() / max(count, 1),
+        "count": count,
         "per_class": per_class,
-        "confusion": confusion.long().cpu(),
+        "confusion": confusion.cpu(),
     }
 
 

@@ -28,7 +28,7 @@ from vit.train.accelerator import compile_for_run
 from vit.train.budget import Evaluation
 from vit.train.loop import Preempted, fit
 from vit.train.optim import make_optimizer, param_groups
-from vit.train.run import Run
+from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
 from vit.train.states import Progress, load_state
 from vit.errors import ConfigError, DataError, exit_on_user_error
@@ -379,5 +379,5 @@ def check_pretraining_overlap(cfg: FinetuneConfig, run: Run, splits: Splits) -> 
 
 def rank_checksums(model: nn.Module, acc) -> list[dict]:
     """Per-rank sum of the model's parameters for summary.json: every rank must have trained and evaluated the same model."""
-    checksum = sum(p.detach().double().sum() for p in model.parameters()).float().reshape(1, 1).to(acc.device)
+    checksum = param_checksum(model).reshape(1, 1).to(acc.device)
     return [{"rank": r, "param_checksum": c[0]} for r, c in enumerate(acc.gather(checksum).cpu().tolist())]

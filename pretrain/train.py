@@ -17,7 +17,7 @@ from vit.train.accelerator import compile_for_run
 from vit.train.budget import Evaluation
 from vit.train.loop import Preempted, fit
 from vit.train.optim import make_optimizer, param_groups
-from vit.train.run import Run
+from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
 from vit.train.states import load_state
 from vit.errors import exit_on_user_error
@@ -71,7 +71,7 @@ def knn_monitor(cfg: PretrainConfig, run: Run, data: Data):
 def rank_report(run: Run, model, first_batch_sum: float, images_seen: int) -> list[dict]:
     """Per-rank facts for summary.json: proof that every rank trained, on its own data, with the same weights."""
     acc = run.accelerator
-    checksum = sum(p.detach().double().sum() for p in unwrap(model).parameters()).float()
+    checksum = param_checksum(unwrap(model))
     local = torch.tensor([float(acc.process_index), first_batch_sum, float(images_seen), checksum.item()], device=acc.device)
     gathered = acc.gather(local.unsqueeze(0)).cpu().tolist()
     return [{"rank": int(r), "first_batch_sum": b, "images": int(n), "param_checksum": c} for r, b, n, c in gathered]
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     knn = knn_monitor(cfg, run, t.data)
     pretrained_on = split_record(cfg.data, splits)  # encoder.pt records it, so fine-tuning can refuse val images seen here
     figure = reconstruction_figures(cfg, run, t)
-    first_batch_sum = next(t.train_loader.epoch(0))[0].double().sum().item()
+    first_batch_sum = next(t.train_loader.epoch(0))[0].float().sum().item()  # float32: MPS has no float64
     clock = {"epoch": time.perf_counter(), "weights": time.perf_counter()}  # when the epoch's steps began; the weights' last save
 
     def on_epoch_end(epoch: int, progress) -> dict[str, float]:

@@ -6,8 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 from accelerate import Accelerator
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from finetune.evaluate import evaluate
+from vit.eval.knn import knn_accuracy
+from vit.train.run import param_checksum
 
 # Each sample's classes from most to least likely, and its true class. Six classes, so top-5 can miss:
 # a sample misses it only when its true class is ranked last. Class 5 has no sample.
@@ -99,3 +103,29 @@ def test_the_model_runs_in_eval_mode_and_gets_its_mode_back(accelerator, trainin
     evaluate(model, loader, accelerator, num_classes=6)
     assert model.modes == [False, False]  # both batches ran in eval mode (dropout, drop path and BatchNorm off)
     assert model.training is training
+
+
+class Float64Ops(TorchDispatchMode):
+    """Records every op that makes a float64 tensor: Apple's MPS has no float64, and such an op stops an MPS run."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in tree_leaves(out)):
+            self.ops.append(str(func))
+        return out
+
+
+def test_evaluation_knn_and_rank_checksums_make_no_float64_tensor(accelerator):
+    """What runs on the training device at evaluation time stays in dtypes every device has (MPS: no float64)."""
+    model, loader, _, _ = handmade()
+    bank, queries = torch.randn(12, 4), torch.randn(5, 4)
+    with Float64Ops() as spy:
+        r = evaluate(model, loader, accelerator, num_classes=6)
+        knn = knn_accuracy(bank, torch.arange(12) % 3, queries, torch.arange(5) % 3, num_classes=3, k=4)
+        checksum = param_checksum(model)
+    assert spy.ops == []
+    assert r["count"] == 8 and knn["count"] == 5 and checksum.dtype == torch.float32

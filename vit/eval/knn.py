@@ -106,7 +106,7 @@ def knn_accuracy(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.T
         hit = (ranked.indices == y) & (ranked.values > 0)  # (chunk, 5)
         top1 += int(hit[:, 0].sum())
         top5 += int(hit.any(1).sum())
-    hits = torch.tensor([top1, top5, queries.shape[0]], dtype=torch.float64, device=queries.device)
+    hits = torch.tensor([top1, top5, queries.shape[0]], dtype=torch.long, device=queries.device)  # int64: MPS has no float64
     if accelerator is not None and accelerator.num_processes > 1:
         hits = accelerator.reduce(hits, reduction="sum")
     count = max(hits[2].item(), 1.0)

@@ -146,3 +146,25 @@ def test_every_job_of_every_shipped_sweep_loads(path):
 def test_run_names_outside_run_dir_and_seeds_numpy_refuses_are_config_errors(override, key):
     with pytest.raises(ConfigError, match=f"^{key} must be"):
         load_config(PretrainConfig, None, [override])
+
+
+def test_overrides_keep_what_the_command_line_spells():
+    # YAML 1.1 reads these as a float, a bool, an octal and an underscored int: a string field got '0.1', 'True', '8'
+    # and '1000', an integer field 320 for 0500; a run folder named 0.1 and a run.resume of True were silently wrong.
+    cfg = load_config(PretrainConfig, None, ["run.name=0.10", "run.resume=yes", "run.project=010", "run.group=1_000",
+                                             "data.root=1.50", "run.save_every=0500", "run.seed=08", "optim.lr=010"])  # fmt: skip
+    assert (cfg.run.name, cfg.run.resume, cfg.run.project, cfg.run.group, cfg.data.root) == ("0.10", "yes", "010", "1_000", "1.50")
+    assert (cfg.run.save_every, cfg.run.seed, cfg.optim.lr) == (500, 8, 10.0)
+    # YAML's null still unsets an optional field, and the choices YAML reads as booleans still read as spelled.
+    cfg = load_config(PretrainConfig, None, ["data.root=null", "run.group=~", "run.precision=no", "run.threads=null"])
+    assert (cfg.data.root, cfg.run.group, cfg.run.precision, cfg.run.threads) == (None, None, "no", None)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=1" + "0" * 400, r"^optim.lr must be a finite number in command line"),  # too large for a float: was an OverflowError
+    ("run.seed=1e3", r"^run.seed must be an integer in command line, got '1e3'"),
+    ("run.name=null", r"^run.name must be a string in command line, got None"),
+])  # fmt: skip
+def test_numbers_no_field_can_take_are_one_config_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(PretrainConfig, None, [override])

@@ -2,6 +2,9 @@
 them only at records, resume states and the end. The guard's skipped step leaves the weights and optimiser state exactly
 as they were, on both of its paths (a flag the fused optimiser reads, or a host read for the others)."""
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -100,3 +103,16 @@ def test_the_ring_refuses_a_span_longer_than_its_slots():
     ring = LossRing(OneProcess(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), slots=4)
     with pytest.raises(ValueError, match="do not fit the 4 slots"):
         ring.read(0, 5)
+
+
+def test_the_ring_holds_one_window_however_rarely_the_run_logs(tmp_path):
+    # run.log_every far above the run's length ("log at the epoch ends only") sized the ring by it: 10**8 slots were
+    # 400 MB, read whole at every check point (minutes and gigabytes for a run of seconds). A window closes at every
+    # record, resume state and epoch end, so the ring needs no more slots than the shortest of the three spans.
+    loop, batches = pretraining_loop(tmp_path, **{"run.log_every": 10**7, "run.save_every": 10**7})
+    assert loop.losses.slots <= loop.spec.steps_per_epoch < 10
+    assert loop.train_epoch(SIGNALS)
+    loop.end_epoch(None)
+    records = [json.loads(line) for line in (loop.run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [loop.spec.steps_per_epoch]  # the epoch's one record, of every step's loss
+    assert math.isfinite(records[0]["loss"]) and loop.progress.nan_skips == 0

@@ -207,3 +207,19 @@ def test_the_run_folder_and_io_modules_do_not_import_the_model():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_a_resume_state_of_another_model_is_refused_in_one_line_naming_what_differs(tmp_path, capsys):
+    from helpers import reset_accelerate, tiny_overrides
+    from pretrain.train import main as pretrain
+
+    small = {"data.synthetic_size": 64, "data.val_size": 16, "optim.batch_size": 16, "schedule.max_steps": 1, "mae.knn_every": 0}
+    assert pretrain(tiny_overrides(tmp_path, name="small", **small)) == 0
+    reset_accelerate()
+    state = state_dirs(tmp_path / "runs" / "small")[-1]
+    capsys.readouterr()
+    # Accelerate's error names only the class ("Error(s) in loading state_dict for MaskedAutoencoder:"); the line must say why.
+    assert pretrain(tiny_overrides(tmp_path, name="wide", **{**small, "model.embed_dim": 64, "run.resume": str(state)})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: run.resume={state}: the state does not load (it holds another model"), err
+    assert "size mismatch for encoder.cls_token" in err[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -85,7 +87,19 @@ def apply_override(cfg: Any, item: str) -> None:
     hint = typing.get_type_hints(type(node))[leaf]
     if dataclasses.is_dataclass(hint):
         raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<key>=...")
-    setattr(node, leaf, _coerce(value, hint, key, "command line"))
+    setattr(node, leaf, _coerce(_as_typed(value, raw.strip(), hint), hint, key, "command line"))
+
+
+def _as_typed(value: Any, text: str, hint: Any) -> Any:
+    """An override's value as the command line spells it where YAML 1.1 reads it as something else: a string field gets
+    the text (YAML reads run.name=0.10 as 0.1, run.resume=yes as True, run.name=010 as 8), a number field reads plain
+    digits as decimal (YAML reads run.save_every=0500 as octal 320, and 08 as a string). YAML's null still unsets."""
+    types_ = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    if str in types_ and value is not None and not isinstance(value, (str, list, dict)):
+        return text
+    if (int in types_ or float in types_) and re.fullmatch(r"[-+]?[0-9]+", text):
+        return int(text)
+    return value
 
 
 def validate(cfg: Any) -> None:
@@ -221,8 +235,8 @@ def _number(value: Any, key: str, source: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key} must be a number in {source}, got {value!r}")
     # No setting means anything by infinity or NaN, and range checks pass some of them (an infinite learning rate
-    # is "positive"): refused here, for every key.
-    if not math.isfinite(value):
+    # is "positive"): refused here, for every key. An integer too large for a float is infinite to it (isfinite raises).
+    if abs(value) > sys.float_info.max or not math.isfinite(value):
         raise ConfigError(f"{key} must be a finite number in {source}, got {value!r}")
     return float(value)
 

@@ -149,7 +149,10 @@ class TrainLoop:
         self.images_per_step = loader.batch_size * self.accum * run.accelerator.num_processes
         self.lr = spec.lr(progress.step)  # the last step's learning rate, logged with each record
         self.window = MetricWindow(progress.step)
-        self.losses = LossRing(run.accelerator, optimizer, slots=run.cfg.run.log_every)  # records come at most log_every steps apart
+        # A window closes at every record, resume state and epoch end: it holds at most this many steps. (log_every alone
+        # made run.log_every=100000000, 'log only at epoch ends', allocate 400 MB and read it all at every check point.)
+        slots = min(run.cfg.run.log_every, run.cfg.run.save_every, spec.steps_per_epoch)
+        self.losses = LossRing(run.accelerator, optimizer, slots=slots)
         self.checked = progress.step  # steps before this one were checked for non-finite losses
         self.read_at: tuple[int, dict[int, list[float]]] | None = None  # (step, the ring as read then)
         self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here

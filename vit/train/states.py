@@ -89,7 +89,7 @@ def load_state(run: Run) -> Progress | None:
             progress = Progress(**read_state_progress(path))
             run.accelerator.load_state(str(path))
         except Exception as e:
-            why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+            why = load_failure(e)
             if resume != "auto":
                 raise ConfigError(f"run.resume={resume}: the state does not load ({why})") from None
             run.warn(f"resume state {path} is unreadable ({why}); trying the one before")
@@ -104,3 +104,15 @@ def load_state(run: Run) -> Progress | None:
                 run.print(f"resume: dropped {dropped} metrics record(s) logged after step {progress.step}; they are logged again")
         return progress
     raise ConfigError(f"run.resume=auto: none of the saved states in {run.dir / STATE_DIR} loads")
+
+
+def load_failure(e: Exception) -> str:
+    """Why a state did not load, in one line. A state of another model (another size, or the other stage's) fails in
+    `load_state_dict`, whose first line names only the class ("Error(s) in loading state_dict for MaskedAutoencoder:"):
+    its first detail says what differs."""
+    if isinstance(e, CheckpointError):
+        return str(e)
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
+    if lines[0].startswith("Error(s) in loading state_dict") and len(lines) > 1:
+        return f"it holds another model than this run builds: {lines[1][:160]}"
+    return f"{type(e).__name__}: {lines[0][:120]}"

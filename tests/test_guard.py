@@ -12,7 +12,9 @@ from helpers import finetuning_loop, pretraining_loop
 from vit.device import count_host_reads
 from vit.train.loop import SignalGuard
 from vit.train.guard import LossRing, takes_found_inf
+from vit.config.sections import OptimConfig
 from vit.train.lars import LARS
+from vit.train.optim import make_optimizer, set_lr
 
 CPU = torch.device("cpu")
 SIGNALS = SignalGuard()  # never entered: no signal arrives
@@ -74,10 +76,18 @@ class OneProcess:
     num_processes, device, scaler = 1, CPU, None
 
 
+def configured(name: str, params: list, lr: float = 0.1) -> torch.optim.Optimizer:
+    """The optimiser `optim.name=name` builds on the CPU, at learning rate `lr`."""
+    optimizer = make_optimizer([{"params": params}], OptimConfig(name=name), CPU)
+    set_lr(optimizer, lr)
+    return optimizer
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),  # the flag path: no host read
+    lambda ps: configured("sgd", ps),  # the flag path, with momentum buffers
     lambda ps: LARS(ps, lr=0.1),  # the host-read path
-], ids=["fused-adamw", "lars"])  # fmt: skip
+], ids=["fused-adamw", "sgd", "lars"])  # fmt: skip
 def test_a_non_finite_step_leaves_weights_and_optimiser_state_untouched(make):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
@@ -97,6 +107,14 @@ def test_a_non_finite_step_leaves_weights_and_optimiser_state_untouched(make):
     assert not all(torch.equal(weights[k], v) for k, v in model.state_dict().items())  # the next finite step updates again
     losses = ring.read(0, 3)
     assert list(losses) == [0, 1, 2] and losses[1][0] != losses[1][0] and all(v == v for s in (0, 2) for v in losses[s])  # nan at 1
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_the_configured_adamw_and_sgd_take_the_guard_as_a_device_flag(name):
+    """optim.fused unset: both are fused where the device has the kernels, so their steps need no host read (and can be
+    captured as one CUDA graph); optim.fused=false takes the host-read path."""
+    params = [torch.nn.Parameter(torch.randn(3, 3))]
+    assert takes_found_inf(configured(name, params))
+    assert not takes_found_inf(make_optimizer([{"params": params}], OptimConfig(name=name, fused=False), CPU))
 
 
 def test_the_ring_refuses_a_span_longer_than_its_slots():

@@ -160,7 +160,7 @@ class OptimConfig:
     batch_size: int = 256  # per process
     grad_accum_steps: int = 1
     clip_grad: float | None = None  # max global gradient norm; None: no clipping
-    fused: bool | None = None  # fused AdamW; None: where the device supports it
+    fused: bool | None = None  # fused AdamW / SGD (not LARS); None: where the device supports it (CUDA, CPU)
 
     def validate(self) -> None:
         check(self.lr is None or self.lr > 0, "optim.lr", "must be positive")

@@ -22,6 +22,7 @@ import random
 import statistics
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -377,11 +378,13 @@ def run_cases(cases: list[Case], s: Settings, device: torch.device, precisions: 
         print(f"[{i}/{len(cases)}] {case.name}: ours {r['ours']['median_images_per_s']:.1f} img/s, "
               f"ref {r['ref']['median_images_per_s']:.1f} img/s, ratio {r['ratio']:.2f}x{busy}{reads}", flush=True)  # fmt: skip
     if device.type == "cpu":
-        # CPU memory is not counted by the allocator: each side's steps run alone in a child process.
-        for case, r in zip(cases, results):
-            if case.section in ("encoder", "mae"):  # e2e's reference spreads over DataLoader workers
-                for side in SIDES:
-                    r[side]["peak_memory_mib"] = host_memory_of(case, side, memory_command)
+        # CPU memory is not counted by the allocator: each side's steps run alone in a child process (not e2e's: its
+        # reference spreads over DataLoader workers). The timings are done and a resident set is its own process's, so
+        # the children run side by side; most of each one's time is its imports.
+        sides = [(case, r, side) for case, r in zip(cases, results) if case.section in ("encoder", "mae") for side in SIDES]
+        with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
+            for (case, r, side), mib in zip(sides, pool.map(lambda j: host_memory_of(j[0], j[2], memory_command), sides)):
+                r[side]["peak_memory_mib"] = mib
     for r in results:
         for side in SIDES:
             r[side]["utilisation"] = utilisation(r, side, peaks)

@@ -26,8 +26,8 @@ Sections (each a list of `Case`s, every case a pair of step builders, ours and t
 6. pipeline: each stage's real training loop (`configs/pretrain/cpu.yaml`, `configs/finetune/cpu.yaml`
    at `--e2e-batch`: data, augmentation, masking, the non-finite guard, metrics records) against the
    bare step of the same model and optimiser on a fixed batch. The ratio is the share of its own step
-   the loop keeps; the host reads of the steps between two records are counted (0 when no step waits
-   for the device); on CUDA the GPU's busy share (NVML) of each side is shown.
+   the loop keeps; the host reads of the steps between two records (or epoch ends) are counted (0 when
+   no step waits for the device); on CUDA the GPU's busy share (NVML) of each side is shown.
 7. augment: training batches of 32 px images held on the device (`--data`, else synthetic ones): crop,
    flip, TrivialAugment or RandAugment with random erasing, and normalisation at `--e2e-batch`, many
    batches in one pass on the device (the loader's default) against one batch at a time. On a GPU the

@@ -60,13 +60,22 @@ class Pipeline:
     batches: Iterator  # the loader's batches, epoch after epoch
     bare: Step
     log_every: int
+    steps_per_epoch: int
 
     def step(self) -> None:
-        """One step of the loop, as `fit` takes it (data, augmentation, masking, guard, records; no resume state)."""
+        """One step of the loop, as `fit` takes it (data, augmentation, masking, guard, records, the record that closes
+        an epoch; no resume state and no evaluation)."""
         self.loop.advance(self.batches, NO_SIGNALS, may_save=False)
+        if self.loop.progress.step % self.steps_per_epoch == 0:
+            self.loop.end_epoch(None)
+
+    def closes(self, step: int) -> bool:
+        """Whether step `step` ends in a record (the host reads the window's losses there, by design)."""
+        return step % self.log_every == 0 or step % self.steps_per_epoch == 0
 
 
 NO_SIGNALS = SignalGuard()  # never entered: no handler, no signal
+NO_STATE = 10**9  # run.save_every of the pipeline section's loops: no resume state (an epoch's end saves one at its multiples)
 
 
 def stage_pipeline(run, forward: nn.Module, optimizer, loader, loss_fn, spec) -> Pipeline:
@@ -78,7 +87,7 @@ def stage_pipeline(run, forward: nn.Module, optimizer, loader, loss_fn, spec) ->
         bare = partial(loop.graph.step, images, targets, spec.peak_lr)
     else:
         bare = bare_step(forward, optimizer, loss_fn, images, labels, run.accelerator)
-    return Pipeline(loop, batches_forever(loader), bare, run.cfg.run.log_every)
+    return Pipeline(loop, batches_forever(loader), bare, run.cfg.run.log_every, spec.steps_per_epoch)
 
 
 def bare_step(forward: nn.Module, optimizer, loss_fn, images: torch.Tensor, labels: torch.Tensor, accelerator) -> Step:
@@ -108,26 +117,33 @@ def pipeline_overrides(s: Settings, device: torch.device, name: str) -> list[str
     # A CPU loop computes with the benchmark's threads; a GPU one keeps the stage's own default (vit.train.accelerator.set_threads).
     threads = [f"run.threads={torch.get_num_threads()}"] if device.type == "cpu" else []
     return data + threads + [f"optim.batch_size={s.e2e_batch}", f"run.dir={run_dir}", f"run.name={name}", "run.tracker=none", "run.progress=false",
-                             f"run.device={device.type}", f"run.compile={s.compile}", f"run.cuda_graph={s.cuda_graph}"]  # fmt: skip
+                             f"run.device={device.type}", f"run.compile={s.compile}", f"run.cuda_graph={s.cuda_graph}",
+                             f"run.save_every={NO_STATE}"]  # fmt: skip
 
 
 def pipeline_case(stage: str, s: Settings, device: torch.device, build: Callable[[], Pipeline]) -> Case:
     """The stage's loop ("ours") against its bare step ("ref"), sharing one model: the ratio is what the loop keeps of
-    its own step (goal >= 0.9). After the timing, the host reads of `log_every - 1` loop steps between two records
-    are counted (`count_host_reads`): a step that waits for the device shows here."""
+    its own step (goal >= 0.9). After the timing, the host reads of the next `log_every` loop steps are counted
+    (`count_host_reads`), but for the steps that end in a record or an epoch's end, where the loop reads the window's
+    losses by design: a step that waits for the device shows here."""
     pipeline = functools.cache(build)
     precision = "bf16" if resolve_precision("auto", device) == "bf16" else "fp32"
 
     def extra() -> dict:
         p = pipeline()
-        while p.loop.progress.step % p.log_every:  # up to the next record, so the counted steps hold none
-            p.step()
-        steps = p.log_every - 1
-        with count_host_reads(device) as reads:
-            for _ in range(steps):
+        steps = reads = 0
+        where: set[str] = set()
+        for _ in range(p.log_every):  # every step up to a record or an epoch's end is counted; those two are not
+            if p.closes(p.loop.progress.step + 1):
                 p.step()
+                continue
+            with count_host_reads(device) as counted:
+                p.step()
+            steps, reads = steps + 1, reads + counted["reads"]
+            where.update(counted.get("where") or ())
         p.loop.busy.stop()
-        return {"host_reads": reads["reads"], "host_read_steps": steps, "host_read_lines": reads.get("where"), "compile": p.loop.run.compile_mode,
+        return {"host_reads": reads, "host_read_steps": steps, "host_read_lines": sorted(where) if device.type == "cuda" else None,
+                "compile": p.loop.run.compile_mode,
                 "cuda_graph": p.loop.run.graph_capture if p.loop.graph is not None else None}
 
     return Case(f"pipeline/{stage}/{precision}", "pipeline", precision, s.e2e_batch, ours=lambda: pipeline().step, ref=lambda: pipeline().bare,

@@ -190,9 +190,9 @@ def test_the_timm_baseline_trains_the_parameters_our_encoder_trains(pos_embed):
     ours = VisionTransformer(**SMALL, pos_embed=pos_embed)
     theirs = timm_baseline(ours.config)
     theirs.load_state_dict(ours.state_dict(), strict=True)
-    trained = lambda m: {n for n, p in m.named_parameters() if p.requires_grad}  # noqa: E731
-    assert trained(theirs) == trained(ours)
-    assert ("pos_embed" in trained(ours)) == (pos_embed == "learned")
+    trained = [{n for n, p in m.named_parameters() if p.requires_grad} for m in (ours, theirs)]
+    assert trained[1] == trained[0]
+    assert ("pos_embed" in trained[0]) == (pos_embed == "learned")
 
 
 @pytest.mark.parametrize("global_pool", ["token", "avg"])

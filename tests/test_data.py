@@ -13,6 +13,7 @@ import vit.data.sources.trees
 from vit.data.augment import BatchLoader, eval_shard, normalize, random_resized_crop_flip, resize, sample_crop_params
 from vit.config import DataConfig
 from vit.data.cache import cache_path
+from vit.data.loaders import open_data
 from vit.data.sources import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, load_splits
 from vit.data.splits import ImageSet, Splits
 from vit.errors import DataError
@@ -250,6 +251,48 @@ def test_cache_key_follows_the_source_and_decode_size(tmp_path, imagefolder_tree
     png(imagefolder_tree.root / "train" / "emu" / "z.png", np.zeros((16, 16, 3), dtype=np.uint8))
     assert cache_path(cfg, imagefolder_tree.root) != before
     assert len(load_splits(cfg).train) == 13
+
+
+def test_cache_sees_an_image_changed_behind_a_linked_class_folder(tmp_path, imagefolder_tree):
+    """The tree's listing follows a linked class folder, so the cache key must look behind the link too."""
+    elsewhere = tmp_path / "kiwis"
+    for i in range(3):
+        png(elsewhere / f"{i}.png", np.full((16, 16, 3), 10 * i, dtype=np.uint8))
+    (imagefolder_tree.root / "train" / "kiwi").symlink_to(elsewhere)
+    cfg = cfg_for(tmp_path, dataset="imagefolder", root=str(imagefolder_tree.root))
+    first = load_splits(cfg)
+    kiwi = first.train.classes.index("kiwi")
+    assert (first.train.images[first.train.labels == kiwi][0] == 0).all()
+    png(elsewhere / "0.png", np.full((16, 16, 3), 200, dtype=np.uint8))  # overwritten in place: the folder's mtime stays
+    second = load_splits(cfg)
+    assert (second.train.images[second.train.labels == kiwi][0] == 200).all()
+
+
+def test_cache_sees_a_same_sized_image_rewritten_with_its_old_mtime(tmp_path, imagefolder_tree):
+    """`cp -p`, `rsync -a` and `tar x` keep a file's mtime: a same-sized new image then leaves size and mtime as they were."""
+    import os
+
+    path = imagefolder_tree.root / "train" / "cat" / "z.bmp"
+    png(path, np.zeros((16, 16, 3), dtype=np.uint8))  # BMP: the same size whatever the pixels
+    cfg = cfg_for(tmp_path, dataset="imagefolder", root=str(imagefolder_tree.root))
+    black = load_splits(cfg)
+    stat = path.stat()
+    png(path, np.full((16, 16, 3), 255, dtype=np.uint8))  # rewritten in place (the folder's mtime stays), old mtime back
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size
+    white = load_splits(cfg)
+    row = 4  # after cat's four, in name order
+    assert (black.train.images[row] == 0).all() and (white.train.images[row] == 255).all()
+
+
+def test_a_folder_linking_back_up_is_refused_in_one_line(tmp_path, imagefolder_tree):
+    link = imagefolder_tree.root / "train" / "cat" / "again"
+    link.symlink_to(imagefolder_tree.root / "train")  # the listing would repeat train/ inside itself
+    for loader in ("memory", "stream"):
+        with pytest.raises(DataError) as e:
+            open_data(cfg_for(tmp_path, dataset="imagefolder", root=str(imagefolder_tree.root), loader=loader, workers=0), out_size=16,
+                      say=lambda line: None)  # fmt: skip
+        assert_one_line_naming(e, link, "links to")
 
 
 def test_cache_next_to_the_input_is_refused(tmp_path, imagefolder_tar):

@@ -496,6 +496,25 @@ def test_a_bad_image_stops_naming_it_or_is_skipped_and_counted(tmp_path, loader,
     assert str(paths[5]) in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_a_dangling_link_is_a_bad_image_skipped_or_named(tmp_path, loader, capsys):
+    """A link whose target is gone is listed as an image; fingerprinting the source (the cache key, the file set's
+    identity) must not stop on it before it is read, where it is skipped or named as any bad image."""
+    write_folder(tmp_path / "p", 12, size=(20, 20))
+    gone = tmp_path / "p" / "gone.jpg"
+    gone.symlink_to(tmp_path / "nowhere.jpg")
+    cfg = data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "p"), loader=loader, image_size=16, skip_bad_images=True, workers=0)
+    data, _ = open_quiet(cfg)
+    n = sum(raw.labels.numel() for raw in data.loader(data.splits.train, 13, train=True).raw_epoch(0)) if loader == "stream" else len(data.splits.train)
+    assert n == 12 and data.bad_total() == 1
+    assert str(gone) in capsys.readouterr().err
+    cfg.skip_bad_images = False
+    with pytest.raises(DataError) as e:
+        data, _ = open_quiet(cfg)
+        list(data.loader(data.splits.train, 13, train=True).raw_epoch(0))
+    assert_one_line_naming(e, gone)
+
+
 # --------------------------------------------------------------------------- stages
 
 

@@ -1,9 +1,9 @@
 """The memory loader's cache: a source's images decoded once into `<cache_dir>/<dataset>-<hash>.pt`.
 
-The hash covers the source's identity (a path with its size and newest mtime, or an identity string for shard lists and
-Hub datasets), the decode settings (size, `data.max_image_pixels`) and `FORMAT_VERSION`, so a changed source is decoded
-again. Images skipped by `data.skip_bad_images` are recorded in the cache too. A broken cache file is rebuilt; the
-cache is never written next to the input.
+The hash covers the source's identity (a path with its size and newest change time, mtime or ctime, linked folders
+included; or an identity string for shard lists and Hub datasets), the decode settings (size, `data.max_image_pixels`)
+and `FORMAT_VERSION`, so a changed source is decoded again. Images skipped by `data.skip_bad_images` are recorded in
+the cache too. A broken cache file is rebuilt; the cache is never written next to the input.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from vit.config import DataConfig
 from vit.data.decode import BadImage
+from vit.data.files import loops
 from vit.data.splits import ImageSet
 from vit.errors import DataError
 from vit.store.atomic import atomic_save
@@ -102,24 +103,33 @@ def _write_cache(path: Path, result: dict[str, ImageSet], skipped: list[tuple[st
 
 
 def _fingerprint(source: Path) -> tuple[int, int]:
-    """(total bytes, newest mtime in ns) of a file, or of every file and folder under a directory (a rename changes a folder's mtime)."""
+    """(total bytes, newest change in ns) of a file, or of every file and folder under a directory (a rename changes a
+    folder's times). The change time (ctime) counts besides the mtime: `cp -p`, `rsync -a` and `tar x` give a rewritten
+    file an old mtime, and a same-sized image (BMP, PPM) would then leave both numbers as they were."""
     if source.is_file():
         st = source.stat()
-        return st.st_size, st.st_mtime_ns
-    total, newest = 0, source.stat().st_mtime_ns
+        return st.st_size, max(st.st_mtime_ns, st.st_ctime_ns)
+    st = source.stat()
+    total, newest = 0, max(st.st_mtime_ns, st.st_ctime_ns)
     for entry in _walk(source):
-        st = entry.stat()
+        try:
+            st = entry.stat()
+        except OSError:  # a dangling link: listed, then skipped or refused as a bad image when it is read
+            st = entry.stat(follow_symlinks=False)
         total += st.st_size if entry.is_file() else 0
-        newest = max(newest, st.st_mtime_ns)
+        newest = max(newest, st.st_mtime_ns, st.st_ctime_ns)
     return total, newest
 
 
-def _walk(folder: Path) -> Iterator[os.DirEntry]:
+def _walk(folder: Path, above: frozenset[str] = frozenset()) -> Iterator[os.DirEntry]:
+    """Every entry under `folder`, into linked folders too: `vit.data.files.list_images` lists the images behind a link,
+    so an image changed there changes the source. A link that loops is not followed (the listing refuses it)."""
+    above = above | {os.path.realpath(folder)}
     with os.scandir(folder) as it:
         for entry in it:
             yield entry
-            if entry.is_dir(follow_symlinks=False):
-                yield from _walk(Path(entry.path))
+            if entry.is_dir() and not loops(os.path.realpath(entry.path), above):
+                yield from _walk(Path(entry.path), above)
 
 
 def _refuse_next_to(cache_dir: Path, source: Path) -> None:

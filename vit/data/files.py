@@ -45,7 +45,13 @@ class PathReader:
 
     def identity(self, index: torch.Tensor) -> str:
         """Names and sizes of the files at `index`: the same files copied elsewhere give the same string."""
-        return "".join(f"{self.paths[i]}\0{os.path.getsize(os.path.join(self.root, self.paths[i]))}\n" for i in index.tolist())
+        return "".join(f"{self.paths[i]}\0{self._size(i)}\n" for i in index.tolist())
+
+    def _size(self, i: int) -> int:
+        try:
+            return os.path.getsize(self.name(i))
+        except OSError:  # a dangling link or a file gone since the listing: a bad image when it is read, not here
+            return -1
 
     def read(self, i: int) -> tuple[bytes, str]:
         path = self.name(i)
@@ -109,9 +115,9 @@ class ShardSet:
 def list_images(root: Path) -> list[str]:
     """Every image file under `root` at any depth, as sorted '/'-separated relative paths; hidden files and folders skipped."""
     found = []
-    stack = [""]
+    stack = [("", frozenset({os.path.realpath(root)}))]  # (folder, the real paths of it and the folders it was reached through)
     while stack:
-        rel = stack.pop()
+        rel, above = stack.pop()
         try:
             entries = list(os.scandir(os.path.join(root, rel) if rel else root))
         except OSError as e:
@@ -120,11 +126,21 @@ def list_images(root: Path) -> list[str]:
             if entry.name.startswith("."):
                 continue  # .ipynb_checkpoints, macOS ._* twins, .git
             path = f"{rel}/{entry.name}" if rel else entry.name
-            if entry.is_dir():
-                stack.append(path)
+            if entry.is_dir():  # linked folders are followed, as torchvision's ImageFolder follows them
+                real = os.path.realpath(entry.path)
+                if loops(real, above):  # the listing would repeat the tree inside itself until the OS refuses (ELOOP)
+                    raise DataError(f"{entry.path} links to {real}, a folder it is in; remove the link")
+                stack.append((path, above | {real}))
             elif is_image_name(entry.name):
                 found.append(path)
     return sorted(found)
+
+
+def loops(real: str, above: frozenset[str]) -> bool:
+    """Whether a folder whose real path is `real`, reached through the folders of real paths `above`, is one of them or
+    holds one: a link back up, directly or through other links."""
+    inside = real.rstrip(os.sep) + os.sep
+    return any(a == real or a.startswith(inside) for a in above)
 
 
 def folder_files(root: Path) -> FileSet:

@@ -270,6 +270,23 @@ def test_hugging_face_dataset_saved_to_disk(tmp_path, loader):
     assert x.shape == (3, 3, 16, 16) and y.tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("test_labels", [["b", "a", "zebra"], [1, 0, 7]])
+def test_a_hugging_face_label_that_is_no_train_class_is_one_line(tmp_path, test_labels):
+    """A test label the train split does not have (a name, or an integer past its classes) was read as 'unlabelled',
+    -1, and stopped the run at its first evaluation with a traceback."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(photo(rng, 20, 20)) for _ in range(9)]
+    train = {"picture": images[:6], "kind": ["a", "b", "c"] * 2 if isinstance(test_labels[0], str) else [0, 1, 2] * 2}
+    parts = {"train": datasets.Dataset.from_dict(train), "test": datasets.Dataset.from_dict({"picture": images[6:], "kind": test_labels})}
+    datasets.DatasetDict(parts).save_to_disk(str(tmp_path / "hf"))
+    cfg = data_cfg(tmp_path, dataset="hf", root=str(tmp_path / "hf"), image_column="picture", label_column="kind", val_size=3, loader="stream")
+    with pytest.raises(DataError) as e:
+        open_quiet(cfg, out_size=16, need_labels=True)
+    assert_one_line_naming(e, "test split", repr(test_labels[2]), "'kind'", "3 classes")
+
+
 def test_hugging_face_unlabelled_and_bad_columns(tmp_path):
     path = hf_dataset(tmp_path, labelled=False)
     cfg = data_cfg(tmp_path, dataset="hf", root=str(path), image_column="picture", loader="stream")

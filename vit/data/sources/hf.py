@@ -145,7 +145,7 @@ def hf_files(location: str, image_column: str, label_column: str | None) -> dict
     for key, part in parts.items():
         n = len(part)
         if classes and label_column in part.column_names:
-            labels = _hf_labels(part, label_column, classes)
+            labels = _hf_labels(part, label_column, classes, f"the Hugging Face dataset {location}'s {key} split")
         else:
             labels = torch.full((n,), UNLABELLED, dtype=torch.int64)
         result[key] = FileSet(HFReader(location, splits[key], image_column), torch.arange(n), labels, list(classes) if key == "train" or classes else [])
@@ -163,9 +163,15 @@ def _hf_classes(ds, column: str) -> list[str]:
     return sorted(str(v) for v in values)
 
 
-def _hf_labels(ds, column: str, classes: list[str]) -> torch.Tensor:
+def _hf_labels(ds, column: str, classes: list[str], where: str) -> torch.Tensor:
+    """Class indices (N,) of `column`: names are looked up in the train split's `classes`, integers must index them. A
+    value that is neither is refused: as -1 (unlabelled) it would stop the run at its first evaluation, or count wrong."""
     values = ds[column]
     if values and isinstance(values[0], str):
         index = {c: i for i, c in enumerate(classes)}
-        values = [index.get(v, UNLABELLED) for v in values]
-    return torch.tensor([UNLABELLED if v is None else int(v) for v in values], dtype=torch.int64)
+        values = [index.get(v, v) for v in values]
+    bad = [v for v in values if not (isinstance(v, int) and 0 <= v < len(classes))]
+    if bad:
+        raise DataError(f"{where} has the label {bad[0]!r} in data.label_column {column!r}, not one of the train split's "
+                        f"{len(classes)} classes")
+    return torch.tensor(values, dtype=torch.int64)

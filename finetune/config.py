@@ -57,7 +57,9 @@ class FinetuneSection:
         check(self.arch == "vit" or self.mode not in ("linear", "knn"), "finetune.arch", f"must be vit for finetune.mode={self.mode}")
         check(self.knn_k > 0, "finetune.knn_k", "must be positive")
         check(self.knn_temperature > 0, "finetune.knn_temperature", "must be positive")
-        check(self.arch != "resnet18" or self.init == "scratch", "finetune.init", "must be scratch for the resnet18 baseline")
+        # eval mode rebuilds the classifier as it was saved: a baseline's own config (arch resnet18) evaluates its finished run
+        check(self.arch != "resnet18" or self.init == "scratch" or self.mode == "eval", "finetune.init",
+              "must be scratch for the resnet18 baseline")  # fmt: skip
 
 
 @dataclass

@@ -19,7 +19,7 @@ from finetune.config import FinetuneConfig
 from finetune.evaluate import evaluate, save_confusion_matrix, sync_from_main
 from finetune.features import FeatureLoader, extract_features
 from finetune.knn import run_knn
-from finetune.models import Built, build_classifier, encoder_init, load_classifier, save_classifier
+from finetune.models import Built, build_classifier, encoder_init, load_classifier, read_init_encoder, save_classifier, unfinished_encoder
 from vit.train import tracking
 from vit.store.checkpoint import read_encoder, unwrap
 from vit.cli import parse
@@ -52,13 +52,12 @@ def job_type(cfg: FinetuneConfig) -> str:
     return "finetune" if mae_init else "baseline"
 
 
-def parent_meta(cfg: FinetuneConfig) -> dict:
-    """The `meta` of the MAE encoder `finetune.init` names ({} for other inits): its run, group, data.
+def parent_encoder(cfg: FinetuneConfig) -> dict:
+    """The payload of the MAE encoder `finetune.init` names ({} for other inits): its `meta` (run, group, data) and step.
 
     Read before anything is written, so a bad path fails first.
     """
-    path = encoder_init(cfg.finetune.init)
-    return read_encoder(path).get("meta", {}) if path is not None else {}
+    return read_init_encoder(cfg.finetune.init) or {}
 
 
 def input_size(cfg: FinetuneConfig) -> int | None:
@@ -241,7 +240,7 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
 
 def run_eval(cfg: FinetuneConfig) -> int:
     """`finetune.mode=eval`: evaluate a finished classifier on the val (and test) split, no training."""
-    model, payload = load_classifier(cfg.finetune.init)
+    model, payload = load_classifier(cfg.finetune.init, "finetune.init")
     record = payload["data"].get("split")
     # The val split must be the one the classifier was validated on: its settings, not the command line's (data.root may differ).
     replaced = [f"data.{k}={record[k]} (not {getattr(cfg.data, k)})" for k in SPLIT_KEYS if record and getattr(cfg.data, k) != record[k]]
@@ -274,12 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse(FinetuneConfig, argv, "finetune", "Fine-tune, linear-probe or evaluate a classifier")
     if cfg.finetune.mode == "eval":
         return run_eval(cfg)
-    parent = parent_meta(cfg)
+    parent_payload = parent_encoder(cfg)
+    parent = parent_payload.get("meta", {})
     tracking.inherit_group(cfg.run, parent)
     run = Run.start(cfg, stage="finetune", job_type=job_type(cfg), parent=parent.get("run"))
     encoder = encoder_init(cfg.finetune.init)
     if encoder is not None:
         run.use_encoder(encoder)
+        note = unfinished_encoder(encoder, parent_payload)  # an intermediate encoder.pt is no error, but should not pass unsaid
+        if note:
+            run.warn(note)
     data = open_run_data(cfg, run, input_size(cfg))
     splits = data.splits
     built = build_classifier(cfg, len(splits.train.classes), run.accelerator.device, say=run.print)

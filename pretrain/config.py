@@ -68,12 +68,20 @@ class PretrainConfig(StageConfig):
         return decoder
 
     def validate(self) -> None:
-        """What the sections cannot check alone: the mask must leave the encoder at least one patch of the model's, and
-        the decoder's heads (the preset's where unset) must divide its width (the config's where set)."""
+        """What the sections cannot check alone: the mask must leave the encoder at least one patch of the model's and
+        hide at least one (the loss averages over the hidden ones: none would make it 0/0, NaN), and the decoder's heads
+        (the preset's where unset) must divide its width (the config's where set), a multiple of 4 for its sin-cos table."""
         patches, ratio = self.model.num_patches(), self.mae.mask_ratio
-        check(int(patches * (1 - ratio)) >= 1, "mae.mask_ratio",
+        check(patches >= 2, "model.patch_size",
+              f"{self.model.sizes()['patch_size']} leaves the model {patches} patch: MAE needs at least 2 to hide one and show one")  # fmt: skip
+        visible = int(patches * (1 - ratio))  # as the masking counts them
+        check(visible >= 1, "mae.mask_ratio",
                f"{ratio:g} leaves no visible patch of the model's {patches}: it must be at most 1 - 1/{patches}")  # fmt: skip
+        check(visible < patches, "mae.mask_ratio",
+              f"{ratio:g} hides none of the model's {patches} patches: it must be at least 1/{patches}")  # fmt: skip
         d = self.decoder()
+        check(d["decoder_embed_dim"] % 4 == 0, "mae.decoder_embed_dim",
+              f"{d['decoder_embed_dim']} is not a multiple of 4, which the decoder's 2-D sin-cos positional table needs")  # fmt: skip
         whose = "" if self.mae.decoder_num_heads else f" ({self.model.name}'s preset decoder)"
         check(d["decoder_embed_dim"] % d["decoder_num_heads"] == 0, "mae.decoder_num_heads",
                f"{d['decoder_num_heads']}{whose} does not divide mae.decoder_embed_dim={d['decoder_embed_dim']}: set mae.decoder_num_heads "

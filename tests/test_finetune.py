@@ -252,3 +252,67 @@ def test_mae_fine_tuning_starts_from_a_head_near_zero(mae_run, tmp_path):
     assert 1e-5 < head.weight.std().item() < 4e-5 and not head.bias.any()  # std 2e-5, as MAE initialises it
     scratch = build_classifier(load_config(FinetuneConfig, None, tiny_overrides(tmp_path)), num_classes=10).model.head
     assert scratch.weight.std().item() > 0.05  # a scratch model keeps its own initialisation
+
+
+def test_an_init_of_the_wrong_kind_is_one_line_saying_what_it_is(mae_run, tmp_path, capsys, monkeypatch):
+    from vit.store.checkpoint import CLASSIFIER_FORMAT
+
+    classification = tmp_path / "ft"  # what a classification run folder holds for this purpose: a classifier.pt
+    classification.mkdir()
+    torch.save({"format": CLASSIFIER_FORMAT}, classification / "classifier.pt")
+    unfinished = tmp_path / "unfinished"  # a pretraining run that has not written encoder.pt yet
+    unfinished.mkdir()
+    (unfinished / "config.yaml").write_text((mae_run / "config.yaml").read_text())
+    state = next((mae_run / "states").iterdir())
+    cases = {
+        classification: "is a classification run folder (classifier.pt): expected a pretraining run folder or its encoder.pt",
+        classification / "classifier.pt": "is a classifier checkpoint: expected a pretraining run folder",
+        mae_run / "mae.pt": "is a whole masked autoencoder (mae.pt): expected a pretraining run folder or its encoder.pt",
+        unfinished: "is a pretraining run without its encoder.pt (unfinished",
+        state: f"is a resume state of the run {mae_run}",
+        mae_run.parent: "is a folder of 1 run folders (mae), not one run",
+    }
+    for init, message in cases.items():
+        assert finetune(tiny_overrides(tmp_path) + [f"finetune.init={init}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: finetune.init={init} {message}" in err, err
+    # eval mode names a pretraining run as such; a relative path that is not there names the folder it was looked in
+    assert finetune(tiny_overrides(tmp_path) + ["finetune.mode=eval", f"finetune.init={mae_run}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"finetune.init={mae_run} is a pretraining run folder (encoder.pt): expected a finished classification run" in err
+    monkeypatch.chdir(tmp_path)
+    assert finetune(tiny_overrides(tmp_path) + ["finetune.init=runs/mae"]) == 2
+    assert f"finetune.init=runs/mae does not exist in the current folder {tmp_path}" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "run").exists()  # refused before the run folder was made
+
+
+def test_an_encoder_of_an_unfinished_pretraining_run_is_used_with_a_warning(mae_run, tmp_path, capsys):
+    import shutil
+
+    unfinished = tmp_path / "mae"  # a pretraining run still training (or stopped): encoder.pt refreshed, no summary yet
+    unfinished.mkdir()
+    for name in ("config.yaml", "encoder.pt"):
+        shutil.copy(mae_run / name, unfinished / name)
+    step = torch.load(unfinished / "encoder.pt", weights_only=True)["step"]
+    for name, init in (("finished", mae_run), ("unfinished", unfinished / "encoder.pt")):
+        assert finetune(tiny_overrides(tmp_path, name=name) + ["finetune.mode=knn", f"finetune.init={init}"]) == 0
+        reset_accelerate()
+        err = capsys.readouterr().err
+        if name == "finished":
+            assert "has not finished" not in err
+        else:
+            assert f"warning: the pretraining run {unfinished} has not finished" in err
+            assert f"the encoder of step {step}, not its final one" in err
+
+
+def test_a_baseline_config_evaluates_its_finished_run_in_eval_mode(tmp_path):
+    # eval mode takes the classifier's own arch, so the resnet18 recipe's `arch` and `init: scratch` rule must not refuse it
+    # (as a training recipe's patch_keep is accepted there)
+    config = ROOT / "configs" / "baselines" / "resnet18_cpu.yaml"
+    cfg = load_config(FinetuneConfig, config, ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'resnet18'}"])
+    assert cfg.finetune.arch == "resnet18" and cfg.finetune.mode == "eval"
+    from vit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="finetune.init must be scratch for the resnet18 baseline"):
+        load_config(FinetuneConfig, config, [f"finetune.init={tmp_path / 'runs' / 'mae'}"])  # training from an encoder: refused

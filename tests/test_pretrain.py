@@ -317,3 +317,20 @@ def test_reconstruction_figure_labels_the_true_statistics_and_its_raw_row_uses_n
     assert not torch.allclose(rows2[2], rows[2])  # the reconstruction row borrows their statistics
     plain, plain_labels = reconstruct(tiny_mae(norm_pix_loss=False), x, (0.5,) * 3, (0.25,) * 3)
     assert plain.shape[0] == 4 and plain_labels[2] == "reconstruction"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # 1 - 1e-17 is 1.0 in float64: every patch visible, none hidden, and the loss over hidden patches was 0/0 (NaN)
+        ({"mae.mask_ratio": 1e-17}, "mae.mask_ratio 1e-17 hides none of the model's 16 patches: it must be at least 1/16"),
+        ({"model.patch_size": 32}, "model.patch_size 32 leaves the model 1 patch: MAE needs at least 2"),
+        # the decoder's fixed sin-cos table: the message named neither the key nor the value the user set
+        ({"mae.decoder_embed_dim": 6, "mae.decoder_num_heads": 3}, "mae.decoder_embed_dim 6 is not a multiple of 4"),
+    ],
+)
+def test_a_mask_or_decoder_that_cannot_train_is_a_one_line_error_naming_the_key(tmp_path, capsys, overrides, message):
+    assert main(tiny_overrides(tmp_path, **overrides)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()

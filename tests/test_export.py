@@ -161,6 +161,13 @@ def test_a_corrupt_or_foreign_folder_is_refused_naming_what_is_wrong(exported, t
         load_hub_weights(encoder_like_the_run(), f"local-dir:{bad}")
 
 
+def test_local_dir_in_front_of_a_run_folder_says_to_drop_it(exported):
+    """finetune.init takes a run folder as it is; with local-dir: in front it is read as a timm folder, and the message
+    said only that it is not one."""
+    with pytest.raises(CheckpointError, match=re.escape(f"{exported.runs / 'mae'} is a run folder of this project") + ".*without local-dir:"):
+        load_hub_weights(encoder_like_the_run(), f"local-dir:{exported.runs / 'mae'}")
+
+
 def test_timms_own_arguments_in_model_args_never_reach_timm(exported, tmp_path, monkeypatch):
     """A config.json whose model_args name another file for timm to load: only the ViT's fields reach timm, and the
     folder's own weights are what loads."""

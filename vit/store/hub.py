@@ -277,6 +277,9 @@ def read_hub_config(folder: Path) -> tuple[dict[str, Any], Path]:
         raise CheckpointError(f"model folder {folder} does not exist")
     config_path = folder / CONFIG_FILE
     if not config_path.is_file():
+        if holds_run(folder):  # local-dir: in front of a run folder, which finetune.init takes as it is
+            raise CheckpointError(f"{folder} is a run folder of this project, not a timm model folder (no {CONFIG_FILE}): "
+                                  "name it without local-dir:")  # fmt: skip
         raise CheckpointError(f"{folder} is not a timm model folder (no {CONFIG_FILE})")
     try:
         config = json.loads(config_path.read_text())

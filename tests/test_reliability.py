@@ -3,6 +3,7 @@
 import errno
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -513,3 +514,75 @@ def test_an_overwrite_refuses_to_delete_what_it_reads_and_clears_every_earlier_o
     reset_accelerate()
     assert not (run_dir / "confusion_val.png").exists() and not (run_dir / "figures" / "old.png").exists()
     assert not (run_dir / "encoder.pt").exists() and (run_dir / "classifier.pt").is_file()  # the pretraining's outputs went too
+
+
+def strict_json(text: str):
+    """`json.loads` as strict readers (JavaScript's JSON.parse) parse: no NaN, Infinity or -Infinity."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_skipped_non_finite_step_leaves_metrics_and_summary_valid_json(tmp_path, monkeypatch):
+    from pretrain.model import MaskedAutoencoder
+
+    original, calls = MaskedAutoencoder.forward_loss, {"n": 0}
+
+    def one_bad(self, imgs, pred, mask):
+        calls["n"] += 1
+        loss = original(self, imgs, pred, mask)
+        return loss * float("inf") if calls["n"] in (3, 6) else loss  # the last step too: the summary's final_loss
+
+    monkeypatch.setattr(MaskedAutoencoder, "forward_loss", one_bad)
+    args = tiny_overrides(tmp_path, **{"run.nan_skip_budget": 2, "schedule.epochs": 1, "model.depth": 1, "mae.knn_every": 0})
+    assert pretrain(args) == 0
+    run_dir = tmp_path / "runs" / "run"
+    records = [strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records if r["step"] in (3, 6) and "loss" in r] == [None, None]  # the steps with no finite loss
+    from vit.store.runs import read_metrics
+
+    read_back = [r["loss"] for r in read_metrics(run_dir)[0] if r["step"] in (3, 6) and "loss" in r]
+    assert len(read_back) == 2 and all(math.isnan(v) for v in read_back)  # the project's readers get NaN back, a float
+    summary = strict_json((run_dir / "summary.json").read_text())
+    assert summary["final_loss"] is None and summary["skipped_steps"] == 2
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS, errno.ENOSPC])
+def test_a_folder_that_refuses_the_temporary_file_is_one_line_naming_the_file(tmp_path, code, monkeypatch, capsys):
+    import tempfile
+
+    from vit.errors import exit_on_user_error
+    from vit.store.runs import write_summary
+
+    def refused(prefix, suffix, dir):  # what mkstemp raises in a read-only folder, on a read-only or full file system
+        raise OSError(code, os.strerror(code), os.path.join(dir, f"{prefix}k2j4x9{suffix}"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    assert exit_on_user_error(write_summary)(tmp_path, {"steps": 1}) == 2
+    written = "cannot write " if code == errno.ENOSPC else ""
+    assert capsys.readouterr().err == f"error: {written}{tmp_path / 'summary.json'}: {os.strerror(code)}\n"
+
+
+def test_a_later_run_in_this_process_takes_its_folder_s_lock_however_the_folder_is_named(tmp_path, monkeypatch):
+    (tmp_path / "runs" / "run").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    first = lock_run(Path("runs/run"))  # a run that failed without releasing it (a notebook, a test)
+    second = lock_run(tmp_path / "link" / "run")  # the same folder, named another way
+    assert first.file is None and second.file is not None  # taken over, not refused as "in use by process <this one>"
+    monkeypatch.chdir(tmp_path / "runs")
+    second.release()
+    assert not (tmp_path / "runs" / "run" / "run.lock").exists()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file every write to fails with ENOSPC")
+def test_a_full_disk_under_a_metrics_record_is_one_line_naming_metrics_jsonl(tmp_path, capsys):
+    from vit.errors import exit_on_user_error
+    from vit.store.runs import append_metrics
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # the OS error of the write itself names no file
+    assert exit_on_user_error(append_metrics)(tmp_path, {"step": 1, "loss": 0.5}) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device"), err

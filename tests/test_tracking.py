@@ -17,7 +17,7 @@ from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.config import RunConfig
-from vit.train.tracking import inherit_group, summary_values
+from vit.train.tracking import env_overridden, inherit_group, summary_values, wandb_init_kwargs
 
 SHARED_SUMMARY_KEYS = {"stage", "job_type", "final_loss", "final_val_loss", "steps", "epochs", "images", "wall_time_sec", "images_per_sec"}
 
@@ -148,3 +148,37 @@ def test_a_failing_tracker_does_not_stop_the_run(tmp_path, monkeypatch, capsys):
     assert "warning: tracker 'wandb' failed to start (RuntimeError: tracker service unreachable)" in err
     summary = json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())
     assert summary["steps"] == 6
+
+
+def test_wandb_variables_that_the_run_overrides_are_named(tmp_path, monkeypatch):
+    for var in ("WANDB_NAME", "WANDB_RUN_GROUP"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("WANDB_PROJECT", "theirs")
+    run_cfg = RunConfig(dir=str(tmp_path / "runs"), name="run")
+    kwargs = wandb_init_kwargs(run_cfg, "pretrain")
+    assert kwargs["mode"] == "offline" and kwargs["dir"] == str(tmp_path / "runs")  # the run goes where config.yaml says
+    line = ", ".join(env_overridden(run_cfg, kwargs))
+    assert line.startswith("WANDB_MODE=disabled is overridden by run.wandb_mode=offline, ")
+    assert f"WANDB_DIR={tmp_path / 'elsewhere'} is overridden by run.dir={tmp_path / 'runs'}" in line
+    assert "WANDB_PROJECT=theirs is overridden by run.project=vit-mae" in line
+    monkeypatch.setenv("WANDB_MODE", "offline")  # variables that agree with the run, or that it does not set, are not named
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("WANDB_PROJECT", "vit-mae")
+    monkeypatch.setenv("WANDB_RUN_GROUP", "theirs")  # run.group None: wandb takes the variable's
+    assert env_overridden(run_cfg, wandb_init_kwargs(run_cfg, "pretrain")) == []
+
+
+def test_runs_with_long_names_still_give_their_encoder_a_wandb_artifact(tmp_path):
+    from vit.models.encoder import VisionTransformer
+    from vit.store.checkpoint import save_encoder
+    from vit.train.tracking import encoder_artifact
+
+    model = VisionTransformer(img_size=16, patch_size=8, embed_dim=8, depth=1, num_heads=1, num_classes=0)
+    names = []
+    for run_name in ("mae-" + "x" * 200, "mae-" + "x" * 199 + "y"):  # folder names of up to 255 bytes are valid run.name
+        path = tmp_path / "encoder.pt"
+        save_encoder(model, path, meta={"run": str(tmp_path / "runs" / run_name)})
+        names.append(encoder_artifact(path).name)  # wandb refuses a name longer than 128 characters
+    assert len(set(names)) == 2 and all(len(n) <= 128 and n.startswith("encoder-mae-xxx") for n in names)

@@ -27,7 +27,13 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:  # a read-only folder, a full disk: its error names the random temporary name, not the file
+        reason = storage_failure(e, path.parent)
+        if reason is not None:
+            raise StorageError(f"cannot write {path}: {reason}") from None
+        raise OSError(e.errno, e.strerror, str(path)) from None
     os.close(fd)
     try:
         write(tmp)

@@ -53,7 +53,9 @@ def lock_run(run_dir: Path) -> RunLock | None:
         return None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_FILE
+    # The real path: the same folder named another way (relative, through a link, after a chdir) is the same lock, which
+    # a second flock by this process would find taken, refusing this process for itself.
+    path = Path(os.path.realpath(run_dir / LOCK_FILE))
     if str(path) in _HELD:
         _HELD[str(path)].release()
     while True:

@@ -2,7 +2,7 @@
 
     <run.dir>/<run.name>/
       config.yaml              the resolved config, with `meta` (stage, job type, git commit, seed, parent, command)
-      metrics.jsonl            one JSON record per logged step and per epoch end
+      metrics.jsonl            one JSON record per logged step and per epoch end (NaN and infinities as null, see `to_json`)
       summary.json             written when the run finishes: without it a run is unfinished
       encoder.pt, mae.pt       pretraining: the encoder, and the whole MAE (formats: vit/store/checkpoint.py)
       classifier.pt            classification: the classifier (format: finetune/models.py)
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from vit.errors import CheckpointError, ConfigError, UserError
-from vit.store.atomic import atomic_write_text, usual_permissions
+from vit.errors import CheckpointError, ConfigError, StorageError, UserError
+from vit.store.atomic import atomic_write_text, storage_failure, usual_permissions
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -69,17 +70,41 @@ def write_config(run_dir: Path, text: str) -> None:
     atomic_write_text(Path(run_dir) / CONFIG_FILE, text)
 
 
+def to_json(obj: Any, indent: int | None = None) -> str:
+    """`json.dumps` with every float that is not finite written as null. Python would write `NaN` and `Infinity`,
+    which are not JSON: strict readers (JavaScript's `JSON.parse`, for one) refuse the whole line or file, and a run
+    that skips a non-finite step (`run.nan_skip_budget`) logs a NaN loss."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(Path(run_dir) / METRICS_FILE, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    path = Path(run_dir) / METRICS_FILE
+    try:
+        with open(path, "a") as f:
+            f.write(to_json(record) + "\n")
+    except OSError as e:  # a write's error names no file: say which one the disk refused
+        reason = storage_failure(e, path.parent)
+        if reason is None:
+            raise
+        raise StorageError(f"cannot write {path}: {reason}; free some space, then resume with run.resume=auto") from None
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    atomic_write_text(Path(run_dir) / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(Path(run_dir) / SUMMARY_FILE, to_json(summary, indent=2) + "\n")
 
 
 def write_budget(run_dir: Path, plan: dict[str, Any]) -> None:
-    atomic_write_text(Path(run_dir) / BUDGET_FILE, json.dumps(plan, indent=2) + "\n")
+    atomic_write_text(Path(run_dir) / BUDGET_FILE, to_json(plan, indent=2) + "\n")
 
 
 def read_budget(run_dir: Path) -> dict[str, Any] | None:
@@ -152,7 +177,8 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
-    """The records of metrics.jsonl that carry a step, and how many lines could not be read.
+    """The records of metrics.jsonl that carry a step, and how many lines could not be read. A null value is read as
+    NaN: `to_json` writes a metric that was not finite (a window of skipped steps) as null.
 
     A bad line is counted, not fatal: the last line of a run that is writing right now may be cut off.
     """
@@ -169,7 +195,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
             bad += 1
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
-            records.append(record)
+            records.append({k: math.nan if v is None else v for k, v in record.items()})
         else:
             bad += 1
     return records, bad

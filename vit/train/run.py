@@ -150,6 +150,9 @@ class Run:
         if run_cfg.tracker == "wandb":
             os.environ.setdefault("WANDB_SILENT", "true")
             init_kwargs["wandb"] = tracking.wandb_init_kwargs(run_cfg, self.job_type)
+            overridden = tracking.env_overridden(run_cfg, init_kwargs["wandb"])
+            if overridden:
+                self.warn(f"{', '.join(overridden)}; set those run keys instead")
         config = flatten({**to_dict(self.cfg), "meta": self.meta})
         try:
             self.accelerator.init_trackers(run_cfg.project, config=config, init_kwargs=init_kwargs)

@@ -17,6 +17,8 @@ failure into one warning. What a wandb user gets:
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -24,10 +26,13 @@ from typing import Any
 from vit.store.runs import ENCODER_FILE
 
 ARTIFACT_FILE = ENCODER_FILE  # the file's name inside the artifact: producer and user must agree for equal digests
+ARTIFACT_NAME_MAX = 128  # wandb refuses a longer artifact name
 
 
 def wandb_init_kwargs(run_cfg, job_type: str) -> dict[str, Any]:
-    """`wandb.init` arguments: one wandb directory per `run.dir` (wandb adds `wandb/` below it)."""
+    """`wandb.init` arguments: one wandb directory per `run.dir` (wandb adds `wandb/` below it). They win over the user's
+    WANDB_MODE, WANDB_DIR, ... (an argument overrides its variable), so the run goes where its config.yaml says;
+    `env_overridden` names the variables they override."""
     return {
         "name": run_cfg.name,
         "group": run_cfg.group,
@@ -35,6 +40,26 @@ def wandb_init_kwargs(run_cfg, job_type: str) -> dict[str, Any]:
         "dir": str(Path(run_cfg.dir).expanduser()),
         "mode": run_cfg.wandb_mode,
     }
+
+
+# The environment variables that a `wandb.init` argument of ours overrides, and the run key that sets the argument.
+WANDB_ENV = {"WANDB_MODE": ("mode", "run.wandb_mode"), "WANDB_DIR": ("dir", "run.dir"), "WANDB_PROJECT": (None, "run.project"),
+             "WANDB_NAME": ("name", "run.name"), "WANDB_RUN_GROUP": ("group", "run.group")}  # fmt: skip
+
+
+def env_overridden(run_cfg, kwargs: dict[str, Any]) -> list[str]:
+    """'WANDB_MODE=disabled is overridden by run.wandb_mode=offline', ... for each variable set to something else than
+    what the run passes (the project reaches wandb through Accelerate's `init_trackers`; a group of None is not passed)."""
+    out = []
+    for var, (arg, key) in WANDB_ENV.items():
+        given = os.environ.get(var)
+        ours = run_cfg.project if arg is None else kwargs[arg]
+        if not given or ours is None:
+            continue
+        same = Path(given).expanduser().resolve() == Path(ours).resolve() if var == "WANDB_DIR" else given == ours
+        if not same:
+            out.append(f"{var}={given} is overridden by {key}={ours}")
+    return out
 
 
 def inherit_group(run_cfg, parent_meta: dict[str, Any]) -> None:
@@ -97,10 +122,20 @@ def encoder_artifact(path: Path):
     payload = read_encoder(path)
     meta = payload.get("meta", {})
     source = Path(meta.get("run") or path.parent).name
-    name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"encoder-{source}")  # wandb's artifact-name alphabet
+    name = artifact_name(f"encoder-{source}")
     metadata = {"format": payload["format"], "step": payload.get("step"), "encoder": payload["config"],
                 "run": meta.get("run"), "git_commit": meta.get("git_commit")}  # fmt: skip
     return wandb.Artifact(name, type="model", metadata=metadata)
+
+
+def artifact_name(text: str) -> str:
+    """`text` in wandb's artifact-name alphabet and length. A name cut to length ends in a hash of the whole text, so two
+    long run names that share their start do not share an artifact name."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", text)
+    if len(name) > ARTIFACT_NAME_MAX:
+        digest = hashlib.sha256(text.encode(errors="surrogateescape")).hexdigest()[:8]
+        name = f"{name[: ARTIFACT_NAME_MAX - len(digest) - 1]}-{digest}"
+    return name
 
 
 def log_encoder(wrun, path: Path) -> None:

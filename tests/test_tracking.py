@@ -182,3 +182,15 @@ def test_runs_with_long_names_still_give_their_encoder_a_wandb_artifact(tmp_path
         save_encoder(model, path, meta={"run": str(tmp_path / "runs" / run_name)})
         names.append(encoder_artifact(path).name)  # wandb refuses a name longer than 128 characters
     assert len(set(names)) == 2 and all(len(n) <= 128 and n.startswith("encoder-mae-xxx") for n in names)
+
+
+def test_a_tracker_that_is_not_installed_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """Accelerate drops a tracker it cannot import with a Python warning of its own; the run says it in its own line."""
+    import accelerate.tracking
+
+    monkeypatch.setattr(accelerate.tracking, "_available_trackers", [])
+    assert pretrain(tiny_overrides(tmp_path, **{"run.tracker": "wandb", "schedule.epochs": 1, "mae.knn_every": 0})) == 0
+    reset_accelerate()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: tracker")]
+    assert warnings == ["warning: tracker 'wandb' is not installed (pip install wandb); continuing with the run folder only"]
+    assert (tmp_path / "runs" / "run" / "summary.json").is_file() and not (tmp_path / "runs" / "wandb").exists()

@@ -72,6 +72,9 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"warning: tracker {log_with!r} is not available ({str(e).splitlines()[0][:160]}); continuing with the run folder only", file=sys.stderr)
         accelerator = Accelerator(**kwargs)
+    if log_with is not None and not accelerator.log_with and accelerator.is_main_process:  # not installed: Accelerate drops it
+        print(f"warning: tracker {log_with!r} is not installed (pip install {log_with}); continuing with the run folder only",
+              file=sys.stderr)  # fmt: skip
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != accelerator.num_processes:
         raise UserError(

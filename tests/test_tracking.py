@@ -194,3 +194,20 @@ def test_a_tracker_that_is_not_installed_is_one_warning_and_the_run_goes_on(tmp_
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: tracker")]
     assert warnings == ["warning: tracker 'wandb' is not installed (pip install wandb); continuing with the run folder only"]
     assert (tmp_path / "runs" / "run" / "summary.json").is_file() and not (tmp_path / "runs" / "wandb").exists()
+
+
+def test_an_overwrite_starts_tensorboard_on_a_cleared_folder(tmp_path):
+    """run.overwrite clears the run it replaces before this run's trackers start: TensorBoard read both runs' event files
+    from tensorboard/ and drew them as one run."""
+    args = tiny_overrides(tmp_path, **{"run.tracker": "tensorboard", "schedule.epochs": 1, "mae.knn_every": 0})
+
+    def events() -> list:
+        return sorted((tmp_path / "runs" / "run" / "tensorboard").rglob("events.out.tfevents.*"))
+
+    assert pretrain(args) == 0
+    reset_accelerate()
+    first = events()
+    assert first
+    assert pretrain([*args, "run.overwrite=true"]) == 0
+    reset_accelerate()
+    assert len(events()) == len(first) and not set(events()) & set(first)  # the new run's events alone

@@ -118,9 +118,10 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def clear_outputs(run_dir: Path) -> None:
-    """Delete a previous run's outputs, figures included, so they cannot be mistaken for the next run's."""
+    """Delete a previous run's outputs, figures and TensorBoard events included, so they cannot be mistaken for the next
+    run's (TensorBoard would draw both runs' events as one)."""
     figures = [p.name for p in Path(run_dir).glob(confusion_path(run_dir, "*").name)]
-    for name in (*RUN_OUTPUTS, BUDGET_FILE, RECONSTRUCTION_FILE, FIGURES_DIR, *figures):
+    for name in (*RUN_OUTPUTS, BUDGET_FILE, RECONSTRUCTION_FILE, FIGURES_DIR, TENSORBOARD_DIR, *figures):
         path = Path(run_dir) / name
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 

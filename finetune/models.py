@@ -13,13 +13,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vit.store.checkpoint import CLASSIFIER_FORMAT, ENCODER_FORMAT, MAE_FORMAT, CheckpointError, load_encoder, load_timm_weights
-from vit.store.checkpoint import read_checkpoint, read_encoder, read_payload, read_weights_file
-from vit.errors import ConfigError, UserError
+from vit.store.checkpoint import CLASSIFIER_FORMAT, CheckpointError, load_encoder, load_timm_weights, read_checkpoint, read_encoder
+from vit.store.checkpoint import read_weights_file, wrong_kind
+from vit.errors import ConfigError
 from vit.store.atomic import atomic_save
 from vit.store.hub import hub_reachable, is_hub_init, load_hub_weights, unreachable
 from vit.models.encoder import VisionTransformer, create_model
-from vit.store.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, MAE_FILE, STATE_DIR, is_finished, read_config, run_folder_of
+from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, run_folder_of
 from vit.tools.reference import timm_vit
 
 
@@ -83,59 +83,6 @@ def encoder_init(init: str) -> Path | None:
     if init == "scratch" or init.startswith("timm:") or is_hub_init(init):
         return None
     return resolve_encoder_path(init)
-
-
-def what_is(path: Path) -> str | None:
-    """What a file or folder of this project's holds, in words, for a message that says a path is the wrong kind of
-    thing ("a classification run folder (classifier.pt)"); None when it is nothing this project writes."""
-    if path.is_file():
-        try:
-            fmt = read_payload(path).get("format")
-        except CheckpointError:
-            return None
-        kinds = {ENCODER_FORMAT: "an MAE encoder checkpoint", MAE_FORMAT: f"a whole masked autoencoder ({MAE_FILE})",
-                 CLASSIFIER_FORMAT: "a classifier checkpoint"}  # fmt: skip
-        return kinds.get(fmt)
-    if not path.is_dir():
-        return None
-    if (path / CLASSIFIER_FILE).is_file():
-        return f"a classification run folder ({CLASSIFIER_FILE})"
-    if (path / ENCODER_FILE).is_file():
-        return f"a pretraining run folder ({ENCODER_FILE})"
-    if path.parent.name == STATE_DIR and (path.parent.parent / CONFIG_FILE).is_file():
-        return f"a resume state of the run {path.parent.parent}, which holds no weights file"
-    if path.name == STATE_DIR and (path.parent / CONFIG_FILE).is_file():
-        return f"the resume states of the run {path.parent}, which hold no weights file"
-    try:
-        meta = (read_config(path) or {}).get("meta") or {}
-    except UserError:
-        meta = {}
-    if meta.get("stage") == "pretrain":
-        return f"a pretraining run without its {ENCODER_FILE} (unfinished: it writes it at its end)"
-    if meta.get("job_type") in ("knn", "eval"):
-        return f"a finetune.mode={meta['job_type']} run folder, which trains and saves no classifier"
-    if meta.get("stage") == "finetune":
-        return f"a classification run without its {CLASSIFIER_FILE} (unfinished: it writes it at its end)"
-    runs = sorted(p.name for p in path.iterdir() if (p / CONFIG_FILE).is_file())
-    if runs:
-        return f"a folder of {len(runs)} run folders ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}), not one run"
-    return None
-
-
-def wrong_kind(given: str, file_name: str, expected: str, key: str | None = None) -> CheckpointError | None:
-    """The one-line error for the path `given` (by the setting `key`), which is not `file_name` nor a folder holding
-    one, naming what it is instead of `expected`; None when it cannot tell, or the folder holds `file_name` (then that
-    file is at fault, and its reader's message stands). A relative path that does not exist names the folder it was looked in."""
-    path = Path(given).expanduser()
-    named = f"{key}={given}" if key else given
-    if not path.exists():
-        if path.is_absolute():
-            return None
-        return CheckpointError(f"{named} does not exist in the current folder {Path.cwd()}: expected {expected}")
-    if (path / file_name).exists():
-        return None
-    what = what_is(path)
-    return None if what is None else CheckpointError(f"{named} is {what}: expected {expected}")
 
 
 def read_init_encoder(init: str) -> dict[str, Any] | None:

@@ -354,3 +354,13 @@ def test_a_malformed_hub_id_is_one_line_naming_finetune_init(tmp_path, monkeypat
     assert finetune(small(tmp_path, "bad", **{"finetune.init": f"hf-hub:{repo_id}"})) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: finetune.init=hf-hub:{repo_id}: {repo_id!r} is not a Hub model id")
+
+
+def test_exporting_something_else_than_an_encoder_says_what_it_is(exported, tmp_path, capsys):
+    """mae.pt or a resume state given to `python -m pretrain.export`: the message said only that it is not an encoder."""
+    state = next((exported.runs / "mae" / "states").iterdir())
+    cases = {exported.runs / "mae" / "mae.pt": "is a whole masked autoencoder (mae.pt)", state: f"is a resume state of the run {exported.runs / 'mae'}"}
+    for given, what in cases.items():
+        assert export_encoder([str(given), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: {given} {what}" in err and "expected a pretraining run folder or its encoder.pt" in err, err

@@ -25,7 +25,7 @@ from vit.errors import CheckpointError
 from vit.store.atomic import atomic_save
 from vit.models.encoder import VisionTransformer
 from vit.models.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
-from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, MAE_FILE
+from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, MAE_FILE, describe_folder
 
 ENCODER_FORMAT = "vit-encoder/1"
 MAE_FORMAT = "vit-mae/1"
@@ -88,6 +88,36 @@ def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str
         raise CheckpointError(f"{path} is not {article} {what} checkpoint (expected format {fmt!r})")
     return payload
 
+
+
+def describe(path: Path) -> str | None:
+    """What a checkpoint file or a folder of this project's is, in words ("a whole masked autoencoder (mae.pt)", "a
+    classification run folder (classifier.pt)"); None when it is nothing this project writes."""
+    if path.is_dir():
+        return describe_folder(path)
+    try:
+        fmt = read_payload(path).get("format")
+    except CheckpointError:
+        return None
+    kinds = {ENCODER_FORMAT: "an MAE encoder checkpoint", MAE_FORMAT: f"a whole masked autoencoder ({MAE_FILE})",
+             CLASSIFIER_FORMAT: "a classifier checkpoint"}  # fmt: skip
+    return kinds.get(fmt)
+
+
+def wrong_kind(given: str, file_name: str, expected: str, key: str | None = None) -> CheckpointError | None:
+    """The one-line error for the path `given` (by the setting `key`), which is not `file_name` nor a folder holding
+    one, naming what it is instead of `expected`; None when it cannot tell, or the folder holds `file_name` (then that
+    file is at fault, and its reader's message stands). A relative path that does not exist names the folder it was looked in."""
+    path = Path(given).expanduser()
+    named = f"{key}={given}" if key else given
+    if not path.exists():
+        if path.is_absolute():
+            return None
+        return CheckpointError(f"{named} does not exist in the current folder {Path.cwd()}: expected {expected}")
+    if (path / file_name).exists():
+        return None
+    what = describe(path)
+    return None if what is None else CheckpointError(f"{named} is {what}: expected {expected}")
 
 def read_encoder(path: str | os.PathLike) -> dict[str, Any]:
     """Load and check an `encoder.pt` (or the one in a run folder)."""

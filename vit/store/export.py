@@ -29,7 +29,7 @@ import yaml
 
 from vit.data.provenance import record_to_json
 from vit.data.sources import NORMALIZATION
-from vit.store.checkpoint import encoder_from_checkpoint, read_encoder
+from vit.store.checkpoint import encoder_from_checkpoint, read_encoder, wrong_kind
 from vit.errors import CheckpointError, UserError
 from vit.store.hub import check_repo_id, hub_config, push_folder, write_hub_folder
 from vit.models.encoder import VisionTransformer, count_parameters
@@ -82,7 +82,10 @@ def encoder_export(path: str | Path) -> Export:
     path = Path(path).expanduser()
     if path.is_dir() and not (path / ENCODER_FILE).exists() and (path / CLASSIFIER_FILE).exists():
         raise CheckpointError(f"{path} holds a classifier; export it with python -m finetune.export {path} --out DIR")
-    payload = read_encoder(path)
+    try:
+        payload = read_encoder(path)
+    except CheckpointError as e:  # mae.pt, a resume state, an unfinished run: say what it is
+        raise (wrong_kind(str(path), ENCODER_FILE, f"a pretraining run folder or its {ENCODER_FILE}") or e) from None
     model = encoder_from_checkpoint(path).eval()
     run_dir = run_folder_of(path)
     data = payload.get("meta", {}).get("data") or {}

@@ -117,6 +117,34 @@ def holds_run(run_dir: Path) -> bool:
     return any((Path(run_dir) / name).exists() for name in RUN_OUTPUTS)
 
 
+
+def describe_folder(path: Path) -> str | None:
+    """What a folder this project writes is, in words, for a message saying a path is the wrong kind of thing
+    ("a classification run folder (classifier.pt)"): a run of either stage, finished or not, a kNN or eval run, a resume
+    state, a run's states, a folder of runs; None for any other folder."""
+    if (path / CLASSIFIER_FILE).is_file():
+        return f"a classification run folder ({CLASSIFIER_FILE})"
+    if (path / ENCODER_FILE).is_file():
+        return f"a pretraining run folder ({ENCODER_FILE})"
+    if path.parent.name == STATE_DIR and (path.parent.parent / CONFIG_FILE).is_file():
+        return f"a resume state of the run {path.parent.parent}, which holds no weights file"
+    if path.name == STATE_DIR and (path.parent / CONFIG_FILE).is_file():
+        return f"the resume states of the run {path.parent}, which hold no weights file"
+    try:
+        meta = (read_config(path) or {}).get("meta") or {}
+    except UserError:
+        meta = {}
+    if meta.get("stage") == "pretrain":
+        return f"a pretraining run without its {ENCODER_FILE} (unfinished: it writes it at its end)"
+    if meta.get("job_type") in ("knn", "eval"):
+        return f"a finetune.mode={meta['job_type']} run folder, which trains and saves no classifier"
+    if meta.get("stage") == "finetune":
+        return f"a classification run without its {CLASSIFIER_FILE} (unfinished: it writes it at its end)"
+    runs = sorted(p.name for p in path.iterdir() if (p / CONFIG_FILE).is_file())
+    if runs:
+        return f"a folder of {len(runs)} run folders ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}), not one run"
+    return None
+
 def clear_outputs(run_dir: Path) -> None:
     """Delete a previous run's outputs, figures and TensorBoard events included, so they cannot be mistaken for the next
     run's (TensorBoard would draw both runs' events as one)."""

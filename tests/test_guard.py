@@ -127,7 +127,7 @@ def test_the_ring_holds_one_window_however_rarely_the_run_logs(tmp_path):
     # run.log_every far above the run's length ("log at the epoch ends only") sized the ring by it: 10**8 slots were
     # 400 MB, read whole at every check point (minutes and gigabytes for a run of seconds). A window closes at every
     # record, resume state and epoch end, so the ring needs no more slots than the shortest of the three spans.
-    loop, batches = pretraining_loop(tmp_path, **{"run.log_every": 10**7, "run.save_every": 10**7})
+    loop, _ = pretraining_loop(tmp_path, **{"run.log_every": 10**7, "run.save_every": 10**7})
     assert loop.losses.slots <= loop.spec.steps_per_epoch < 10
     assert loop.train_epoch(SIGNALS)
     loop.end_epoch(None)

@@ -211,6 +211,7 @@ def test_the_run_folder_and_io_modules_do_not_import_the_model():
 
 def test_a_resume_state_of_another_model_is_refused_in_one_line_naming_what_differs(tmp_path, capsys):
     from helpers import reset_accelerate, tiny_overrides
+
     from pretrain.train import main as pretrain
 
     small = {"data.synthetic_size": 64, "data.val_size": 16, "optim.batch_size": 16, "schedule.max_steps": 1, "mae.knn_every": 0}

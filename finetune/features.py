@@ -11,7 +11,7 @@ from vit.eval.knn import gather_shards
 
 
 @torch.no_grad()
-def extract_features(probe, loader, accelerator, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+def extract_features(probe, loader, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
     """Pooled encoder features of every sample, in dataset order, on every rank.
 
     loader: an eval-mode BatchLoader (rank r holds the contiguous shard r) -> features (N, D) float32, labels (N,).
@@ -27,7 +27,7 @@ def extract_features(probe, loader, accelerator, total: int) -> tuple[torch.Tens
     probe.train(was_training)
     local_f = torch.cat(feats) if feats else torch.zeros(0, probe.encoder.embed_dim, device=accelerator.device)
     local_y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=accelerator.device)
-    return gather_shards(accelerator, local_f, total), gather_shards(accelerator, local_y, total)
+    return gather_shards(accelerator, local_f), gather_shards(accelerator, local_y)
 
 
 class FeatureLoader:

@@ -26,8 +26,7 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
                           "shards are read for training only: set data.loader=memory where the shards fit in memory")  # fmt: skip
     encoder = built.model.to(acc.device).encoder  # the LinearProbe's frozen encoder; its head is not used
     started = time.perf_counter()
-    bank, bank_labels = encode(encoder, data.loader(splits.train, cfg.optim.batch_size, train=False), acc, ft.probe_pool,
-                               total=len(splits.train))  # fmt: skip
+    bank, bank_labels = encode(encoder, data.loader(splits.train, cfg.optim.batch_size, train=False), acc, ft.probe_pool, gather=True)
     queries = {}
     for split, images in (("val", splits.val), ("test", splits.test)):
         if images is not None and len(images):

@@ -173,7 +173,7 @@ def cached_probe_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -
         if images is None or not len(images):
             continue
         loader = data.loader(images, cfg.optim.batch_size, train=False)
-        feats[split] = extract_features(probe, loader, acc, len(images))
+        feats[split] = extract_features(probe, loader, acc)
     feature_time = time.perf_counter() - started
     feature_rate = sum(f.shape[0] for f, _ in feats.values()) / max(feature_time, 1e-9)
     shapes = ", ".join(f"{s} {tuple(f.shape)}" for s, (f, _) in feats.items())

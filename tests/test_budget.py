@@ -101,6 +101,23 @@ def test_meter_leaves_out_the_work_between_steps_after_a_pause():
     assert meter.done and meter.steps == 4 and meter.seconds_per_step == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("after_epoch_end", ["pause", "restart"])
+def test_meter_measures_epochs_of_one_step_restarted_after_each_epoch_end(after_epoch_end):
+    """A pause also drops the step after the work it leaves out: with epochs of one step (a small data set on several
+    processes) no step was ever measured, the budget never planned, and the run went on past it. The loop restarts
+    the meter after an epoch's end instead, so the next step counts from there."""
+    now = [0.0]
+    meter = StepMeter(warmup=1, min_steps=4, min_seconds=4.0, clock=lambda: now[0])  # windows of 2 steps and 2 s
+    for _ in range(12):
+        ticks(meter, now, 1.0)  # the epoch's one step
+        now[0] += 30.0  # its end: an evaluation, a state
+        getattr(meter, after_epoch_end)()
+    if after_epoch_end == "pause":
+        assert meter.steps == 0 and not meter.done
+    else:
+        assert meter.done and meter.seconds_per_step == pytest.approx(1.0)
+
+
 def test_meter_waits_for_the_device_where_a_window_starts_and_ends():
     now, synced = [0.0], []
     meter = StepMeter(warmup=1, min_steps=2, min_seconds=4.0, clock=lambda: now[0], sync=lambda: synced.append(now[0]))

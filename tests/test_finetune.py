@@ -239,8 +239,8 @@ def test_cached_features_are_extracted_in_eval_mode_even_with_dropout_and_drop_p
     images = make_synthetic(64, 0)["train"]
     loader = BatchLoader(images, 16, train=False, device="cpu", mean=(0.5,) * 3, std=(0.5,) * 3, out_size=32)
     acc = Accelerator(cpu=True)
-    first, labels = extract_features(probe, loader, acc, len(images))
-    second, _ = extract_features(probe, loader, acc, len(images))
+    first, labels = extract_features(probe, loader, acc)
+    second, _ = extract_features(probe, loader, acc)
     probe.eval()
     reference = torch.cat([probe.features(x) for x, _ in loader.epoch(0)])
     assert torch.equal(first, second) and torch.equal(first, reference) and torch.equal(labels, images.labels)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,15 @@ def launch(target: list[str], args: list[str], timeout: float = 240) -> subproce
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), *target, *args]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    # A session of its own: a launch that times out is killed with its ranks, which would otherwise run on, orphaned.
+    pipe = subprocess.PIPE
+    with subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True, cwd=ROOT, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def summary(tmp_path: Path, name: str) -> dict:
@@ -53,6 +62,47 @@ def test_knn_of_a_random_encoder_is_the_same_on_two_processes_as_on_one(tmp_path
     assert two["processes"] == 2 and one["processes"] == 1
     keys = ("val_top1", "val_top5", "test_top1", "test_top5")
     assert {k: two[k] for k in keys} == {k: one[k] for k in keys}
+
+
+def image_tree_with_a_bad_image(root: Path) -> Path:
+    """An ImageFolder tree, 3 classes x (9 train + 2 test) 16 px PNGs, whose first training file does not decode."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 9), ("test", 2)):
+        for c in ("a", "b", "c"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / split / c / f"{i}.png")
+    (root / "train" / "a" / "0.png").write_bytes(b"not an image")  # in rank 0's eval shard
+    return root
+
+
+def test_knn_of_streamed_images_with_one_skipped_is_the_same_on_two_processes_as_on_one(tmp_path):
+    # The bank gathered from the ranks kept a padding row where rank 0 skipped the image: a phantom of class 0.
+    tree = image_tree_with_a_bad_image(tmp_path / "tree")
+    args = ["finetune.mode=knn", "finetune.init=scratch", "finetune.knn_k=3", "data.dataset=imagefolder", f"data.root={tree}",
+            "data.loader=stream", "data.skip_bad_images=true", "data.val_size=0", "data.workers=1", "optim.batch_size=4"]  # fmt: skip
+    out = launch(["-m", "finetune"], tiny_overrides(tmp_path, name="two") + args, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert finetune(tiny_overrides(tmp_path, name="one") + args) == 0
+    reset_accelerate()
+    two, one = summary(tmp_path, "two"), summary(tmp_path, "one")
+    assert two["processes"] == 2 and one["processes"] == 1
+    assert two["knn"]["bank"] == one["knn"]["bank"] == 3 * 9 - 1
+    assert (two["test_top1"], two["test_top5"]) == (one["test_top1"], one["test_top5"])
+
+
+def test_an_image_that_does_not_decode_is_counted_once_however_many_ranks_skip_it(tmp_path):
+    tree = image_tree_with_a_bad_image(tmp_path / "tree")
+    args = tiny_overrides(tmp_path, name="bad", **{"data.dataset": "imagefolder", "data.root": tree, "data.loader": "stream",
+                                                   "data.skip_bad_images": "true", "data.val_size": 0, "data.workers": 1,
+                                                   "optim.batch_size": 4, "schedule.epochs": 4, "mae.knn_every": 0})  # fmt: skip
+    out = launch(["-m", "pretrain"], args, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("skipped an image that does not decode") == 2  # each rank met it in some epoch, and says so
+    assert summary(tmp_path, "bad")["bad_images"] == 1
 
 
 NAN_ON_RANK_1 = '''
@@ -116,3 +166,25 @@ def test_a_time_budget_is_one_plan_on_every_rank(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     s = summary(tmp_path, "budget")
     assert s["steps"] == s["budget"]["total_steps"] > 0
+
+
+MEASURE_EARLY = '''
+import sys
+from pretrain.train import main
+from vit.train import loop
+
+loop.measure_seconds = lambda minutes: 0.6  # plan early, while most of the budget is left
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_a_time_budget_ends_where_two_processes_make_epochs_of_one_step(tmp_path):
+    """216 images in batches of 64 are 3 steps an epoch on one process, 1 on two. The step meter, paused at every epoch's
+    end, measured no step of such epochs: the budget was never planned, and the run trained on past it."""
+    script = tmp_path / "measure_early.py"
+    script.write_text(MEASURE_EARLY)
+    args = tiny_overrides(tmp_path, name="budget", **{"schedule.budget_minutes": 0.1, "optim.batch_size": 64, "mae.knn_every": 0})
+    out = launch([str(script)], args, timeout=60)  # a run that never ends is a TimeoutExpired
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = summary(tmp_path, "budget")
+    assert s["steps"] == s["budget"]["total_steps"] > 0 and "budget:" in out.stdout

@@ -135,11 +135,14 @@ class Data:
 
     def bad_total(self, accelerator=None) -> int:
         """Images left out because they do not decode (`data.skip_bad_images`): those the memory loader's decode skipped
-        (the same on every rank) plus those each rank's stream loaders skipped, summed over ranks."""
-        streamed = torch.tensor([float(len(self.bad))], device=self.device)
+        (the same on every rank) plus those the stream loaders of any rank skipped, each once (an epoch's permutation
+        gives a training image to another rank each epoch: a sum over ranks counted it once per rank that met it)."""
+        streamed = set(self.bad.names)
         if accelerator is not None and accelerator.num_processes > 1:
-            streamed = accelerator.reduce(streamed, reduction="sum")
-        return len(self.splits.bad_images) + int(streamed.item())
+            from accelerate.utils import gather_object
+
+            streamed = set(gather_object(sorted(streamed)))
+        return len(self.splits.bad_images) + len(streamed)
 
 
 def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,

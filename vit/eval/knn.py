@@ -1,6 +1,6 @@
 """Weighted k-nearest-neighbour evaluation of frozen features (Wu et al. 2018, as DINO evaluates with it).
 
-    bank, bank_labels = encode(encoder, bank_loader, acc, pool="avg", total=len(bank_set))  # (M, D), (M,): every rank, dataset order
+    bank, bank_labels = encode(encoder, bank_loader, acc, pool="avg", gather=True)  # (M, D), (M,): every rank, dataset order
     queries, labels = encode(encoder, query_loader, acc, pool="avg")                         # this rank's shard only
     result = knn_accuracy(bank, bank_labels, queries, labels, num_classes, k=20, temperature=0.07, accelerator=acc)
 
@@ -18,7 +18,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from vit.data.augment import eval_shard
 from vit.data.splits import seeded_generator
 
 Pool = Literal["token", "avg"]
@@ -30,30 +29,29 @@ def pooled(encoder, images: torch.Tensor, pool: Pool) -> torch.Tensor:
     return tokens[:, 1:].mean(1) if pool == "avg" else tokens[:, 0]
 
 
-def gather_shards(accelerator, local: torch.Tensor, total: int) -> torch.Tensor:
+def gather_shards(accelerator, local: torch.Tensor) -> torch.Tensor:
     """Rows of every rank's eval shard (`vit.data.augment.eval_shard`) concatenated in dataset order, on every rank.
 
-    local: (n_r, ...) this rank's rows -> (total, ...).
+    local: (n_r, ...) this rank's rows -> (sum of n_r, ...).
     """
     world = accelerator.num_processes
     if world == 1:
         return local
-    # Shards differ in size by at most one: pad to the largest, gather, trim each back, concatenate in rank order.
+    # Each rank's own row count, not its shard's size: a stream loader leaves out images that do not decode
+    # (data.skip_bad_images), and a padding row kept in their place would be a sample of class 0 that one process never sees.
+    counts = accelerator.gather(torch.tensor([local.shape[0]], device=local.device)).tolist()
+    # Pad to the largest, gather, trim each back, concatenate in rank order.
     padded = accelerator.gather(accelerator.pad_across_processes(local, dim=0))
     width = padded.shape[0] // world
-    parts = []
-    for r in range(world):
-        start, stop = eval_shard(total, r, world)
-        parts.append(padded[r * width : r * width + stop - start])
-    return torch.cat(parts)
+    return torch.cat([padded[r * width : r * width + n] for r, n in enumerate(counts)])
 
 
 @torch.no_grad()
-def encode(encoder, loader, accelerator, pool: Pool, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(encoder, loader, accelerator, pool: Pool, gather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Pooled features of an eval-mode loader's samples, computed with the encoder in eval mode (no dropout, no drop path).
 
-    -> features (n, D) float32, labels (n,): this rank's shard, or with `total` (the loader's sample count)
-    every sample in dataset order on every rank.
+    -> features (n, D) float32, labels (n,): this rank's shard, or with `gather` every sample in dataset order on
+    every rank.
     """
     was_training = encoder.training
     encoder.eval()
@@ -66,9 +64,9 @@ def encode(encoder, loader, accelerator, pool: Pool, total: int | None = None) -
     device = accelerator.device
     f = torch.cat(feats) if feats else torch.zeros(0, encoder.embed_dim, device=device)
     y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=device)
-    if total is None:
+    if not gather:
         return f, y
-    return gather_shards(accelerator, f, total), gather_shards(accelerator, y, total)
+    return gather_shards(accelerator, f), gather_shards(accelerator, y)
 
 
 def knn_scores(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, num_classes: int, k: int = 20,
@@ -128,7 +126,7 @@ def knn_evaluate(encoder, bank_loader, query_loader, accelerator, num_classes: i
     Returns {"top1", "top5", "count", "bank", "seconds"}: seconds of feature extraction and voting on this rank.
     """
     started = time.perf_counter()
-    bank, bank_labels = encode(encoder, bank_loader, accelerator, pool, total=bank_loader.size)
+    bank, bank_labels = encode(encoder, bank_loader, accelerator, pool, gather=True)
     queries, labels = encode(encoder, query_loader, accelerator, pool)
     result = knn_accuracy(bank, bank_labels, queries, labels, num_classes, k, temperature, accelerator)
     return {**result, "bank": bank.shape[0], "seconds": time.perf_counter() - started}

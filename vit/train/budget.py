@@ -120,7 +120,8 @@ class StepMeter:
     """Seconds per optimiser step, measured after `warmup` steps in windows of at least half of `min_steps` and of
     `min_seconds` each: done when two consecutive windows agree within `tolerance` (a run whose first steps are
     slower, as a GPU's first seconds can be, is not planned on them), or after `max_windows`, on the last two. Only
-    the time from one step to the next counts: `pause()` before other work (an evaluation) leaves that interval out.
+    the time from one step to the next counts: `pause()` before other work (an evaluation) leaves that interval out,
+    `restart()` after it starts the next one.
 
     The steps of an asynchronous device (a GPU) are queued ahead of it: `sync` (wait for the device) runs where an
     interval starts and where a window ends, so the measured time is the device's, not the host's queueing; no step
@@ -164,6 +165,13 @@ class StepMeter:
     def pause(self) -> None:
         """What runs until the next step is not a step (an evaluation, a figure): its time is not measured."""
         self.last = None
+
+    def restart(self) -> None:
+        """The work since the last step (an evaluation, a state) is over: the next step's interval starts now. A pause
+        before that work drops the next step as well, and epochs of one step (a small data set on several processes)
+        would never be measured: the budget never fixed, the run never ending."""
+        self.sync()
+        self.last = self.clock()
 
     def counted(self) -> tuple[int, float]:
         """(steps, seconds) the rate is measured over: the last two windows once done; before (another process finished

@@ -385,7 +385,7 @@ class TrainLoop:
             self.save()
         if self.meter is not None:
             self.epoch_ends.append(time.perf_counter() - start)
-            self.meter.pause()  # the evaluation and the state are not a training step's time (the plan estimates evaluations apart)
+            self.meter.restart()  # the evaluation and the state are not a training step's time (the plan estimates evaluations apart)
 
     def save(self) -> None:
         self.check_finite()  # a state never holds a step past a non-finite loss the run stops at

@@ -131,14 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or bench.usable_cores()
     torch.set_num_threads(threads)
     bench.seed_everything(s.seed)
-    info = bench.machine(device, threads)
-    print(bench.machine_line(info), flush=True)
-    if args.memory_of:
+    if args.memory_of:  # a child of the run below: one side's memory, its last line (no machine facts: they import much)
         name, side = args.memory_of
         case = next(c for c in make_cases(s, device) if c.name == name)
         bench.seed_everything(s.seed)
         print(json.dumps(bench.host_step_memory(case, side, s.warmup)))
         return 0
+    info = bench.machine(device, threads)
+    print(bench.machine_line(info), flush=True)
 
     cases, with_probe = bench.select_cases(make_cases(s, device), args.only)
     precisions = bench.gemm_precisions(cases, device)

@@ -231,3 +231,21 @@ def test_a_floor_above_the_peak_learning_rate_is_refused_and_a_warmup_past_the_e
     assert train.main(tiny_overrides(tmp_path, name="long_warmup", **{"schedule.warmup_epochs": 50, "mae.knn_every": 0})) == 0
     assert "warning: schedule.warmup_epochs spans 300 steps, more than the 12 the run trains: the learning rate never reaches" in \
         capsys.readouterr().err
+
+
+def test_a_budget_run_whose_epochs_are_one_step_is_planned_and_ends(tmp_path, monkeypatch):
+    """216 training images in one batch: an epoch is one step (as a small data set on several processes makes it). The
+    meter, paused at every epoch's end, measured no step: the budget was never planned and the run went on past it
+    (here until schedule.max_steps, the test's guard against a run that never ends)."""
+    from helpers import reset_accelerate, tiny_overrides
+
+    from pretrain import train
+    from vit.train import loop
+
+    monkeypatch.setattr(loop, "measure_seconds", lambda minutes: 0.6)  # plan early, while most of the budget is left
+    reset_accelerate()
+    overrides = {"schedule.budget_minutes": 0.05, "optim.batch_size": 216, "schedule.max_steps": 200, "mae.knn_every": 0}
+    assert train.main(tiny_overrides(tmp_path, **overrides)) == 0
+    summary = __import__("json").loads((tmp_path / "runs" / "run" / "summary.json").read_text())
+    assert summary["epochs"] == summary["steps"] == summary["budget"]["total_steps"] < 200
+

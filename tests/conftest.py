@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torchvision.io  # noqa: F401  decode.py imports it lazily; data workers forked from here then need not (2 s each)
 
 from helpers import reset_accelerate
 

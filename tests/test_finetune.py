@@ -164,7 +164,8 @@ def test_unreachable_hub_and_missing_file_are_one_line_errors(tmp_path, capsys, 
 @pytest.mark.parametrize("config", ["vit_scratch_cpu", "timm_vit_scratch_cpu", "resnet18_cpu", "timm_vit_pretrained"])
 @pytest.mark.slow
 def test_every_baseline_config_runs(tmp_path, config):
-    overrides = tiny_overrides(tmp_path, name=config, **{"schedule.epochs": 1})
+    fewer = {"data.synthetic_size": 104} if config == "resnet18_cpu" else {}  # a full ResNet-18: 2 steps, not 6
+    overrides = tiny_overrides(tmp_path, name=config, **{"schedule.epochs": 1, **fewer})
     if config == "timm_vit_pretrained":
         # No hub here: a local timm weights file of the tiny size at another resolution stands in for the download.
         source = timm.models.vision_transformer.VisionTransformer(img_size=64, patch_size=16, embed_dim=32, depth=2, num_heads=2)
@@ -177,7 +178,7 @@ def test_every_baseline_config_runs(tmp_path, config):
     # One epoch at the recipe's warmup is too short to learn; what must hold is that classifier.pt is the model
     # the summary measured: evaluating it again gives the same accuracies.
     reset_accelerate()
-    assert finetune(tiny_overrides(tmp_path, name="eval") + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / config}"]) == 0
+    assert finetune(tiny_overrides(tmp_path, name="eval", **fewer) + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / config}"]) == 0
     e = summary(tmp_path, "eval")
     assert (e["val_top1"], e["test_top1"]) == (s["final_val_top1"], s["final_test_top1"])
     model, payload = load_classifier(tmp_path / "runs" / config)

@@ -148,9 +148,6 @@ def build_classifier(cfg, num_classes: int, device=None, say=None) -> Built:
     parent = None
     init = ft.init
     encoder_path = encoder_init(init)
-    if encoder_path is not None:
-        # An MAE encoder: the architecture comes from the model config, and must match the checkpoint's.
-        parent = read_init_encoder(init).get("meta", {}).get("run")
     # Patch dropout (training only) is a feature of the encoder, run the same way by our ViT and timm's.
     kwargs = dict(cfg.model.encoder_kwargs(device), num_classes=0 if ft.mode in ("linear", "knn") else num_classes, patch_drop_rate=1.0 - ft.patch_keep)
     try:
@@ -163,8 +160,8 @@ def build_classifier(cfg, num_classes: int, device=None, say=None) -> Built:
         load_timm_weights(encoder, state)
     elif is_hub_init(init):
         load_hub_weights(encoder, init)
-    elif encoder_path is not None:
-        load_encoder(encoder, encoder_path, say)
+    elif encoder_path is not None:  # an MAE encoder: the architecture comes from the model config, and must match the checkpoint's
+        parent = load_encoder(encoder, encoder_path, say).get("meta", {}).get("run")
 
     if init != "scratch" and ft.mode == "full":
         # The new head starts near zero, as MAE's fine-tuning initialises it, so its first steps do not disturb the encoder.

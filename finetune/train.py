@@ -21,7 +21,7 @@ from finetune.features import FeatureLoader, extract_features
 from finetune.knn import run_knn
 from finetune.models import Built, build_classifier, encoder_init, load_classifier, read_init_encoder, save_classifier, unfinished_encoder
 from vit.train import tracking
-from vit.store.checkpoint import read_encoder, unwrap
+from vit.store.checkpoint import unwrap
 from vit.cli import parse
 from vit.data.splits import Splits
 from vit.train.accelerator import compile_for_run
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     data = open_run_data(cfg, run, input_size(cfg))
     splits = data.splits
     built = build_classifier(cfg, len(splits.train.classes), run.accelerator.device, say=run.print)
-    check_pretraining_overlap(cfg, run, splits)  # after the weights load, so an init that cannot load is one line, no warning
+    check_pretraining_overlap(cfg, run, splits, parent_payload)  # after the weights load: an init that cannot load is one line
     # Each rank drew its own random init (per-rank seed); a cached probe's encoder is never wrapped in DDP, so make them one.
     sync_from_main(built.model, run.accelerator)
     run.ready()
@@ -358,12 +358,13 @@ def summarize(cfg: FinetuneConfig, run: Run, data: Data, built: Built, trained: 
     }
 
 
-def check_pretraining_overlap(cfg: FinetuneConfig, run: Run, splits: Splits) -> None:
+def check_pretraining_overlap(cfg: FinetuneConfig, run: Run, splits: Splits, encoder_payload: dict) -> None:
     """Refuse val images the encoder was pretrained on (`finetune.allow_overlap=true` goes on regardless); warn where
-    its training images are not recorded (timm weights, Hub folders other than our encoder exports)."""
+    its training images are not recorded (timm weights, Hub folders other than our encoder exports). `encoder_payload`:
+    the MAE encoder.pt that `finetune.init` names, as `parent_encoder` read it ({} for other inits)."""
     init, path = cfg.finetune.init, encoder_init(cfg.finetune.init)
     if path is not None:
-        record, what = read_encoder(path).get("meta", {}).get("data"), f"the encoder {path}"
+        record, what = encoder_payload.get("meta", {}).get("data"), f"the encoder {path}"
     elif is_hub_init(init):
         record, what = hub_provenance(init), f"the encoder {init}"  # our encoder exports carry it in config.json
         if record is None:

@@ -89,7 +89,6 @@ def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str
     return payload
 
 
-
 def describe(path: Path) -> str | None:
     """What a checkpoint file or a folder of this project's is, in words ("a whole masked autoencoder (mae.pt)", "a
     classification run folder (classifier.pt)"); None when it is nothing this project writes."""
@@ -118,6 +117,7 @@ def wrong_kind(given: str, file_name: str, expected: str, key: str | None = None
         return None
     what = describe(path)
     return None if what is None else CheckpointError(f"{named} is {what}: expected {expected}")
+
 
 def read_encoder(path: str | os.PathLike) -> dict[str, Any]:
     """Load and check an `encoder.pt` (or the one in a run folder)."""

@@ -117,7 +117,6 @@ def holds_run(run_dir: Path) -> bool:
     return any((Path(run_dir) / name).exists() for name in RUN_OUTPUTS)
 
 
-
 def describe_folder(path: Path) -> str | None:
     """What a folder this project writes is, in words, for a message saying a path is the wrong kind of thing
     ("a classification run folder (classifier.pt)"): a run of either stage, finished or not, a kNN or eval run, a resume
@@ -144,6 +143,7 @@ def describe_folder(path: Path) -> str | None:
     if runs:
         return f"a folder of {len(runs)} run folders ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}), not one run"
     return None
+
 
 def clear_outputs(run_dir: Path) -> None:
     """Delete a previous run's outputs, figures and TensorBoard events included, so they cannot be mistaken for the next

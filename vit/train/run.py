@@ -252,11 +252,11 @@ def peak_memory() -> dict[str, float] | None:
     return {"peak_rss_mib": round(this, 1), "children_peak_rss_mib": round(children, 1)}
 
 
-
 def param_checksum(model) -> torch.Tensor:
     """The sum of `model`'s parameters, () float32 on their device (MPS has no float64): ranks that hold the same
     weights give the same bits, which summary.json's per-rank record shows."""
     return torch.stack([p.detach().float().sum() for p in model.parameters()]).sum()
+
 
 def flatten(d: dict) -> dict:
     """Dotted keys (`flat_keys`) with the values trackers take: numbers, strings, booleans and None; anything else as text."""

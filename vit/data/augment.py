@@ -246,7 +246,6 @@ class Loader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.device = torch.device(device)
-        self.size = n  # samples of the whole split, every rank's
         self.batch_size = batch_size
         self.mean, self.std = tuple(mean), tuple(std)
         # On the device once: a fresh tensor from a list each batch would be a blocking host-to-device copy each time.

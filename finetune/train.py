@@ -221,10 +221,13 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
     task, module, spec = t.task, t.module, t.spec
     num_classes = len(splits.train.classes)
 
+    evaluated = {"step": None}  # where an epoch's end last evaluated val
+
     def on_epoch_end(epoch: int, progress: Progress) -> dict:
         if "val" not in task.evals or (epoch % cfg.finetune.eval_every and epoch != spec.epoch_limit):
             return {}
         r = evaluate(unwrap(module), task.evals["val"], acc, num_classes)
+        evaluated["step"] = progress.step
         best = max(progress.best.get("val_top1", 0.0), r["top1"])
         progress.best["val_top1"] = best
         if not t.cached:  # the cached probe runs many short epochs
@@ -233,6 +236,13 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
 
     progress = fit(run, t.forward, t.optimizer, task.train, t.loss_fn, spec, load_state(run), on_epoch_end)
     results = {split: evaluate(unwrap(module), loader, acc, num_classes) for split, loader in task.evals.items()}
+    if "val" in results and evaluated["step"] != progress.step:
+        # A time budget (or schedule.max_steps) ends mid-epoch, where no epoch end evaluated: the final weights' val
+        # figures join the curve at the last step, and count for the best.
+        r = results["val"]
+        progress.best["val_top1"] = max(progress.best.get("val_top1", 0.0), r["top1"])
+        epoch = round(progress.epoch + progress.batch / max(1, len(task.train)), 4)
+        run.log({"step": progress.step, "epoch": epoch, "val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]})
     if t.cached:
         built.model.head = unwrap(module)
     return Trained(built.model if t.cached else unwrap(module), results, progress, task.feature_time)

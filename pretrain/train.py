@@ -130,10 +130,12 @@ def evaluation(cfg: PretrainConfig, splits) -> Evaluation:
     epochs, and the kNN monitor every `mae.knn_every`, which embeds its bank and queries with every patch visible (about
     3 masked-MAE forwards an image)."""
     images = len(splits.val) // cfg.mae.val_every if cfg.mae.val_every else 0
+    final = len(splits.val)  # the final val loss, and the final kNN where the last step is not at an epoch's end
     if cfg.mae.knn_every and len(splits.val) and splits.labelled:
         knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
         images += 3 * knn_images // cfg.mae.knn_every
-    return Evaluation(images=images)
+        final += 3 * knn_images
+    return Evaluation(images=images, final_images=final)
 
 
 @exit_on_user_error
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     figure = reconstruction_figures(cfg, run, t)
     first_batch_sum = next(t.train_loader.epoch(0))[0].float().sum().item()  # float32: MPS has no float64
     clock = {"epoch": time.perf_counter(), "weights": time.perf_counter()}  # when the epoch's steps began; the weights' last save
+    evaluated = {"step": None}  # where an epoch's end last evaluated (val loss, kNN)
 
     def on_epoch_end(epoch: int, progress) -> dict[str, float]:
         epoch_seconds = time.perf_counter() - clock["epoch"]
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             save_weights(run, model, progress.step, splits, pretrained_on)
             clock["weights"] = time.perf_counter()
         clock["epoch"] = time.perf_counter()
+        if metrics:
+            evaluated["step"] = progress.step
         return metrics
 
     try:
@@ -175,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     run.log_encoder(run.dir / ENCODER_FILE)
     figure(progress.step, run.dir / RECONSTRUCTION_FILE)
     final_val = validation_loss(t.mae, t.val_loader, run, cfg.run.seed) if t.val_loader is not None else None
+    if final_val is not None and evaluated["step"] != progress.step:
+        # A time budget (or schedule.max_steps) ends mid-epoch, where no epoch end evaluated: the final encoder's val
+        # loss and kNN join the curves at the last step, so that final_knn_top1 is of the encoder that encoder.pt holds.
+        epoch = round(progress.epoch + progress.batch / max(1, len(t.train_loader)), 4)
+        final = knn(t.mae.encoder, epoch, time.perf_counter() - clock["epoch"]) if knn is not None else {}
+        run.log({"step": progress.step, "epoch": epoch, "val_loss": final_val, **final})
     summary = run.finish({
         "final_loss": run.last_logged("loss"),
         "final_val_loss": final_val,

@@ -46,3 +46,25 @@ def test_reconstruction_figures_are_drawn_every_figure_every_epochs(tmp_path, fi
     for path in [run_dir / "reconstruction.png"] + [run_dir / "figures" / f for f in figures]:
         with Image.open(path) as image:
             assert image.format == "PNG" and min(image.size) > 32, path
+
+
+@pytest.mark.slow
+def test_a_run_that_ends_mid_epoch_records_its_final_evaluation_on_the_curve(tmp_path):
+    """A time budget (here schedule.max_steps) ends mid-epoch, where no epoch end evaluates: the final weights' val
+    figures are still a point of the curve at the last step, count for the best, and are the kNN the summary reports."""
+    cut = {"schedule.epochs": 2, "schedule.max_steps": 9, "run.log_every": 100}  # 6 steps an epoch: the cut is mid-epoch 2
+    overrides = tiny_overrides(tmp_path, name="ft", **cut, **{"finetune.eval_every": 1})
+    assert finetune(overrides + ["finetune.init=scratch", "optim.lr=0.01"]) == 0
+    run_dir = tmp_path / "runs" / "ft"
+    evals = [m for m in metrics(run_dir) if "val_top1" in m]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [m["step"] for m in evals] == [6, 9] and evals[-1]["epoch"] == 1.5
+    assert summary["final_val_top1"] == evals[-1]["val_top1"] and summary["val_loss"] == evals[-1]["val_loss"]
+    assert summary["best_val_top1"] == max(m["val_top1"] for m in evals)
+
+    assert pretrain(tiny_overrides(tmp_path, name="mae", **cut, **{"mae.knn_every": 1, "mae.val_every": 1, "run.figure_every": 0})) == 0
+    run_dir = tmp_path / "runs" / "mae"
+    knn = [m for m in metrics(run_dir) if "knn_top1" in m]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [m["step"] for m in knn] == [6, 9] and knn[-1]["val_loss"] == summary["final_val_loss"]
+    assert summary["final_knn_top1"] == knn[-1]["knn_top1"]

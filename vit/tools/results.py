@@ -38,7 +38,7 @@ PRETRAIN = re.compile(r"^mae_(\d+(?:\.\d+)?)min_s(\d+)$")
 PROBE = re.compile(r"^(mae_\d+(?:\.\d+)?min_s\d+)_probe$")
 RANDOM = re.compile(r"^random_probe_s(\d+)$")
 PATTERNS = (SCRATCH, FINETUNE, PRETRAIN, PROBE, RANDOM)
-VARIANTS = {None: "light augmentation", "aug": "strong augmentation"}  # the sweep's recipe variants
+VARIANTS = {None: "light augmentation", "aug": "strong augmentation", "crop": "crop 0.35-1 and drop path 0.1"}  # the sweeps' recipe variants
 
 
 @dataclass

@@ -169,7 +169,9 @@ class StepMeter:
     def restart(self) -> None:
         """The work since the last step (an evaluation, a state) is over: the next step's interval starts now. A pause
         before that work drops the next step as well, and epochs of one step (a small data set on several processes)
-        would never be measured: the budget never fixed, the run never ending."""
+        would never be measured: the budget never fixed, the run never ending. Once measured, it waits for nothing."""
+        if self.done:
+            return  # a GPU's queue is not drained at every epoch end for a measure already taken
         self.sync()
         self.last = self.clock()
 

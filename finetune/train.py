@@ -24,7 +24,7 @@ from vit.train import tracking
 from vit.store.checkpoint import unwrap
 from vit.cli import parse
 from vit.data.splits import Splits
-from vit.train.accelerator import compile_for_run
+from vit.train.accelerator import compile_for_run, main_first
 from vit.train.budget import Evaluation
 from vit.train.loop import Preempted, fit
 from vit.train.optim import make_optimizer, param_groups
@@ -70,9 +70,8 @@ def input_size(cfg: FinetuneConfig) -> int | None:
 def open_run_data(cfg: FinetuneConfig, run: Run, out_size: int | None) -> Data:
     """The run's labelled data (the main process decodes or scans first, the others then read its cache)."""
     acc = run.accelerator
-    with acc.main_process_first():
-        return open_data(cfg.data, out_size=out_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
-                         threads=run.threads, local_processes=run.local_processes, need_labels=True, say=run.print)  # fmt: skip
+    return main_first(acc, lambda: open_data(cfg.data, out_size=out_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
+                                             threads=run.threads, local_processes=run.local_processes, need_labels=True, say=run.print))  # fmt: skip
 
 
 def loaders(cfg: FinetuneConfig, data: Data, augment: bool):

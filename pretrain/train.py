@@ -13,7 +13,7 @@ from pretrain.figures import save_reconstruction_figure
 from pretrain.model import MaskedAutoencoder, build_mae
 from vit.store.checkpoint import save_encoder, save_mae, unwrap
 from vit.cli import parse
-from vit.train.accelerator import compile_for_run
+from vit.train.accelerator import compile_for_run, main_first
 from vit.train.budget import Evaluation
 from vit.train.loop import Preempted, fit
 from vit.train.optim import make_optimizer, param_groups
@@ -109,9 +109,9 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
     acc = run.accelerator
     mae = build_mae(cfg, acc.device)
     img_size = mae.encoder.patch_embed.img_size
-    with acc.main_process_first():  # the main process decodes into the cache (or scans the shards), the others then read it
-        data = open_data(cfg.data, out_size=img_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
-                         threads=run.threads, local_processes=run.local_processes, say=run.print)  # fmt: skip
+    # the main process decodes into the cache (or scans the shards), the others then read it
+    data = main_first(acc, lambda: open_data(cfg.data, out_size=img_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
+                                             threads=run.threads, local_processes=run.local_processes, say=run.print))  # fmt: skip
     splits = data.splits
     run.print(f"data: {splits.describe()} | model: {cfg.model.name} {mae.encoder.config['embed_dim']}d x {mae.encoder.config['depth']}, "
               f"{sum(p.numel() for p in mae.encoder.parameters()) / 1e6:.2f}M encoder parameters, decoder {mae.decoder_config}")

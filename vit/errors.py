@@ -32,6 +32,10 @@ class StorageError(UserError):
     """The disk refused a write (full, over quota); the message names the path and what was kept."""
 
 
+class SaidElsewhere(UserError):
+    """Another process of the run stopped on a UserError and printed it: this one stops too, exit 2, without a line."""
+
+
 # What a full disk, a quota or a file-size limit look like to a write.
 STORAGE_ERRNOS = tuple(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, name))
 
@@ -48,6 +52,8 @@ def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
     def wrapper(*args, **kwargs) -> int:
         try:
             code = main(*args, **kwargs)
+        except SaidElsewhere:
+            return EXIT_USER_ERROR
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR

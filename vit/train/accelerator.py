@@ -5,18 +5,42 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 import torch.nn as nn
 
 from vit.config import RunConfig
-from vit.errors import ConfigError, UserError
+from vit.errors import ConfigError, SaidElsewhere, UserError
 from vit.store.runs import TENSORBOARD_DIR
 from vit.train.graph import graph_unfit
 
 if TYPE_CHECKING:
     from vit.train.run import Run
+
+
+T = TypeVar("T")
+
+
+def main_first(accelerator, work: Callable[[], T]) -> T:
+    """`work()` on the main process, then on the others (which read what it cached), as Accelerate's
+    `main_process_first`; but a UserError of the main process (a bad data.root) stops the others too, quietly, where
+    they waited in a barrier it never reached until the launcher's end of it gave them a traceback of their own."""
+    if accelerator.num_processes == 1:
+        return work()
+    failure = None
+    if accelerator.is_main_process:
+        try:
+            result = work()
+        except UserError as e:
+            failure = e
+    said = [None if failure is None else str(failure)]
+    torch.distributed.broadcast_object_list(said, src=0)  # the barrier: the main process is done, or has failed
+    if failure is not None:
+        raise failure
+    if said[0] is not None:
+        raise SaidElsewhere(said[0])
+    return result if accelerator.is_main_process else work()
 
 
 def native_bf16(device: torch.device) -> bool:

@@ -20,8 +20,8 @@ from pretrain.model import MaskedAutoencoder, patchify, unpatchify
 def reconstruct(mae: MaskedAutoencoder, images: torch.Tensor, mean, std, seed: int = 0) -> tuple[torch.Tensor, list[str]]:
     """images: (B, C, H, W) normalised -> rows (R, B, C, H, W) in [0, 1] and the R row labels (R = 5 with norm_pix_loss, else 4)."""
     mae.eval()
-    generator = torch.Generator().manual_seed(seed)
-    _, pred, mask = mae(images, generator=generator)
+    noise = torch.rand(images.shape[0], mae.num_patches, generator=torch.Generator().manual_seed(seed))
+    _, pred, mask = mae(images, noise=noise)
     raw = pred.float()  # (B, L, p*p*C): per-patch normalised pixels with norm_pix_loss, else normalised pixels
     p = mae.patch_size
     target = patchify(images.float(), p)  # (B, L, p*p*C)

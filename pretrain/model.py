@@ -98,9 +98,9 @@ class MaskedAutoencoder(nn.Module):
 
     # ----------------------------------------------------------------- the three parts
 
-    def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None):
-        """imgs: (B, C, H, W) -> latent (B, 1 + K, D), mask (B, L), ids_restore (B, L)."""
-        ids_keep, ids_restore, mask = random_masking(imgs.shape[0], self.num_patches, mask_ratio, imgs.device, generator)
+    def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float, noise: torch.Tensor | None = None):
+        """imgs: (B, C, H, W) -> latent (B, 1 + K, D), mask (B, L), ids_restore (B, L); `noise` (B, L) fixes the masks."""
+        ids_keep, ids_restore, mask = random_masking(imgs.shape[0], self.num_patches, mask_ratio, imgs.device, noise)
         latent = self.encoder.forward_features(imgs, ids_keep)
         return latent, mask, ids_restore
 
@@ -146,14 +146,14 @@ class MaskedAutoencoder(nn.Module):
         per_patch = (pred.float() - target.float()).pow(2).mean(dim=-1)  # (B, L)
         return (per_patch * mask).sum() / mask.sum()
 
-    def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None, generator: torch.Generator | None = None):
+    def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None, noise: torch.Tensor | None = None):
         """imgs: (B, C, H, W) -> loss (), pred (B, L, p*p*C), mask (B, L) with 1 = masked.
 
         In training mode the visible rows of `pred` are zero (see `forward_decoder`).
-        `generator` (a CPU torch.Generator) fixes the masks, e.g. for a comparable validation loss.
+        `noise` (B, L), uniform from a seeded CPU generator, fixes the masks, e.g. for a comparable validation loss.
         """
         ratio = self.mask_ratio if mask_ratio is None else mask_ratio
-        latent, mask, ids_restore = self.forward_encoder(imgs, ratio, generator)
+        latent, mask, ids_restore = self.forward_encoder(imgs, ratio, noise)
         # Training needs predictions of the masked patches only; evaluation and figures get all of them.
         pred = self.forward_decoder(latent, ids_restore, only_masked=self.training)
         return self.forward_loss(imgs, pred, mask), pred, mask

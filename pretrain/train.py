@@ -29,13 +29,17 @@ from vit.store.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_fi
 
 @torch.no_grad()
 def validation_loss(mae: MaskedAutoencoder, loader, run: Run, seed: int) -> float:
-    """Masked-patch loss on the validation split with fixed masks, averaged over every image of every rank."""
+    """Masked-patch loss on the validation split with fixed masks, averaged over every image of every rank. An image's
+    mask follows from its place in the split, so the loss does not depend on how many processes share the split."""
     mae.eval()
-    generator = torch.Generator().manual_seed(seed)
+    start, stop = loader.shard  # this rank's contiguous slice of the split
+    noise = torch.rand(stop, mae.num_patches, generator=torch.Generator().manual_seed(seed))[start:]  # (images, L)
     total = torch.zeros(2, device=run.accelerator.device)
+    at = 0
     for images, _ in loader.epoch(0):
         with run.accelerator.autocast():
-            loss, _, _ = mae(images, generator=generator)
+            loss, _, _ = mae(images, noise=noise[at : at + images.shape[0]])
+        at += images.shape[0]
         total[0] += loss.float() * images.shape[0]  # no host read per batch: the device runs ahead of the host
         total[1] += images.shape[0]
     total = run.accelerator.reduce(total, reduction="sum")

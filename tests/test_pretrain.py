@@ -1,5 +1,6 @@
 """MAE: masking, loss, patchify, and real pretraining runs on generated data."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -87,12 +88,41 @@ def test_forward_shapes_and_encoder_sees_only_visible_tokens():
     assert mae.encoder.patch_embed.proj.weight.grad.abs().sum() > 0 and mae.mask_token.grad.abs().sum() > 0
 
 
-def test_fixed_generator_gives_fixed_masks():
+def seeded_noise(batch: int, mae, seed: int) -> torch.Tensor:
+    return torch.rand(batch, mae.num_patches, generator=torch.Generator().manual_seed(seed))
+
+
+def test_fixed_noise_gives_fixed_masks():
     mae = tiny_mae().eval()
     x = torch.randn(2, 3, 32, 32)
-    _, _, m1 = mae(x, generator=torch.Generator().manual_seed(3))
-    _, _, m2 = mae(x, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(m1, m2)
+    _, _, m1 = mae(x, noise=seeded_noise(2, mae, 3))
+    _, _, m2 = mae(x, noise=seeded_noise(2, mae, 3))
+    _, _, m3 = mae(x)
+    assert torch.equal(m1, m2) and not torch.equal(m1, m3)
+
+
+def test_validation_loss_is_the_same_however_many_processes_share_the_split():
+    """Each rank evaluates a contiguous slice of the val split; the masks used to be drawn batch by batch on each rank,
+    so an image's mask (and the loss) changed with the number of processes."""
+    from types import SimpleNamespace
+
+    from pretrain.train import validation_loss
+    from vit.data.augment import BatchLoader
+    from vit.data.splits import ImageSet
+
+    torch.manual_seed(0)
+    mae = tiny_mae(norm_pix_loss=True)
+    images = ImageSet(torch.randint(0, 256, (21, 3, 32, 32), dtype=torch.uint8), torch.zeros(21, dtype=torch.int64), ["a"])
+    acc = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext, reduce=lambda t, reduction: t)
+    run = SimpleNamespace(accelerator=acc)
+
+    def loss(rank: int, world: int) -> tuple[float, int]:
+        loader = BatchLoader(images, 4, train=False, device="cpu", mean=(0.5,) * 3, std=(0.5,) * 3, out_size=32, rank=rank, world_size=world)
+        return validation_loss(mae, loader, run, seed=5), loader.shard[1] - loader.shard[0]
+
+    one, _ = loss(0, 1)
+    (a, na), (b, nb) = loss(0, 2), loss(1, 2)  # each rank's mean over its slice: the sum of both is what reduce gives
+    assert abs((a * na + b * nb) / (na + nb) - one) < 1e-6
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -282,9 +312,9 @@ def test_training_mode_predicts_masked_patches_exactly_as_eval_mode():
     mae = tiny_mae(norm_pix_loss=True)
     x = torch.randn(3, 3, 32, 32)
     mae.eval()
-    loss_eval, pred_eval, mask = mae(x, generator=torch.Generator().manual_seed(1))
+    loss_eval, pred_eval, mask = mae(x, noise=seeded_noise(x.shape[0], mae, 1))
     mae.train()
-    loss_train, pred_train, mask_train = mae(x, generator=torch.Generator().manual_seed(1))
+    loss_train, pred_train, mask_train = mae(x, noise=seeded_noise(x.shape[0], mae, 1))
     assert torch.equal(mask, mask_train)
     m = mask.bool()
     torch.testing.assert_close(pred_train[m], pred_eval[m], rtol=1e-5, atol=1e-5)
@@ -309,7 +339,7 @@ def test_reconstruction_figure_labels_the_true_statistics_and_its_raw_row_uses_n
     x = torch.randn(2, 3, 32, 32)
     rows, labels = reconstruct(mae, x, (0.5,) * 3, (0.25,) * 3, seed=1)
     assert rows.shape[:2] == (5, 2) and "TRUE mean and variance" in labels[2] and labels[4].startswith("raw output")
-    _, _, mask = mae(x, generator=torch.Generator().manual_seed(1))
+    _, _, mask = mae(x, noise=seeded_noise(x.shape[0], mae, 1))
     hidden = torch.nn.functional.interpolate(mask.view(2, 1, 4, 4), scale_factor=8) > 0  # (B, 1, 32, 32): pixels of masked patches
     changed = torch.where(hidden, x + 3.0 * torch.randn_like(x), x)  # new content in the hidden patches only
     rows2, _ = reconstruct(mae, changed, (0.5,) * 3, (0.25,) * 3, seed=1)

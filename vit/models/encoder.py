@@ -30,15 +30,16 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
-def random_masking(batch: int, num_patches: int, mask_ratio: float, device=None, generator: torch.Generator | None = None):
-    """Per-sample random masking by sorting uniform noise.
+def random_masking(batch: int, num_patches: int, mask_ratio: float, device=None, noise: torch.Tensor | None = None):
+    """Per-sample random masking by sorting uniform noise: `noise` (B, L) when given (drawn from a seeded CPU generator,
+    the same masks on every device), else drawn on `device`.
 
     Returns ids_keep (B, K) of visible patches with K = int(L * (1 - mask_ratio)),
     ids_restore (B, L) that undoes the shuffle, and mask (B, L) with 1 = masked, 0 = visible.
     """
     keep = int(num_patches * (1 - mask_ratio))
-    if generator is not None:  # a seeded CPU generator: the same masks on every device
-        noise = to_device(torch.rand(batch, num_patches, generator=generator), torch.device(device or "cpu"))  # (B, L)
+    if noise is not None:
+        noise = to_device(noise, torch.device(device or "cpu"))  # (B, L)
     else:
         noise = torch.rand(batch, num_patches, device=device)  # (B, L)
     ids_shuffle = torch.argsort(noise, dim=1)  # ascending: the first `keep` are visible

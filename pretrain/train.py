@@ -183,14 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     save_weights(run, model, progress.step, splits, pretrained_on)
     run.log_encoder(run.dir / ENCODER_FILE)
     figure(progress.step, run.dir / RECONSTRUCTION_FILE)
-    final_val = validation_loss(t.mae, t.val_loader, run, cfg.run.seed) if t.val_loader is not None else None
-    if final_val is not None and evaluated["step"] != progress.step:
-        # A time budget (or schedule.max_steps) ends mid-epoch, where no epoch end evaluated: the final encoder's val
-        # loss and kNN join the curves at the last step, so that final_knn_top1 is of the encoder that encoder.pt holds.
-        epoch = round(progress.epoch + progress.batch / max(1, len(t.train_loader)), 4)
-        final = knn(t.mae.encoder, epoch, time.perf_counter() - clock["epoch"]) if knn is not None else {}
-        run.log({"step": progress.step, "epoch": epoch, "val_loss": final_val, **final})
-    summary = run.finish({
+    final_val = final_evaluation(run, t, knn, progress, evaluated["step"], clock["epoch"])
+    summary = run.finish(summarize(cfg, run, t, progress, final_val, first_batch_sum))
+    run.print(f"done: {summary['steps']} steps in {summary['wall_time_sec']:.0f}s ({summary['images_per_sec']:.0f} img/s), "
+              f"loss {summary['final_loss']}, val loss {final_val} -> {run.dir / ENCODER_FILE}")
+    return 0
+
+
+def summarize(cfg: PretrainConfig, run: Run, t: Pretraining, progress, final_val: float | None, first_batch_sum: float) -> dict[str, Any]:
+    """What summary.json says of a pretraining run (Run.finish adds the run's facts)."""
+    acc, model, splits = run.accelerator, t.model, t.data.splits
+    return {
         "final_loss": run.last_logged("loss"),
         "final_val_loss": final_val,
         "final_knn_top1": run.last_logged("knn_top1"),
@@ -208,10 +211,21 @@ def main(argv: list[str] | None = None) -> int:
         "data": splits.describe(),
         "bad_images": t.data.bad_total(acc),
         "ranks": rank_report(run, model, first_batch_sum, progress.images // acc.num_processes),
-    })
-    run.print(f"done: {summary['steps']} steps in {summary['wall_time_sec']:.0f}s ({summary['images_per_sec']:.0f} img/s), "
-              f"loss {summary['final_loss']}, val loss {final_val} -> {run.dir / ENCODER_FILE}")
-    return 0
+    }
+
+
+def final_evaluation(run: Run, t: Pretraining, knn, progress, evaluated_step: int | None, epoch_start: float) -> float | None:
+    """The final encoder's val loss (None without a val split). A run that ended mid-epoch (a time budget's plan,
+    schedule.max_steps) ended where no epoch end evaluated: its val loss and kNN join the curves at the last step, so
+    that final_knn_top1 is of the encoder that encoder.pt holds."""
+    if t.val_loader is None:
+        return None
+    final_val = validation_loss(t.mae, t.val_loader, run, run.cfg.run.seed)
+    if evaluated_step != progress.step:
+        epoch = round(progress.epoch + progress.batch / max(1, len(t.train_loader)), 4)
+        final = knn(t.mae.encoder, epoch, time.perf_counter() - epoch_start) if knn is not None else {}
+        run.log({"step": progress.step, "epoch": epoch, "val_loss": final_val, **final})
+    return final_val
 
 
 def reconstruction_figures(cfg: PretrainConfig, run: Run, t: Pretraining) -> Callable[[int, Any], None]:

@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 from vit.errors import UserError, exit_on_user_error
-from vit.tools.plots import check_output_folder, png_path
-from vit.tools.results import archive, budget_table, markdown, plot, read_budget_sweep
+from vit.tools.plots import check_output_folder, equal_compute_plot, png_path
+from vit.tools.results import archive, budget_table, markdown, read_budget_sweep
 
 
 @exit_on_user_error
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     for host, (rows, random) in tables.items():
         print(f"Host: {host}\n\n{markdown(rows, random, unfinished)}\n")
     if plot_to:
-        print(f"plot: {plot(tables, plot_to)}")
+        print(f"plot: {equal_compute_plot(tables, plot_to)}")
     if args.archive:
         written = archive(hosts, args.archive)
         left = f"; {len(unfinished)} unfinished run(s) left out: {', '.join(sorted(unfinished))}" if unfinished else ""

@@ -118,3 +118,10 @@ def test_archive_names_the_runs_left_out_and_adds_metrics_to_the_same_record(run
     afile.write_text("")
     refused = script(runs, "--archive", afile)
     assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.count("\n") == 1 and "is a file, not a folder" in refused.stderr
+
+
+def test_a_nan_of_an_older_summary_is_shown_as_nan_not_a_traceback(tmp_path):
+    path = write_run(tmp_path / "runs", "old", {"wall_time_sec": 60.0, "final_loss": 1.0, "final_val_top1": 0.5})
+    (path / "summary.json").write_text((path / "summary.json").read_text().replace("60.0", "NaN").replace("0.5", "NaN"))
+    line = compare.compare([str(path)])["table"].splitlines()[2]
+    assert line.startswith("| old | finetune | - | vit_cifar_tiny depth=3 | - | nan | - | - | - | 1.0000 | - | nan |"), line

@@ -241,3 +241,43 @@ def test_command_line_names_unfinished_runs_and_refuses_bad_outputs_in_one_line(
     assert out.returncode == 0, out.stderr
     assert "Not in the table: 1 run folder(s)" in out.stdout and "scratch_m30_aug_s0 (no summary.json)" in out.stdout
     assert "archive: 24 new record(s)" in out.stdout and "1 unfinished run(s) left out: scratch_m30_aug_s0" in out.stdout
+
+
+def test_a_finished_fine_tune_of_a_pretraining_without_a_readable_summary_waits_with_it_instead_of_stopping_the_table(budget_runs):
+    (budget_runs / "mae_15min_s1" / "summary.json").write_text('{"val_top1": nu')  # damaged after its fine-tune ran
+    hosts, unfinished = read_budget_sweep(budget_runs)
+    assert unfinished == {"mae_15min_s1": "summary.json unreadable",
+                          "ft_m30_f50_s1": "its pretraining mae_15min_s1 has no readable summary"}  # fmt: skip
+    rows, random = budget_table(hosts["host not recorded"], unfinished)
+    assert rows[0].mae.share == 50 and rows[0].mae.test == {0: 0.71, 2: 0.72} and rows[0].mae.unfinished == {1}
+    assert "71.5% (71.0-72.0, 2 of 3 seeds: s1 unfinished); pretraining 0.50 of the budget" in markdown(rows, random, unfinished)
+
+
+def test_a_nan_top1_of_an_older_summary_is_no_top1_and_never_the_best_on_val(tmp_path):
+    f = tmp_path / "budget"
+    run(f, "scratch_m15_s0", 0.60, 0.60, 900, budget=15)
+    run(f, "scratch_m15_crop_s0", 0.70, 0.65, 900, budget=15)
+    run(f, "scratch_m15_s1", 0.61, 0.62, 900, budget=15)
+    summary = f / "scratch_m15_s0" / "summary.json"
+    summary.write_text(summary.read_text().replace('"val_top1": 0.6', '"val_top1": NaN'))  # json.dump's default wrote it so
+    rows, random = budget_table(read_budget_runs(f)["host not recorded"])
+    assert rows[0].scratch.variant == "crop" and rows[0].scratch.test == {0: 0.65}
+    assert "| 15 min | scratch; light augmentation | - | 15.0 min | - | - | - | - |" in markdown(rows, random)
+
+
+def test_a_table_of_two_models_names_the_model_of_every_cell(tmp_path):
+    """Each budget may choose its own model (vit_cifar_tiny at 2 minutes, vit_cifar_small at 5): minutes buy each model its
+    own steps, so where a table holds more than one, every cell and every searched recipe says which it trained."""
+    f = tmp_path / "budget"
+    run(f, "scratch_m5_s0", 0.79, 0.78, 300, budget=5, model="vit_cifar_small")
+    run(f, "mae_2.5min_s0", None, None, 150, budget=2.5, model="vit_cifar_small")
+    run(f, "ft_m5_f50_s0", 0.83, 0.82, 150, budget=2.5, init="runs/budget/mae_2.5min_s0", model="vit_cifar_small")
+    run(f, "scratch_m2_s0", 0.75, 0.74, 120, budget=2, model="vit_cifar_tiny")
+    rows, random = budget_table(read_budget_runs(f)["host not recorded"])
+    table = markdown(rows, random)
+    assert "| 2 min | 74.0% (1 seed); light augmentation, vit_cifar_tiny | - |" in table
+    assert "| 5 min | 78.0% (1 seed); light augmentation, vit_cifar_small | 82.0% (1 seed); pretraining 0.50 of the budget, light augmentation, vit_cifar_small |" in table
+    assert "| 5 min | MAE; pretraining 0.50 of the budget, light augmentation, vit_cifar_small |" in table
+    # one model throughout: the cells stay as they were
+    only = {n: r for n, r in read_budget_runs(f)["host not recorded"].items() if n != "scratch_m2_s0"}
+    assert "vit_cifar_small" not in markdown(*budget_table(only))

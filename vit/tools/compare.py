@@ -264,7 +264,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             value = r.get(key)
             if key == "host" and value is None and r["status"].startswith("finished"):
                 value = "host not recorded"
-            text = "-" if value is None else fmt(value)
+            if isinstance(value, float) and not math.isfinite(value):  # an older summary's NaN: said, not formatted as a number
+                text = str(value)
+            else:
+                text = "-" if value is None else fmt(value)
             if key == "name" and not r["status"].startswith("finished"):
                 text += " (unfinished)"
             elif key == "name" and "; " in r["status"]:  # finished, but a file of it is damaged: its row may be wrong

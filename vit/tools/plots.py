@@ -5,6 +5,7 @@
     png_path(Path("out/fig"))                        # out/fig.png: the file a figure is written to; a bad path is a UserError
     plot_curves({"run": curve}, "step", path, ...)   # one metric of several runs, overlaid
     figure_attention_heads(images, maps[-1], path)   # [CLS] attention per head over the input images
+    equal_compute_plot(tables, path)                 # RESULTS.md's equal-compute figure, from `vit.tools.results` tables
 
 A curve is anything with `steps`, `times` (None where not timed) and `values`, one entry per logged point.
 `scripts/compare_runs.py` and `scripts/visualize.py` choose what to draw; this module draws it.
@@ -333,3 +334,39 @@ def figure_sincos_table(encoder, path: Path) -> Path | None:
         fig.colorbar(shown, ax=ax, fraction=0.046)
     fig.tight_layout()
     return save(fig, path)
+
+
+def equal_compute_plot(tables: dict[str, tuple[list, Any]], path: Path) -> Path:
+    """The equal-compute table's figure (`vit.tools.results`: {host: (rows, random-encoder arm)}): test top-1 against the
+    budget for each arm (mean over seeds, min-max bars), one line style per host."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    arms = (("ViT from scratch", lambda r: r.scratch, "o", "C0"), ("MAE then fine-tune", lambda r: r.mae, "s", "C1"),
+            ("MAE linear probe", lambda r: r.probe, "^", "C2"))  # fmt: skip
+    ticks = set()
+    for (host, (rows, random)), line in zip(tables.items(), ("-", "--", ":", "-.")):
+        suffix = f" ({host})" if len(tables) > 1 else ""
+        for label, pick, marker, color in arms:
+            pts = [(r.minutes, pick(r)) for r in rows if pick(r).test]
+            if not pts:
+                continue
+            xs = [m for m, _ in pts]
+            ys = [100 * a.mean() for _, a in pts]
+            lo = [100 * (a.mean() - a.spread()[0]) for _, a in pts]
+            hi = [100 * (a.spread()[1] - a.mean()) for _, a in pts]
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker + line, color=color, capsize=3, label=label + suffix)
+            ticks.update(xs)
+        if n := len(random.test):
+            ax.axhline(100 * random.mean(), color="grey", ls=line, label=f"random-encoder probe ({n} seed{'s' if n > 1 else ''}){suffix}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+    ax.set_xlabel("minutes for all stages")
+    ax.set_ylabel("CIFAR-10 test top-1 (%)")
+    title = "Equal compute: MAE against training from scratch"
+    ax.set_title(title + (f"\n{next(iter(tables))}" if len(tables) == 1 else ""), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    try:
+        return save(fig, png_path(path))
+    except OSError as e:
+        raise UserError(f"cannot write the plot {e.filename or path}: {e.strerror}") from None

@@ -19,6 +19,7 @@ repeat what was chosen, and test numbers are read only for it. `scripts/results_
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Iterable
@@ -51,10 +52,12 @@ class Arm:
     share: int | None = None  # the pretraining share (%) chosen on val
     variant: str | None = None  # the recipe variant chosen on val (a key of VARIANTS)
     unfinished: set[int] = field(default_factory=set)  # seeds of the chosen recipe whose runs have no readable summary
+    model: str | None = None  # what the chosen recipe trains (a table may choose another model at each budget)
 
     def add(self, seed: int, run: RunFolder, minutes: float) -> None:
         """A finished seed; one without a test top-1 (a dataset without a test split) counts, but not in the test numbers."""
         self.val[seed], self.minutes[seed] = top1(run, "val"), minutes
+        self.model = self.model or run.summary.get("model")
         if top1(run, "test") is not None:
             self.test[seed] = top1(run, "test")
 
@@ -98,22 +101,22 @@ def is_sweep_name(name: str) -> bool:
 
 
 def read_budget_runs(folder: Path) -> dict[str, dict[str, RunFolder]]:
-    """The finished runs under `folder`, at any depth (a sweep's --out, or an archive of records from several machines),
-    whose names follow the budget sweep: {host label: {run name: run}}. The same name twice on one host is a UserError."""
+    """The finished runs under `folder`, at any depth, named as the budget sweep names them: {host label: {run name: run}}."""
     return read_budget_sweep(folder)[0]
 
 
 def read_budget_sweep(folder: Path) -> tuple[dict[str, dict[str, RunFolder]], dict[str, str]]:
-    """`read_budget_runs(folder)`, and {name: why} of the run folders named as the sweep names them that hold no readable
-    summary (unfinished, crashed or damaged): a table must say they are missing, since they can change its choices."""
+    """`read_budget_runs(folder)`, and {name: why} of the sweep's run folders without a readable summary (unfinished, crashed
+    or damaged) and of the fine-tunes of such pretrainings (whose minutes are not known): a table must say they are missing."""
     runs = [read_run(p) for p in sorted(p for p in Path(folder).rglob("*") if is_sweep_name(p.name) and is_run_folder(p))]
     unfinished = {r.name: next((p for p in r.problems if p.startswith(SUMMARY_FILE)), f"no {SUMMARY_FILE}") for r in runs if not r.finished}
-    return by_host(runs), unfinished
+    waiting = {r.name: f"its pretraining {parent} has no readable summary" for r in runs if r.finished and FINETUNE.match(r.name)
+               and (parent := Path(str((r.config.get("finetune") or {}).get("init"))).name) in unfinished}  # fmt: skip
+    return by_host(r for r in runs if r.name not in waiting), {**unfinished, **waiting}
 
 
 def by_host(runs: Iterable[RunFolder]) -> dict[str, dict[str, RunFolder]]:
-    """The finished ones among `runs`, by the host their summary names: {host label: {run folder name: run}}. The same
-    name twice on one host is a UserError."""
+    """The finished ones among `runs`, by the host their summary names: {host: {folder name: run}}; a name twice is a UserError."""
     hosts: dict[str, dict[str, RunFolder]] = {}
     for run in runs:
         if not run.finished:
@@ -197,7 +200,8 @@ def budget_minutes(run: RunFolder) -> float | None:
 
 
 def top1(run: RunFolder, split: str) -> float | None:
-    return run.summary.get(f"{split}_top1")
+    value = run.summary.get(f"{split}_top1")  # an older summary's NaN would win or lose every choice on val at random: None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
 
 
 def pretraining_of(runs: dict[str, RunFolder], name: str, budget: int, share: int) -> RunFolder:
@@ -258,7 +262,7 @@ def scratch_search(scratch_runs: dict, unfinished: dict) -> list[dict[str, Any]]
     search = []
     for variant in sorted({v for v, _ in [*scratch_runs, *unfinished]}, key=str):
         if (run := scratch_runs.get((variant, 0))) is not None:
-            search.append({"arm": "scratch", "share": None, "variant": variant, "finetune_min": stage_minutes(run),
+            search.append({"arm": "scratch", "share": None, "variant": variant, "model": run.summary.get("model"), "finetune_min": stage_minutes(run),
                            "finetune_epochs": run.summary.get("epochs"), "finetune_val": top1(run, "val")})  # fmt: skip
         elif (name := unfinished.get((variant, 0))) is not None:
             search.append({"arm": "scratch", "share": None, "variant": variant, "finetune_min": None, "finetune_epochs": None,
@@ -278,7 +282,7 @@ def mae_search(runs: dict[str, RunFolder], ft_runs: dict, unfinished: dict, budg
         ft, pt = runs[name], pretraining_of(runs, name, budget, share)
         probe = runs.get(pt.name + "_probe")
         search.append({
-            "arm": "mae", "share": share, "variant": variant, "pretraining": pt.name,
+            "arm": "mae", "share": share, "variant": variant, "pretraining": pt.name, "model": ft.summary.get("model"),
             "pretrain_min": stage_minutes(pt), "pretrain_epochs": pt.summary.get("epochs"), "knn_top1": pt.summary.get("final_knn_top1"),
             "finetune_min": stage_minutes(ft), "finetune_epochs": ft.summary.get("epochs"), "finetune_val": top1(ft, "val"),
             "probe_min": stage_minutes(probe) if probe else None, "probe_val": top1(probe, "val") if probe else None,
@@ -347,7 +351,7 @@ def recipe(share: int | None, variant: str | None, with_variant: bool = True) ->
     return ", ".join(parts)
 
 
-def cell(arm: Arm, with_variant: bool = True) -> str:
+def cell(arm: Arm, with_variant: bool = True, with_model: bool = False) -> str:
     """'74.1% (73.5-74.6, 3 seeds); pretraining 0.50 of the budget, light augmentation', '70.2% (2 of 3 seeds: s1 unfinished); ...',
     'no test top-1 (1 seed: s0 without test top-1); ...' (a dataset without a test split) or '-' (no run of the column)."""
     if not arm.val and not arm.unfinished:
@@ -359,7 +363,7 @@ def cell(arm: Arm, with_variant: bool = True) -> str:
         text = f"{pct(arm.mean())} ({100 * lo:.1f}-{100 * hi:.1f}, {arm.seeds()})"
     else:
         text = f"{pct(arm.mean())} ({arm.seeds()})"
-    chosen = recipe(arm.share, arm.variant, with_variant)
+    chosen = ", ".join(filter(None, [recipe(arm.share, arm.variant, with_variant), arm.model if with_model else None]))
     return text + (f"; {chosen}" if chosen else "")
 
 
@@ -380,10 +384,12 @@ def markdown(rows: list[Row], random: Arm, unfinished: dict[str, str] | None = N
     is listed under the table, and the rows they belong to say how many of their runs are missing."""
     lines = ["| budget (all stages) | scratch ViT | MAE then fine-tune | MAE linear probe | random-encoder probe | MAE - scratch | minutes used: scratch, MAE then fine-tune |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    # Minutes buy each model its own steps: where the rows choose more than one, every cell names its model.
+    many = len({a.model for r in rows for a in (r.scratch, r.mae, r.probe, random) if a.model}) > 1
     for r in rows:
         budget = f"{r.minutes} min" + (f" ({len(r.unfinished)} run{'s' if len(r.unfinished) > 1 else ''} unfinished)" if r.unfinished else "")
-        lines.append(f"| {budget} | {cell(r.scratch)} | {cell(r.mae)} | {cell(r.probe, with_variant=False)} | {cell(random, with_variant=False)} | {difference(r)} | "
-                     f"{r.scratch.used()}, {r.mae.used()} |")  # fmt: skip
+        lines.append(f"| {budget} | {cell(r.scratch, True, many)} | {cell(r.mae, True, many)} | {cell(r.probe, False, many)} | {cell(random, False, many)} | "
+                     f"{difference(r)} | {r.scratch.used()}, {r.mae.used()} |")  # fmt: skip
     if unfinished:
         lines += ["", f"Not in the table: {len(unfinished)} run folder(s) of the sweep without a readable summary (unfinished, crashed or damaged): "
                   + ", ".join(f"{n} ({why})" for n, why in sorted(unfinished.items()))
@@ -403,44 +409,9 @@ def markdown(rows: list[Row], random: Arm, unfinished: dict[str, str] | None = N
                 lines.append(f"| {r.minutes} min | {arm}; {recipe(s['share'], s['variant'])} | {s.get('pretraining', '-')} | "
                              f"unfinished: {s['unfinished']} | - | - | - | - |")  # fmt: skip
                 continue
-            lines.append(f"| {r.minutes} min | {arm}; {recipe(s['share'], s['variant'])} | {mins(s.get('pretrain_min'), s.get('pretrain_epochs'))} | "
+            what = recipe(s["share"], s["variant"]) + (f", {s['model']}" if many and s.get("model") else "")
+            lines.append(f"| {r.minutes} min | {arm}; {what} | {mins(s.get('pretrain_min'), s.get('pretrain_epochs'))} | "
                          f"{mins(s['finetune_min'], s['finetune_epochs'])} | {mins(s.get('probe_min'))} | {pct(s['finetune_val'])} | "
                          f"{pct(s.get('probe_val'))} | {pct(s.get('knn_top1'))} |")  # fmt: skip
     return "\n".join(lines)
 
-
-def plot(tables: dict[str, tuple[list[Row], Arm]], path: Path) -> Path:
-    """Test top-1 against the budget for each arm (mean over seeds, min-max bars), one line style per host."""
-    from vit.tools.plots import png_path, pyplot, save
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    arms = (("ViT from scratch", lambda r: r.scratch, "o", "C0"), ("MAE then fine-tune", lambda r: r.mae, "s", "C1"),
-            ("MAE linear probe", lambda r: r.probe, "^", "C2"))  # fmt: skip
-    ticks = set()
-    for (host, (rows, random)), line in zip(tables.items(), ("-", "--", ":", "-.")):
-        suffix = f" ({host})" if len(tables) > 1 else ""
-        for label, pick, marker, color in arms:
-            pts = [(r.minutes, pick(r)) for r in rows if pick(r).test]
-            if not pts:
-                continue
-            xs = [m for m, _ in pts]
-            ys = [100 * a.mean() for _, a in pts]
-            lo = [100 * (a.mean() - a.spread()[0]) for _, a in pts]
-            hi = [100 * (a.spread()[1] - a.mean()) for _, a in pts]
-            ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker + line, color=color, capsize=3, label=label + suffix)
-            ticks.update(xs)
-        if n := len(random.test):
-            ax.axhline(100 * random.mean(), color="grey", ls=line, label=f"random-encoder probe ({n} seed{'s' if n > 1 else ''}){suffix}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
-    ax.set_xlabel("minutes for all stages")
-    ax.set_ylabel("CIFAR-10 test top-1 (%)")
-    title = "Equal compute: MAE against training from scratch"
-    ax.set_title(title + (f"\n{next(iter(tables))}" if len(tables) == 1 else ""), fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    try:
-        return save(fig, png_path(path))
-    except OSError as e:
-        raise UserError(f"cannot write the plot {e.filename or path}: {e.strerror}") from None

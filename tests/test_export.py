@@ -21,7 +21,7 @@ from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.errors import ConfigError
-from vit.store.checkpoint import CheckpointError, encoder_from_checkpoint, save_encoder
+from vit.store.checkpoint import CheckpointError, encoder_from_checkpoint, load_encoder, save_encoder
 import vit.store.hub
 from vit.data.sources import CIFAR10_MEAN, SYNTHETIC_MEAN, SYNTHETIC_STD
 from vit.store.export import encoder_export
@@ -97,6 +97,17 @@ def test_model_card_has_hub_front_matter_the_recipe_and_the_probes_accuracy(expo
     assert f'timm.create_model("local-dir:{exported.folder}"' in body
 
 
+def test_the_card_credits_only_runs_that_used_this_encoder_not_one_of_the_same_name(exported, tmp_path):
+    """runs_started_from matched a run's recorded parent by folder name alone: a probe of runs/mae, run into another run
+    folder, was reported in the card of that folder's own mae, a different encoder."""
+    other = tmp_path / "runs_v2"
+    shutil.copytree(exported.runs / "mae", other / "mae")
+    shutil.copytree(exported.runs / "probe", other / "probe")  # its parent: exported.runs / "mae", which still exists
+    assert encoder_export(other / "mae").used_by == []
+    (tmp_path / "link").symlink_to(exported.runs / "mae")  # a link to the run: the runs beside the run itself count
+    assert "probe" in [r["run"] for r in encoder_export(tmp_path / "link").used_by]
+
+
 def test_finetuning_from_the_export_equals_finetuning_from_the_run(exported):
     """local-dir: loads the very weights of encoder.pt: the same seed gives the same classifier and accuracy."""
     try:
@@ -138,6 +149,17 @@ def broken_copy(folder: Path, tmp: Path, case: str) -> Path:
         from safetensors.torch import save_file
 
         save_file(create_model("vit_cifar_tiny", embed_dim=64, depth=1, num_heads=2, patch_size=8, num_classes=0).state_dict(), bad / "model.safetensors")
+    elif case in ("pos_embed_without_cls_row", "oblong_patch_kernel", "integer_weights"):  # weights unlike config.json's plain ViT
+        from safetensors.torch import save_file
+
+        state = load_file(bad / "model.safetensors")
+        if case == "pos_embed_without_cls_row":  # timm's no_embed_class layout
+            state["pos_embed"] = state["pos_embed"][:, 1:].contiguous()
+        elif case == "oblong_patch_kernel":
+            state["patch_embed.proj.weight"] = state["patch_embed.proj.weight"][..., :4].contiguous()
+        else:  # load_state_dict cast them to floats without a word: LayerNorm weights near 1 became exact 0s and 1s
+            state["blocks.0.norm1.weight"] = state["blocks.0.norm1.weight"].long()
+        save_file(state, bad / "model.safetensors")
     return bad
 
 
@@ -153,12 +175,49 @@ def broken_copy(folder: Path, tmp: Path, case: str) -> Path:
         ("wider", "is a different encoder; to load it set model.embed_dim=64 (this run: 32)"),
         ("layer_scale", "has layer scale, which this encoder does not"),
         ("weights_of_another_size", "timm weights do not fit this encoder (weights != encoder): blocks.0.attn.proj.bias (64,) != (32,)"),
+        ("pos_embed_without_cls_row", "timm weights do not fit this encoder: their pos_embed (1, 16, 32) is not a [CLS] row followed by a square"),
+        ("oblong_patch_kernel", "timm weights do not fit this encoder (weights != encoder): patch_embed.proj.weight (32, 3, 8, 4) != (32, 3, 8, 8)"),
+        ("integer_weights", "timm weights do not fit this encoder (weights != encoder): blocks.0.norm1.weight holds torch.int64 != torch.float32"),
     ],
 )  # fmt: skip
 def test_a_corrupt_or_foreign_folder_is_refused_naming_what_is_wrong(exported, tmp_path, case, message):
     bad = broken_copy(exported.folder, tmp_path, case)
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_hub_weights(encoder_like_the_run(), f"local-dir:{bad}")
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no_config", "is damaged: its encoder 'config' is missing or not a mapping"),
+        ("no_state_dict", "is damaged: its 'state_dict' is missing or not a mapping of names to tensors"),
+        ("unknown_config_field", "its encoder config builds no encoder (VisionTransformer.__init__() got an unexpected keyword argument 'bogus')"),
+        ("pos_embed_of_another_grid", "does not match the encoder (checkpoint != encoder): pos_embed (1, 65, 32) != (1, 17, 32)"),
+        ("integer_weights", "does not match the encoder (checkpoint != encoder): blocks.0.norm1.weight holds torch.bool != torch.float32"),
+    ],
+)  # fmt: skip
+def test_a_damaged_encoder_pt_is_one_line_for_export_and_finetuning(tmp_path, capsys, case, message):
+    """An encoder.pt of the right format with a field lost, or weights that disagree with its own config: a KeyError,
+    TypeError or load_state_dict's RuntimeError came out as a traceback (and the export called the file 'an MAE encoder
+    checkpoint: expected ... encoder.pt'); weights of booleans loaded as floats without a word."""
+    path = tmp_path / "encoder.pt"
+    save_encoder(encoder_like_the_run(), path, meta={"data": {"mean": list(CIFAR10_MEAN), "std": [0.25] * 3}})
+    payload = torch.load(path, weights_only=True)
+    if case in ("no_config", "no_state_dict"):
+        payload.pop(case.removeprefix("no_"))
+    elif case == "unknown_config_field":
+        payload["config"]["bogus"] = 1
+    elif case == "integer_weights":  # loaded, cast to floats, without a word
+        payload["state_dict"]["blocks.0.norm1.weight"] = payload["state_dict"]["blocks.0.norm1.weight"].bool()
+    else:
+        payload["state_dict"]["pos_embed"] = torch.zeros(1, 65, 32)
+    torch.save(payload, path)
+    assert export_encoder([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}") and message in err and not (tmp_path / "out").exists(), err
+    if case != "unknown_config_field":  # a fine-tune builds the encoder from its own config, then loads the file into it
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            load_encoder(encoder_like_the_run(), path)
 
 
 def test_local_dir_in_front_of_a_run_folder_says_to_drop_it(exported):
@@ -261,6 +320,20 @@ def test_what_cannot_export_is_one_line(exported, tmp_path, capsys):
     assert export_encoder([str(exported.runs / "probe"), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds a classifier; export it with python -m finetune.export" in err
+
+
+def test_exporting_an_unfinished_run_warns_and_its_card_says_so(exported, tmp_path, capsys):
+    """A run without a summary (still training, or stopped) refreshes its encoder.pt as it goes: a fine-tune from it warns,
+    and its export did not, with a card that read like the final encoder's."""
+    run = tmp_path / "runs" / "mae"
+    shutil.copytree(exported.runs / "mae", run)
+    (run / "summary.json").unlink()
+    assert export_encoder([str(run), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: the run {run} has not finished") and "encoder of step" in err
+    assert "| status | unfinished: the weights of step " in (tmp_path / "out" / "README.md").read_text()
+    assert export_encoder([str(exported.runs / "mae"), "--out", str(tmp_path / "done")]) == 0
+    assert "warning" not in capsys.readouterr().err and "| status |" not in (tmp_path / "done" / "README.md").read_text()
 
 
 def test_an_encoder_saved_before_it_recorded_its_normalisation_takes_its_datasets(tmp_path):

@@ -30,6 +30,7 @@ from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, MAE_FILE, describe_fol
 ENCODER_FORMAT = "vit-encoder/1"
 MAE_FORMAT = "vit-mae/1"
 CLASSIFIER_FORMAT = "vit-classifier/1"  # written by the classification stage (finetune.models), read here for its encoder
+FILE_FORMATS = {ENCODER_FILE: ENCODER_FORMAT, MAE_FILE: MAE_FORMAT, CLASSIFIER_FILE: CLASSIFIER_FORMAT}
 
 # Fields that change the meaning of the weights: a checkpoint must agree on all of them. `pos_embed`
 # (learned or fixed sin-cos) is not one: the table is stored either way, and fine-tuning a sin-cos
@@ -86,6 +87,12 @@ def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str
     if payload.get("format") != fmt:
         article = "an" if what[0] in "aeiou" else "a"
         raise CheckpointError(f"{path} is not {article} {what} checkpoint (expected format {fmt!r})")
+    # A file of the right format with a field lost or of another type is damaged: say so here, not as a KeyError later.
+    state = payload.get("state_dict")
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path} is damaged: its 'state_dict' is missing or not a mapping of names to tensors")
+    if fmt != CLASSIFIER_FORMAT and not isinstance(payload.get("config"), dict):
+        raise CheckpointError(f"{path} is damaged: its encoder 'config' is missing or not a mapping")
     return payload
 
 
@@ -94,19 +101,24 @@ def describe(path: Path) -> str | None:
     classification run folder (classifier.pt)"); None when it is nothing this project writes."""
     if path.is_dir():
         return describe_folder(path)
-    try:
-        fmt = read_payload(path).get("format")
-    except CheckpointError:
-        return None
     kinds = {ENCODER_FORMAT: "an MAE encoder checkpoint", MAE_FORMAT: f"a whole masked autoencoder ({MAE_FILE})",
              CLASSIFIER_FORMAT: "a classifier checkpoint"}  # fmt: skip
-    return kinds.get(fmt)
+    return kinds.get(format_of(path))
+
+
+def format_of(path: Path) -> str | None:
+    """The "format" a checkpoint file of this project records; None for any other file."""
+    try:
+        return read_payload(path).get("format")
+    except CheckpointError:
+        return None
 
 
 def wrong_kind(given: str, file_name: str, expected: str, key: str | None = None) -> CheckpointError | None:
     """The one-line error for the path `given` (by the setting `key`), which is not `file_name` nor a folder holding
-    one, naming what it is instead of `expected`; None when it cannot tell, or the folder holds `file_name` (then that
-    file is at fault, and its reader's message stands). A relative path that does not exist names the folder it was looked in."""
+    one, naming what it is instead of `expected`; None when it cannot tell, or the folder holds `file_name`, or `given`
+    is a damaged file of that kind (then that file is at fault, and its reader's message stands). A relative path that
+    does not exist names the folder it was looked in."""
     path = Path(given).expanduser()
     named = f"{key}={given}" if key else given
     if not path.exists():
@@ -114,6 +126,8 @@ def wrong_kind(given: str, file_name: str, expected: str, key: str | None = None
             return None
         return CheckpointError(f"{named} does not exist in the current folder {Path.cwd()}: expected {expected}")
     if (path / file_name).exists():
+        return None
+    if path.is_file() and format_of(path) == FILE_FORMATS.get(file_name):  # the right kind of file, damaged
         return None
     what = describe(path)
     return None if what is None else CheckpointError(f"{named} is {what}: expected {expected}")
@@ -162,13 +176,19 @@ def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callabl
     if diff:
         raise CheckpointError(f"{path} was saved from a different encoder (checkpoint != this run): {'; '.join(diff)}")
     state = payload["state_dict"]
-    if stored.get("img_size") != model.config["img_size"]:
-        state = {**state, "pos_embed": resampled_pos_embed(state["pos_embed"], stored, model)}
+    if stored.get("img_size") != model.config["img_size"] and "pos_embed" in state:
+        try:
+            state = {**state, "pos_embed": resampled_pos_embed(state["pos_embed"], stored, model)}
+        except ValueError as e:  # a table that is no square patch grid
+            raise CheckpointError(f"{path} does not match the encoder: its pos_embed {tuple(state['pos_embed'].shape)}: {e}") from None
         old, new = stored["img_size"] // stored["patch_size"], model.patch_embed.grid_size
         if say is not None:
             how = "recomputed (sin-cos)" if stored.get("pos_embed") == "sincos" else "interpolated (bicubic)"
             say(f"encoder {path}: pretrained at {stored['img_size']} px, loaded at {model.config['img_size']} px: "
                 f"positional embeddings {how} from a {old}x{old} to a {new}x{new} patch grid")  # fmt: skip
+    wrong = misfits(state, model)
+    if wrong:  # weights that disagree with the checkpoint's own config; load_state_dict would raise a RuntimeError
+        raise CheckpointError(f"{path} does not match the encoder (checkpoint != encoder): {wrong}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     head_keys = {k for k in model.state_dict() if k.startswith("head.")}
     if unexpected or set(missing) != head_keys:
@@ -188,7 +208,10 @@ def resampled_pos_embed(table: torch.Tensor, stored: dict, model: VisionTransfor
 def encoder_from_checkpoint(path: str | os.PathLike, **overrides) -> VisionTransformer:
     """A fresh `VisionTransformer` built from the config stored in `encoder.pt`, with its weights loaded."""
     payload = read_encoder(path)
-    model = VisionTransformer(**{**payload["config"], **overrides})
+    try:
+        model = VisionTransformer(**{**payload["config"], **overrides})
+    except (TypeError, ValueError) as e:  # an unknown, missing or impossible field
+        raise CheckpointError(f"{path}: its encoder config builds no encoder ({str(e).splitlines()[0][:160]})") from None
     load_encoder(model, path)
     return model
 
@@ -203,12 +226,17 @@ def adapt_timm_state_dict(state_dict: dict[str, torch.Tensor], model: VisionTran
     for key in [k for k in out if k.startswith("fc_norm.") or k == "norm_pre.weight" or k == "norm_pre.bias"]:
         raise CheckpointError(f"timm weights with {key!r} (fc_norm / norm_pre) do not fit this encoder")
     target = model.state_dict()
+    # Only a square kernel (D, C, p, p) and a (1, 1 + G*G, D) table resample; any other shape is refused by the caller.
     w = out.get("patch_embed.proj.weight")
-    if w is not None and w.shape[-1] != model.patch_embed.patch_size:
+    if w is not None and w.ndim == 4 and w.shape[-2] == w.shape[-1] != model.patch_embed.patch_size:
         out["patch_embed.proj.weight"] = resample_patch_embed(w, model.patch_embed.patch_size)
     pos = out.get("pos_embed")
-    if pos is not None and pos.shape != target["pos_embed"].shape:
-        out["pos_embed"] = resample_pos_embed(pos, model.patch_embed.grid_size, model.num_prefix_tokens)
+    if pos is not None and pos.ndim == 3 and pos.shape != target["pos_embed"].shape:
+        try:
+            out["pos_embed"] = resample_pos_embed(pos, model.patch_embed.grid_size, model.num_prefix_tokens)
+        except ValueError as e:  # no [CLS] row (timm's no_embed_class), register tokens, a cut table
+            raise CheckpointError(f"timm weights do not fit this encoder: their pos_embed {tuple(pos.shape)} is not a [CLS] "
+                                  f"row followed by a square patch grid ({e})") from None  # fmt: skip
     head_w = out.get("head.weight")
     if head_w is not None and ("head.weight" not in target or head_w.shape != target["head.weight"].shape):
         out.pop("head.weight")
@@ -219,15 +247,27 @@ def adapt_timm_state_dict(state_dict: dict[str, torch.Tensor], model: VisionTran
 def load_timm_weights(model: VisionTransformer, state_dict: dict[str, torch.Tensor]) -> list[str]:
     """Load timm ViT weights into our encoder; returns the missing keys (only the head may be missing)."""
     adapted = adapt_timm_state_dict(state_dict, model)
-    target = model.state_dict()
-    wrong = [f"{k} {tuple(v.shape)} != {tuple(target[k].shape)}" for k, v in adapted.items() if k in target and v.shape != target[k].shape]
+    wrong = misfits(adapted, model)
     if wrong:  # load_state_dict would raise a RuntimeError listing every tensor
-        raise CheckpointError(f"timm weights do not fit this encoder (weights != encoder): {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
+        raise CheckpointError(f"timm weights do not fit this encoder (weights != encoder): {wrong}")
     missing, unexpected = model.load_state_dict(adapted, strict=False)
     allowed = {k for k in model.state_dict() if k.startswith("head.")}
     if unexpected or not set(missing) <= allowed:
         raise CheckpointError(f"timm weights do not fit this encoder: missing {sorted(set(missing) - allowed)}, unexpected {sorted(unexpected)}")
     return list(missing)
+
+
+def misfits(state: dict[str, torch.Tensor], model: nn.Module) -> str:
+    """The first tensors of `state` that do not fit `model`'s: of another shape ('key (stored) != (model)'), or of integers or
+    booleans where the model has floats (load_state_dict would cast them without a word); '' when all fit."""
+    target = model.state_dict()
+    wrong = []
+    for k, v in state.items():
+        if k in target and v.shape != target[k].shape:
+            wrong.append(f"{k} {tuple(v.shape)} != {tuple(target[k].shape)}")
+        elif k in target and target[k].is_floating_point() and not v.is_floating_point():
+            wrong.append(f"{k} holds {v.dtype} != {target[k].dtype}")
+    return "; ".join(wrong[:3]) + (" ..." if len(wrong) > 3 else "")
 
 
 def read_weights_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ fine-tune from the folder refuses val images the encoder trained on, as one from
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +34,7 @@ from vit.store.checkpoint import encoder_from_checkpoint, read_encoder, wrong_ki
 from vit.errors import CheckpointError, UserError
 from vit.store.hub import check_repo_id, hub_config, push_folder, write_hub_folder
 from vit.models.encoder import VisionTransformer, count_parameters
-from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, read_config, read_summary, run_folder_of
+from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, read_config, read_summary, run_folder_of
 
 # Hub dataset ids, for the card's front matter (the Hub links a model to these).
 HUB_DATASETS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100", "mnist": "ylecun/mnist", "fashionmnist": "zalando-datasets/fashion_mnist"}
@@ -54,6 +55,7 @@ class Export:
     parent: str | None = None  # a classifier's pretraining run
     used_by: list[dict[str, Any]] = field(default_factory=list)  # summaries of the runs that started from an encoder
     pretrained_on: dict[str, Any] | None = None  # an encoder's data split as JSON (`vit.data.provenance.record_to_json`), if recorded
+    unfinished: bool = False  # the weights of a run that has not finished (no summary): an intermediate encoder
 
 
 def read_run_file(run_dir: Path | None, reader: Callable[[Path], dict[str, Any] | None]) -> dict[str, Any]:
@@ -68,13 +70,21 @@ def read_run_file(run_dir: Path | None, reader: Callable[[Path], dict[str, Any] 
 
 def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
     """Summaries of the finished run folders beside `run_dir` whose encoder came from it (their `meta.parent`)."""
+    run_dir = run_dir.resolve()  # a link to the run: its runs lie beside the run itself
     found = []
     for other in sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p != run_dir):
         parent = (read_run_file(other, read_config).get("meta") or {}).get("parent")
         summary = read_run_file(other, read_summary)
-        if parent and Path(parent).name == run_dir.name and summary:
+        if parent and names_run(parent, run_dir) and summary:
             found.append({"run": other.name, **summary})
     return found
+
+
+def names_run(recorded: str, run_dir: Path) -> bool:
+    """Whether the parent a run recorded is `run_dir`: the same folder while the recorded path exists (another run of the
+    same name elsewhere is not this one), else, the runs moved or copied since, the same folder name."""
+    path = Path(recorded).expanduser()
+    return path.resolve() == run_dir if path.exists() else path.name == run_dir.name
 
 
 def encoder_export(path: str | Path) -> Export:
@@ -96,9 +106,11 @@ def encoder_export(path: str | Path) -> Export:
         mean, std = NORMALIZATION[dataset]
     else:
         raise CheckpointError(f"{path} does not record the input normalisation it was trained with, and no run folder beside it names the dataset")
+    # A pretraining run refreshes its encoder.pt while it trains: without a summary, this one is not its final encoder.
+    unfinished = run_dir is not None and "meta" in read_run_file(run_dir, read_config) and not is_finished(run_dir)
     return Export(model, "encoder", list(mean), list(std), dataset, run_dir, step=payload.get("step"),
                   used_by=runs_started_from(run_dir) if run_dir is not None else [],
-                  pretrained_on=record_to_json(data) if data.get("fingerprint") else None)  # fmt: skip
+                  pretrained_on=record_to_json(data) if data.get("fingerprint") else None, unfinished=unfinished)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the model card
@@ -173,6 +185,8 @@ def training_rows(exp: Export) -> list[tuple[str, str]]:
         ft = config.get("finetune") or {}
         how = "linear probe" if ft.get("mode") == "linear" else "full fine-tuning"
         rows.insert(3, ("classifier", f"{how} from {fmt(ft.get('init'))} (pretraining run {fmt(exp.parent)})"))
+    if exp.unfinished:
+        rows.insert(1, ("status", f"unfinished: the weights of step {exp.step}, saved before the run ended (still training, or stopped)"))
     return [(k, v) for k, v in rows if v is not None]
 
 
@@ -218,6 +232,9 @@ def export(exp: Export, out: str | Path, push: str | None = None, overwrite: boo
     name = push.split("/")[-1] if push else folder.resolve().name
     load_as = f"hf-hub:{push}" if push else f"local-dir:{folder}"
     config = hub_config(exp.model, exp.mean, exp.std, exp.label_names, exp.pretrained_on)
+    if exp.unfinished:
+        print(f"warning: the run {exp.run_dir} has not finished (no summary: still training, or stopped): its {ENCODER_FILE} is the "
+              f"encoder of step {exp.step}, not its final one; the model card says so", file=sys.stderr, flush=True)  # fmt: skip
     written = write_hub_folder(folder, exp.model, config, model_card(exp, name, load_as), overwrite)
     what = f"{exp.kind} ({exp.model.config['embed_dim']}d x {exp.model.config['depth']})"
     if written:

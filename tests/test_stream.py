@@ -205,10 +205,11 @@ def test_webdataset_shards_with_labels(tmp_path, loader):
     assert len(s.train) + len(s.val) == 24
     if loader == "stream":
         # The val split is the first 4 samples of the last shard, and training leaves exactly those keys out.
-        assert isinstance(s.train, ShardSet) and s.train.exclude == {f"s{k:05d}" for k in range(18, 22)}
+        last = str(tmp_path / "shards" / "train-000003.tar")
+        assert isinstance(s.train, ShardSet) and s.train.exclude == {(last, f"s{k:05d}") for k in range(18, 22)}
         assert s.val.labels.tolist() == [k % 3 for k in range(18, 22)]
         seen = [k for raw in data.loader(s.train, 4, train=True).raw_epoch(0) for k in raw.ids]
-        assert len(seen) == 20 and not set(seen) & s.train.exclude
+        assert len(seen) == 20 and not set(seen) & {key for _, key in s.train.exclude}
     else:
         assert isinstance(s.train, ImageSet) and sorted(s.val.labels.tolist()) == [0, 1, 2]  # class-balanced carve
 
@@ -238,6 +239,103 @@ def test_shard_errors_are_one_line(tmp_path):
         open_quiet(data_cfg(tmp_path, dataset="webdataset", root=str(junk), loader="stream"))
     assert_one_line_naming(e, junk)
 
+
+
+def write_samples(path: Path, samples: list[dict]) -> str:
+    """One shard of the given WebDataset samples ({"__key__", "<ext>": bytes}); returns its path."""
+    import webdataset as wds
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(path)) as sink:
+        for sample in samples:
+            sink.write(sample)
+    return str(path)
+
+
+def png_sample(key: str, cls: bytes | None = None, seed: int = 0) -> dict:
+    sample = {"__key__": key, "png": encode(photo(np.random.default_rng(seed), 20, 20), "PNG")}
+    return sample if cls is None else {**sample, "cls": cls}
+
+
+def test_a_val_split_carved_from_shards_with_the_same_keys_leaves_the_other_shards_whole(tmp_path):
+    """Shards written with the same keys in each (000000, 000001, ... per shard): the val split holds the last shard's
+    first samples, and training left out every sample with those keys, in every shard, and read others twice instead."""
+    for s in range(2):
+        write_samples(tmp_path / "s" / f"d-{s:06d}.tar", [png_sample(f"{i:06d}", str(i % 2).encode(), seed=s * 6 + i) for i in range(6)])
+    cfg = data_cfg(tmp_path, dataset="webdataset", root=str(tmp_path / "s" / "d-{000000..000001}.tar"), val_size=2, loader="stream")
+    data, _ = open_quiet(cfg)
+    loader = StreamLoader(data.splits.train, 2, device="cpu", mean=(0.5,) * 3, std=(0.5,) * 3, out_size=16, train=True, workers=0)
+    seen = [k for raw in loader.raw_epoch(0) for k in raw.ids]
+    assert sorted(seen) == sorted([f"{i:06d}" for i in range(6)] + [f"{i:06d}" for i in range(2, 6)])  # each training sample once
+
+
+def test_a_val_split_that_takes_a_whole_shard_leaves_that_shard_out_of_training(tmp_path):
+    """val_size covers the whole last shard: the worker given that shard alone found no training sample and stopped the
+    epoch with a DataLoader traceback; the shard is now left out of training."""
+    pattern = write_shards(tmp_path / "shards", shards=2, per_shard=3)
+    data, _ = open_quiet(data_cfg(tmp_path, dataset="webdataset", root=pattern, val_size=3, loader="stream"))
+    train = data.splits.train
+    assert train.urls == [str(tmp_path / "shards" / "train-000000.tar")] and len(train) == 3 and len(data.splits.val) == 3
+    loader = StreamLoader(train, 1, device="cpu", mean=(0.5,) * 3, std=(0.5,) * 3, out_size=16, train=True, workers=2)
+    assert sorted(k for raw in loader.raw_epoch(0) for k in raw.ids) == ["s00000", "s00001", "s00002"]
+
+
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+@pytest.mark.parametrize("cls, says", [(b"\xff\xfe", ".cls holds"), (b"1.0", ".cls holds '1.0', not a class index"),
+                                       (b"-1", ".cls holds '-1', not a class index"), (None, "no .cls label")])  # fmt: skip
+def test_a_cls_that_is_no_class_index_or_is_missing_is_one_line(tmp_path, loader, cls, says):
+    """A .cls that is not UTF-8 stopped the shard scan with a UnicodeDecodeError traceback, one that is not an integer
+    stopped the memory loader with a ValueError traceback, and a labelled shard with one unlabelled sample streamed it as
+    label -1, which stops fine-tuning at that batch with an IndexError."""
+    samples = [png_sample(f"k{i}", str(i % 2).encode(), seed=i) for i in range(6)]
+    samples[3] = png_sample("k3", cls, seed=3)
+    shard = write_samples(tmp_path / "s" / "a-000000.tar", samples)
+    with pytest.raises(DataError) as e:
+        data, _ = open_quiet(data_cfg(tmp_path, dataset="webdataset", root=shard, loader=loader, image_size=16))
+        [raw.labels for raw in data.loader(data.splits.train, 3, train=True).raw_epoch(0)]
+    if cls is None and loader == "memory":  # the memory loader reads every sample first, then says the shards mix
+        assert_one_line_naming(e, "a-000000.tar", "some do not")
+    else:
+        assert_one_line_naming(e, "a-000000.tar", "k3", says)
+
+
+def test_a_truncated_shard_is_one_line(tmp_path):
+    """A shard cut inside a tar header: tarfile ends its listing there without a word, so the scan counted fewer samples
+    and training met a sample without its image ('has no image member'), not the cut shard."""
+    pattern = write_shards(tmp_path / "shards", shards=2, per_shard=6)
+    cut = tmp_path / "shards" / "train-000001.tar"
+    with __import__("tarfile").open(cut) as tar:
+        header = [m for m in tar if m.name.endswith((".jpg", ".png"))][3].offset  # the 4th image's header
+    cut.write_bytes(cut.read_bytes()[: header + 100])
+    with pytest.raises(DataError) as e:
+        open_quiet(data_cfg(tmp_path, dataset="webdataset", root=pattern, loader="stream"))
+    assert_one_line_naming(e, cut, "truncated or damaged", f"byte {header:,}")
+
+
+
+def test_a_bad_image_in_shards_met_by_the_knn_bank_and_by_training_counts_once(tmp_path):
+    """The kNN bank's first training samples (`Data.subset`) named a bad shard image `shard:key`, training `shard:key.png`:
+    summary.json's bad_images counted the one file twice."""
+    samples = [png_sample(f"k{i:02d}", str(i % 2).encode(), seed=i) for i in range(8)]
+    samples[1]["png"] = b"not a png"
+    shard = write_samples(tmp_path / "s" / "a-000000.tar", samples)
+    data, _ = open_quiet(data_cfg(tmp_path, dataset="webdataset", root=shard, loader="stream", skip_bad_images=True, workers=0))
+    assert len(data.subset(data.splits.train, torch.arange(4))) == 4
+    assert sum(raw.labels.numel() for raw in data.loader(data.splits.train, 8, train=True).raw_epoch(0)) == 7
+    assert data.bad_total() == 1, sorted(data.bad.names)
+
+def test_val_root_shards_labelled_past_the_training_classes_are_one_line(tmp_path):
+    """data.val_root's labels beyond data.root's classes (or none at all) stopped fine-tuning's first evaluation with an
+    IndexError traceback ('Target 3 is out of bounds')."""
+    train = write_shards(tmp_path / "shards", shards=2, per_shard=6)  # classes 0, 1, 2
+    for name, labels in (("past", [b"0", b"1", b"5"]), ("none", [None] * 3)):
+        val = write_samples(tmp_path / "val" / f"{name}.tar", [png_sample(f"v{i}", c) for i, c in enumerate(labels)])
+        with pytest.raises(DataError) as e:
+            open_quiet(data_cfg(tmp_path, dataset="webdataset", root=train, val_root=val, val_size=3, loader="stream"))
+        assert_one_line_naming(e, val, "class index 5" if name == "past" else "no .cls labels", "3 classes")
+    fewer = write_samples(tmp_path / "val" / "fewer.tar", [png_sample(f"v{i}", b"1") for i in range(3)])  # a subset of the classes
+    data, _ = open_quiet(data_cfg(tmp_path, dataset="webdataset", root=train, val_root=fewer, val_size=3, loader="stream"))
+    assert data.splits.val.classes == data.splits.train.classes == ["0", "1", "2"] and data.splits.val.labels.tolist() == [1, 1, 1]
 
 def hf_dataset(tmp_path, labelled=True, splits=False) -> Path:
     import datasets
@@ -299,6 +397,17 @@ def test_hugging_face_unlabelled_and_bad_columns(tmp_path):
         open_quiet(data_cfg(tmp_path, dataset="hf", root=str(path), image_column="picture", label_column="kind"))
     assert_one_line_naming(e, "no column 'kind'")
 
+
+
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_an_hf_image_column_that_holds_no_images_is_one_line(tmp_path, loader):
+    """data.image_column naming a column of numbers stopped the first batch with Arrow's traceback (from a worker when streaming)."""
+    path = hf_dataset(tmp_path)
+    cfg = data_cfg(tmp_path, dataset="hf", root=str(path), image_column="kind", label_column="kind", loader=loader, image_size=16)
+    with pytest.raises(DataError) as e:
+        data, _ = open_quiet(cfg)
+        list(data.loader(data.splits.train, 4, train=True).raw_epoch(0))
+    assert_one_line_naming(e, path, "column 'kind' (data.image_column)", "not images")
 
 def test_hub_name_without_network_is_one_line(tmp_path, monkeypatch):
     import datasets
@@ -531,6 +640,23 @@ def test_a_dangling_link_is_a_bad_image_skipped_or_named(tmp_path, loader, capsy
         list(data.loader(data.splits.train, 13, train=True).raw_epoch(0))
     assert_one_line_naming(e, gone)
 
+
+
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_a_pipe_named_like_an_image_is_a_bad_image_not_a_hang(tmp_path, loader, capsys):
+    """A FIFO called pipe.jpg is listed as an image; opening it to read waited for a writer forever."""
+    write_folder(tmp_path / "p", 8, size=(20, 20))
+    os.mkfifo(tmp_path / "p" / "pipe.jpg")
+    cfg = data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "p"), loader=loader, image_size=16, workers=0)
+    with pytest.raises(DataError) as e:
+        data, _ = open_quiet(cfg)
+        list(data.loader(data.splits.train, 9, train=True).raw_epoch(0))
+    assert_one_line_naming(e, tmp_path / "p" / "pipe.jpg", "not a regular file")
+    cfg.skip_bad_images = True
+    data, _ = open_quiet(cfg)
+    if loader == "stream":
+        assert sum(raw.labels.numel() for raw in data.loader(data.splits.train, 9, train=True).raw_epoch(0)) == 8
+    assert len(data.splits.train) == (9 if loader == "stream" else 8) and data.bad_total() == 1
 
 # --------------------------------------------------------------------------- stages
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ class PathReader:
     def read(self, i: int) -> tuple[bytes, str]:
         path = self.name(i)
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device named like an image: reading it blocks or never ends
+                raise BadImage(f"cannot read image {path}: not a regular file")
             with open(path, "rb") as f:
                 return f.read(), path
         except OSError as e:
@@ -95,13 +98,14 @@ class FileSet:
 class ShardSet:
     """WebDataset tar shards, read in order: the training split of a shard source.
 
-    `exclude` holds the keys of samples held out as the val split (see `vit.data.loaders`), skipped when training.
+    `exclude` holds the (shard url, key) of samples held out as the val split (`vit.data.sources.shards.shard_splits`),
+    skipped when training.
     """
 
     urls: list[str]
     sizes: list[int]  # samples per shard
     classes: list[str]  # [] when the shards carry no .cls
-    exclude: frozenset[str] = field(default_factory=frozenset)
+    exclude: frozenset[tuple[str, str]] = field(default_factory=frozenset)
     fingerprint: str = ""
 
     def __len__(self) -> int:

@@ -228,7 +228,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         while True:
             buffer: list[dict] = []
             for sample in shard_samples(mine):
-                if sample["__key__"] in self.shards.exclude:
+                if (sample["__url__"], sample["__key__"]) in self.shards.exclude:
                     continue
                 if len(buffer) < self.shuffle_buffer:
                     buffer.append(sample)

@@ -136,6 +136,7 @@ def hf_files(location: str, image_column: str, label_column: str | None) -> dict
     columns = list(train.column_names)
     if image_column not in columns:
         raise DataError(f"the Hugging Face dataset {location} has no column {image_column!r} (data.image_column); its columns: {', '.join(columns)}")
+    _check_image_column(train, image_column, location)
     classes: list[str] = []
     if label_column is not None and label_column in columns:
         classes = _hf_classes(train, label_column)
@@ -150,6 +151,18 @@ def hf_files(location: str, image_column: str, label_column: str | None) -> dict
             labels = torch.full((n,), UNLABELLED, dtype=torch.int64)
         result[key] = FileSet(HFReader(location, splits[key], image_column), torch.arange(n), labels, list(classes) if key == "train" or classes else [])
     return result
+
+
+def _check_image_column(ds, column: str, location: str) -> None:
+    """Refuse, here in one line, a column `HFReader` cannot read as encoded images (numbers, say), which would stop the
+    first batch with Arrow's traceback (in a worker process, when streaming)."""
+    from datasets import Image
+
+    try:
+        ds.select(range(min(1, len(ds)))).select_columns([column]).cast_column(column, Image(decode=False))
+    except Exception as e:
+        raise DataError(f"the Hugging Face dataset {location}'s column {column!r} (data.image_column) holds {ds.features[column]}, "
+                        f"not images ({type(e).__name__})") from None
 
 
 def _hf_classes(ds, column: str) -> list[str]:

@@ -87,22 +87,23 @@ def read_shards(urls: list[str], cfg: DataConfig, bad: list) -> dict[str, ImageS
 
 
 def shard_head(shards: ShardSet, count: int, out_size: int, skip_bad: bool, bad: Any,
-               urls: list[str] | None = None, max_pixels: int | None = None) -> tuple[ImageSet, list[str]]:  # fmt: skip
-    """The first `count` images of `urls` (default the shards', in order, their excluded keys left out), decoded for
-    evaluation (shorter side resized to `out_size`, centre crop), and the keys of every sample read (skipped ones too).
-    `bad`: where skipped images are told (a `vit.data.stream.BadImageLog`)."""
+               urls: list[str] | None = None, max_pixels: int | None = None) -> tuple[ImageSet, list[tuple[str, str]]]:  # fmt: skip
+    """The first `count` images of `urls` (default the shards', in order, their excluded samples left out), decoded for
+    evaluation (shorter side resized to `out_size`, centre crop), and the (url, key) of every sample with an image
+    member read (skipped ones too): what `ShardSet.exclude` holds. `bad`: where skipped images are told (a
+    `vit.data.stream.BadImageLog`)."""
     arrays, labels, keys = [], [], []
     for sample in shard_samples(urls or shards.urls):
         if len(arrays) >= count:
             break
-        if urls is None and sample["__key__"] in shards.exclude:
+        if urls is None and (sample["__url__"], sample["__key__"]) in shards.exclude:
             continue
-        keys.append(sample["__key__"])
         found = sample_image(sample)
-        name = f"{sample.get('__url__')}:{sample['__key__']}"
+        name = found[1] if found is not None else f"{sample.get('__url__')}:{sample['__key__']}"  # as the stream loader names it
         try:
             if found is None:
                 raise BadImage(f"sample {name} has no image member (.jpg, .png, ...)")
+            keys.append((sample["__url__"], sample["__key__"]))  # the samples `ShardSet.sizes` counts
             arrays.append(decode_image(found[0], found[1], out_size, max_pixels))
         except BadImage as e:
             if not skip_bad:
@@ -124,20 +125,30 @@ def shard_splits(cfg: DataConfig, out_size: int, bad: Any, normalization: tuple)
     val = ImageSet(torch.zeros(0, 3, out_size, out_size, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64), list(train.classes))
     if cfg.val_root is not None:
         held = open_shards(cfg.val_root, cache_dir)
+        # A val label of -1 (none) or past the classifier's head stops the first evaluation with an IndexError.
+        if train.labelled and (not held.labelled or len(held.classes) > len(train.classes)):
+            found = f"the class index {len(held.classes) - 1}" if held.labelled else "no .cls labels"
+            raise DataError(f"data.val_root {cfg.val_root!r} has {found}, but data.root's shards have the {len(train.classes)} classes "
+                            f"0..{len(train.classes) - 1}: label the val samples with the training classes")  # fmt: skip
         val, _ = shard_head(held, cfg.val_size or len(held), out_size, cfg.skip_bad_images, bad, urls=held.urls, max_pixels=cfg.max_image_pixels)
+        val.classes = list(train.classes)
     elif cfg.val_size:
         if cfg.val_size >= len(train):
             raise DataError(f"the shards hold {len(train)} samples; data.val_size={cfg.val_size} needs more (or set data.val_root)")
-        keys, parts = [], []
-        for url in reversed(train.urls):
+        keys, parts, held_out = [], [], set()
+        for url, size in zip(reversed(train.urls), reversed(train.sizes)):
             part, read = shard_head(train, cfg.val_size - sum(len(p) for p in parts), out_size, cfg.skip_bad_images, bad, urls=[url],
                                     max_pixels=cfg.max_image_pixels)  # fmt: skip
-            keys += read
+            if len(read) >= size:
+                held_out.add(url)  # every sample is val: training leaves the shard out (a worker given it alone would have none)
+            else:
+                keys += read  # keyed by shard too: shards written with the same keys in each keep theirs
             parts.append(part)
             if sum(len(p) for p in parts) >= cfg.val_size:
                 break
         val = ImageSet(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), list(train.classes))
-        train.exclude = frozenset(keys)
+        kept = [i for i, url in enumerate(train.urls) if url not in held_out]
+        train = ShardSet([train.urls[i] for i in kept], [train.sizes[i] for i in kept], train.classes, frozenset(keys), train.fingerprint)
     mean, std = normalization
     return Splits(cfg.dataset, train, val, None, mean, std, SourceIndex(train.fingerprint, len(train), None, None), "stream", out_size)
 
@@ -168,7 +179,7 @@ def split_key(name: str) -> tuple[str, str]:
 
 def scan_shard(path: str) -> dict[str, Any]:
     """One pass over a shard's tar headers (no image data is read): {"samples": int, "labels": [distinct .cls values]}."""
-    keys, labels = set(), set()
+    keys, labelled, labels = set(), set(), set()
     try:
         with tarfile.open(path, "r:*") as tar:
             for member in tar:
@@ -178,14 +189,20 @@ def scan_shard(path: str) -> dict[str, Any]:
                 if ext in SHARD_IMAGE_EXTENSIONS:
                     keys.add(key)
                 elif ext == "cls":
-                    text = tar.extractfile(member).read().decode().strip()
-                    try:
-                        labels.add(int(text))
-                    except ValueError:
-                        raise DataError(f"{path}:{member.name} holds {text[:20]!r}, not a class index") from None
+                    labels.add(parse_label(tar.extractfile(member).read(), f"{path}:{member.name}"))
+                    labelled.add(key)
+            # tarfile ends its listing quietly at a header cut short or damaged (past the first): what follows the last
+            # member must be the end-of-archive zeros (or nothing), else the samples from there on would be lost unsaid.
+            tar.fileobj.seek(tar.offset)
+            if tar.fileobj.read(tarfile.BLOCKSIZE).strip(b"\0"):
+                raise DataError(f"shard {path} is truncated or damaged: its tar header at byte {tar.offset:,} cannot be read, "
+                                f"after {len(keys)} sample(s)")  # fmt: skip
     except (tarfile.TarError, EOFError, OSError) as e:
         first = (str(e).strip().splitlines() or [""])[0].rstrip(":")
         raise DataError(f"shard {path} is not a readable tar file ({type(e).__name__}: {first})") from None
+    unlabelled = sorted(keys - labelled) if labelled else []
+    if unlabelled:
+        raise DataError(f"shard {path}: sample {unlabelled[0]} has no .cls label but other samples have one: label all samples or none")
     return {"samples": len(keys), "labels": sorted(labels)}
 
 
@@ -240,4 +257,16 @@ def sample_image(sample: dict[str, Any]) -> tuple[bytes, str] | None:
 
 def sample_label(sample: dict[str, Any]) -> int:
     raw = sample.get("cls")
-    return int(raw.decode().strip()) if raw is not None else UNLABELLED
+    return parse_label(raw, f"{sample.get('__url__')}:{sample['__key__']}.cls") if raw is not None else UNLABELLED
+
+
+def parse_label(raw: bytes, name: str) -> int:
+    """The class index a `.cls` member holds as text; a DataError naming it when that is not an integer >= 0."""
+    text = raw.decode("utf-8", errors="replace").strip()
+    try:
+        label = int(text)
+    except ValueError:
+        label = UNLABELLED
+    if label < 0:
+        raise DataError(f"{name} holds {text[:20]!r}, not a class index (an integer >= 0)")
+    return label

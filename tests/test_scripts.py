@@ -611,3 +611,14 @@ def test_modules_and_functions_stay_a_size_a_reader_can_hold():
     top = [p.name for p in (ROOT / "vit").iterdir() if (p.suffix == ".py" or (p / "__init__.py").is_file())]
     assert long_modules == [] and long_functions == []
     assert len(top) <= 12, sorted(top)
+
+
+def test_a_reader_that_goes_away_stops_a_tool_quietly_not_with_a_traceback():
+    """`python scripts/results_table.py DIR | head -1`: the pipe closes before the table is written, and the tool printed
+    a BrokenPipeError traceback (two, with Python's own at exit) under the line the user asked for."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "scripts/results_table.py", "docs/results/budget"], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1 and err == "", err

@@ -6,8 +6,10 @@ exit, instead of a traceback. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -54,6 +56,12 @@ def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
             code = main(*args, **kwargs)
         except SaidElsewhere:
             return EXIT_USER_ERROR
+        except BrokenPipeError:
+            # The reader of the output has gone (`... | head`): stop quietly, as command-line tools do. Python would
+            # print a second error while flushing stdout at exit, so stdout points at nothing from here on.
+            with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor (a notebook's) has nothing to flush
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR

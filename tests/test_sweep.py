@@ -98,6 +98,17 @@ def test_a_relative_out_and_config_name_the_current_folders_for_the_checks_and_t
     assert read_sweep(spec)[1][1].config == str(tmp_path / CPU)
 
 
+@pytest.mark.parametrize("taken, kind", [("a", "file"), ("a.log", "folder")])
+def test_a_file_where_a_job_writes_its_run_folder_or_log_is_refused_before_any_job_starts(tmp_path, started, taken, kind):
+    """The job failed there (exit 2, "File exists"), after the jobs before it had run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / taken).mkdir() if kind == "folder" else (out / taken).write_text("notes")
+    with pytest.raises(ConfigError, match=rf"{taken} is a {kind}, where job a writes its (run folder|log): move it, or use another --out"):
+        run_sweep([Job("b", "pretrain", str(ROOT / CPU)), Job("a", "pretrain", str(ROOT / CPU))], out, [], [], parallel=1)
+    assert started.calls == [] and not (out / "b.log").exists()
+
+
 # --------------------------------------------------------------------------- keeping finished runs
 
 BEFORE = {"common": ["run.tracker=none", "run.precision=auto"], "overrides": ["optim.base_lr=1e-3", "optim.grad_accum_steps=2"],

@@ -330,6 +330,10 @@ def check_kept(jobs: list[Job], out: Path, common: list[str], extra: list[str]) 
     and those the run's recorded command line set, against the run's resolved config.yaml (`job_differences`)."""
     refused = []
     for job in jobs:
+        for path in (out / job.name, out / f"{job.name}{LOG_SUFFIX}"):
+            if path.exists() and path.is_dir() != (path.name == job.name):  # the job would fail there, after others had run
+                raise ConfigError(f"{path} is a {'file' if path.is_file() else 'folder'}, where job {job.name} writes its "
+                                  f"{'run folder' if path.name == job.name else 'log'}: move it, or use another --out")  # fmt: skip
         if is_finished(out / job.name):
             differ = job_differences(job_inputs(job, common, extra), out / job.name)
             if differ:

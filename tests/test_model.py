@@ -195,6 +195,18 @@ def test_the_timm_baseline_trains_the_parameters_our_encoder_trains(pos_embed):
     assert ("pos_embed" in trained[0]) == (pos_embed == "learned")
 
 
+def test_the_timm_baseline_drops_out_where_our_encoder_does():
+    """model.drop_rate drops after the position table, the attention projection, the MLP and before the head in our
+    encoder; timm's drop_rate is the head's alone, so the baseline trained another model whenever it was set."""
+    from vit.tools.reference import timm_vit as timm_baseline
+
+    ours = VisionTransformer(**SMALL, drop_rate=0.3)
+    theirs = timm_baseline(ours.config)
+    dropped = [sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0) for model in (ours, theirs)]
+    mlp = {"mlp.drop1", "mlp.drop2"}  # timm's Mlp drops after each layer too, under the same names
+    assert dropped[0] == dropped[1] and {n.split(".", 2)[-1] for n in dropped[0] if n.startswith("blocks.0.")} == {"attn.proj_drop"} | mlp
+
+
 @pytest.mark.parametrize("global_pool", ["token", "avg"])
 def test_timm_state_dict_round_trip_gives_equal_logits(global_pool):
     torch.manual_seed(0)
@@ -232,6 +244,17 @@ def test_resampling_matches_timms_own_resampling():
     torch.testing.assert_close(resample_patch_embed(w, 4), timm_resample_patch_embed(w, [4, 4]), rtol=1e-4, atol=1e-4)
     pos = torch.randn(1, 1 + 14 * 14, 16)
     torch.testing.assert_close(resample_pos_embed(pos, 8), resample_abs_pos_embed(pos, new_size=[8, 8], num_prefix_tokens=1))
+
+
+@pytest.mark.parametrize("old, new", [(14, 8), (8, 14), (7, 16)])
+def test_pos_embed_resampling_matches_timms_up_and_down(old, new):
+    # timm antialiases its bicubic resize either way; upsampling without it uses another kernel (0.3 apart here).
+    from timm.layers import resample_abs_pos_embed
+
+    torch.manual_seed(0)
+    pos = torch.randn(1, 1 + old * old, 16)
+    expected = resample_abs_pos_embed(pos, new_size=[new, new], num_prefix_tokens=1)
+    torch.testing.assert_close(resample_pos_embed(pos, new), expected)
 
 
 def test_patch_embed_resampling_preserves_response_to_resized_patches():

@@ -47,7 +47,9 @@ def resample_pos_embed(pos_embed: torch.Tensor, new_grid: int, num_prefix_tokens
         return pos_embed
     dim = grid.shape[-1]
     grid = grid.reshape(1, old, old, dim).permute(0, 3, 1, 2).float()  # (1, D, G, G)
-    grid = F.interpolate(grid, size=(new_grid, new_grid), mode="bicubic", align_corners=False, antialias=old > new_grid)
+    # Antialiased both ways, as timm's `resample_abs_pos_embed`: with bicubic, `antialias` also changes upsampling (it
+    # switches to PIL's kernel), so timm's weights must resample with it to match what timm itself loads.
+    grid = F.interpolate(grid, size=(new_grid, new_grid), mode="bicubic", align_corners=False, antialias=True)
     grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid * new_grid, dim).to(pos_embed.dtype)  # (1, G'*G', D)
     return torch.cat([prefix, grid], dim=1)
 

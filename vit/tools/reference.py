@@ -33,8 +33,10 @@ def timm_vit(config: dict[str, Any]) -> nn.Module:
 
     kwargs = {k: config[k] for k in ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
                                      "qkv_bias", "drop_rate", "attn_drop_rate", "drop_path_rate", "global_pool")}  # fmt: skip
-    # A config without `patch_drop_rate` (a classifier.pt that does not record it) means none.
-    model = tv.VisionTransformer(fc_norm=False, patch_drop_rate=config.get("patch_drop_rate", 0.0), **kwargs)
+    # A config without `patch_drop_rate` (a classifier.pt that does not record it) means none. Our `drop_rate` drops
+    # after the position table, the attention projection and the MLP too: timm's `drop_rate` is the head's alone.
+    drops = {"pos_drop_rate": config["drop_rate"], "proj_drop_rate": config["drop_rate"]}
+    model = tv.VisionTransformer(fc_norm=False, patch_drop_rate=config.get("patch_drop_rate", 0.0), **drops, **kwargs)
     model.pos_embed.requires_grad_(config.get("pos_embed", "learned") == "learned")
     return model
 

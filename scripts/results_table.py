@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     plot_to = png_path(args.plot) if args.plot else None  # bad outputs are refused before any work
     if args.archive:
         check_output_folder(args.archive, "--archive")
+        if args.archive.resolve().is_relative_to(args.folder.resolve()):  # read again next time: every run twice
+            raise UserError(f"--archive {args.archive} is inside {args.folder}, whose runs the next reading would find twice: "
+                            "choose a folder outside it")  # fmt: skip
     hosts, unfinished = read_budget_sweep(args.folder)
     if not hosts:
         raise UserError(f"{args.folder} holds no finished run of the budget sweeps (scratch_m*, mae_*min_s*, ft_m*, random_probe_s*)"

@@ -281,3 +281,16 @@ def test_a_table_of_two_models_names_the_model_of_every_cell(tmp_path):
     # one model throughout: the cells stay as they were
     only = {n: r for n, r in read_budget_runs(f)["host not recorded"].items() if n != "scratch_m2_s0"}
     assert "vit_cifar_small" not in markdown(*budget_table(only))
+
+
+def test_an_archive_inside_the_folder_it_reads_is_refused(budget_runs, capsys):
+    """The next reading of the folder found each run twice, the run and its record, and stopped on the first name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_table", ROOT / "scripts" / "results_table.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main([str(budget_runs), "--archive", str(budget_runs / "records")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is inside" in err and "choose a folder outside it" in err, err
+    assert not (budget_runs / "records").exists()

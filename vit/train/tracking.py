@@ -6,7 +6,7 @@ failure into one warning. What a wandb user gets:
 - every run of one `run.dir` writes into one wandb directory, `<run.dir>/wandb/`: `wandb leet <run.dir>/wandb`
   browses them all and `wandb sync <run.dir>/wandb` uploads them all;
 - a run carries a `group` (the runs of one pipeline; a run started from another's encoder joins its group
-  unless `run.group` is given) and a `job_type` (pretrain, linprobe, finetune, baseline, eval);
+  unless `run.group` is given) and a `job_type` (pretrain, linprobe, finetune, baseline, knn, eval);
 - its wandb summary holds every final value of `summary.json` under the same key;
 - pretraining logs its `encoder.pt` as an Artifact of type `model`, and a run that starts from that encoder
   declares it as its input, so the wandb UI draws pretrain -> probe / fine-tune. Both sides build the artifact

@@ -255,6 +255,8 @@ def run_eval(cfg: FinetuneConfig) -> int:
     replaced = [f"data.{k}={record[k]} (not {getattr(cfg.data, k)})" for k in SPLIT_KEYS if record and getattr(cfg.data, k) != record[k]]
     for key in SPLIT_KEYS if record else ():
         setattr(cfg.data, key, record[key])
+    if record and record["dataset"] == "synthetic" and record.get("source_size"):
+        cfg.data.synthetic_size = record["source_size"]  # generated images: how many is part of which ones
     run = Run.start(cfg, stage="finetune", job_type="eval", parent=payload.get("parent"))
     if replaced:
         run.print(f"eval: the classifier's data split: {', '.join(replaced)}")

@@ -80,6 +80,12 @@ def test_short_finetune_beats_chance_and_eval_mode_reproduces_it(mae_run, tmp_pa
     assert finetune(eval_args) == 0
     e = summary(tmp_path, "ft_eval")
     assert e["val_top1"] == s["final_val_top1"] and e["test_top1"] == s["final_test_top1"]
+    reset_accelerate()
+    # generated data is rebuilt at the size it was trained at (it was built at the default 1024 images, another set)
+    bare = [a for a in tiny_overrides(tmp_path, name="ft_eval2") if not a.startswith("data.synthetic_size")]
+    assert finetune(bare + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'ft'}"]) == 0
+    e = summary(tmp_path, "ft_eval2")
+    assert e["data"]["test"] == 64 and e["val_top1"] == s["final_val_top1"] and e["test_top1"] == s["final_test_top1"]
 
 
 def probe(tmp_path, name, init, cached, epochs=3):

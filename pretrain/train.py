@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Run.start(cfg, stage="pretrain")
     t = setup(cfg, run)
     run.ready()
-    acc, model, splits = run.accelerator, t.model, t.data.splits
+    model, splits = t.model, t.data.splits
     knn = knn_monitor(cfg, run, t.data)
     pretrained_on = split_record(cfg.data, splits)  # encoder.pt records it, so fine-tuning can refuse val images seen here
     figure = reconstruction_figures(cfg, run, t)

@@ -160,7 +160,7 @@ def _check_image_column(ds, column: str, location: str) -> None:
 
     try:
         ds.select(range(min(1, len(ds)))).select_columns([column]).cast_column(column, Image(decode=False))
-    except Exception as e:
+    except (TypeError, ValueError, NotImplementedError) as e:  # Arrow's own errors derive from these
         raise DataError(f"the Hugging Face dataset {location}'s column {column!r} (data.image_column) holds {ds.features[column]}, "
                         f"not images ({type(e).__name__})") from None
 

@@ -885,3 +885,19 @@ def test_the_knn_monitor_runs_on_a_streamed_pretraining_of_labelled_files(tmp_pa
     summary = json.loads((tmp_path / "runs" / "knn_stream" / "summary.json").read_text())
     assert summary["data"]["loader"] == "stream" and 0.0 <= summary["final_knn_top1"] <= 1.0
     assert "kNN monitor: off" not in capsys.readouterr().out
+
+
+def test_a_bad_image_stops_the_decoding_workers_with_the_error(tmp_path):
+    """Training keeps its decoding workers from epoch to epoch; at a bad image they lived on until the garbage collector
+    found the error's traceback, and there a worker could miss the shutdown and hold the process 5 s."""
+    import multiprocessing
+
+    paths = write_folder(tmp_path / "p", 12, size=(20, 20))
+    paths[5].write_bytes(paths[5].read_bytes()[:60])  # header intact, pixels cut
+    cfg = data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "p"), loader="stream", image_size=16, workers=2)
+    before = {p.pid for p in multiprocessing.active_children()}
+    data, _ = open_quiet(cfg)
+    with pytest.raises(DataError) as e:
+        list(data.loader(data.splits.train, 4, train=True).raw_epoch(0))
+    assert "data.skip_bad_images" in str(e.value)
+    assert {p.pid for p in multiprocessing.active_children()} - before == set()  # while the error is still held

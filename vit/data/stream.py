@@ -373,13 +373,24 @@ class StreamLoader(Loader):
 
     def raw_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[RawBatch]:
         """The uint8 batches of `epoch` from `start_batch` on, as the workers made them (bad images reported here)."""
-        for batch in self._batches(epoch, start_batch):
+        batches = self._batches(epoch, start_batch)
+        for batch in batches:
             if batch["error"] is not None:
+                self.stop_workers(batches)
                 raise BadImage(f"{batch['error']}; data.skip_bad_images=true skips such files")
             self.bad_log.add(batch["bad"])
             if self.train and batch["labels"].numel() == 0:
+                self.stop_workers(batches)
                 raise DataError(f"every image of a batch failed to decode (first: {batch['bad'][0][1]})")
             yield RawBatch(batch["images"], batch["labels"], batch["ids"], batch["finished"])
+
+    def stop_workers(self, batches: Iterator) -> None:
+        """End the decoding workers now, at an error: training keeps them from epoch to epoch, and otherwise they lived
+        until the garbage collector found the error's traceback, where a worker missed the shutdown and cost a 5 s wait."""
+        batches.close()
+        loader, self._files_loader = self._files_loader, None
+        if loader is not None:
+            loader._iterator = None  # the persistent workers' iterator: its last reference, which shuts them down
 
     def _worker_finish(self) -> Finisher | None:
         """The workers finish batches when training on the CPU (see `Finisher`); on an accelerator the device does."""

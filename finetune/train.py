@@ -240,7 +240,7 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
         # figures join the curve at the last step, and count for the best.
         r = results["val"]
         progress.best["val_top1"] = max(progress.best.get("val_top1", 0.0), r["top1"])
-        epoch = round(progress.epoch + progress.batch / max(1, len(task.train)), 4)
+        epoch = progress.epochs_done(len(task.train))
         run.log({"step": progress.step, "epoch": epoch, "val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]})
     if t.cached:
         built.model.head = unwrap(module)

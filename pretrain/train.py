@@ -222,7 +222,7 @@ def final_evaluation(run: Run, t: Pretraining, knn, progress, evaluated_step: in
         return None
     final_val = validation_loss(t.mae, t.val_loader, run, run.cfg.run.seed)
     if evaluated_step != progress.step:
-        epoch = round(progress.epoch + progress.batch / max(1, len(t.train_loader)), 4)
+        epoch = progress.epochs_done(len(t.train_loader))
         final = knn(t.mae.encoder, epoch, time.perf_counter() - epoch_start) if knn is not None else {}
         run.log({"step": progress.step, "epoch": epoch, "val_loss": final_val, **final})
     return final_val

@@ -363,7 +363,7 @@ class TrainLoop:
         metrics = {"loss": sum(finite) / len(finite) if finite else float("nan"), **w.extra_means()}
         elapsed = time.perf_counter() - w.start  # after the host read: the device has finished the window's steps
         self.window = MetricWindow(p.step)
-        return {"step": p.step, "epoch": round(p.epoch + p.batch / max(1, len(self.loader)), 4), "lr": self.lr, **metrics,
+        return {"step": p.step, "epoch": p.epochs_done(len(self.loader)), "lr": self.lr, **metrics,
                 "images_per_sec": w.images / elapsed if elapsed > 0 else 0.0,
                 "time": round(p.train_time + time.perf_counter() - self.segment_start, 2), **(extra or {})}  # fmt: skip
 

@@ -32,6 +32,10 @@ class Progress:
     planned_steps: int | None = None  # the step count a time budget fixed (kept across resumes)
     plan: dict[str, Any] | None = None  # that budget's whole plan (`vit.train.budget.BudgetPlan`), for the summary
 
+    def epochs_done(self, batches_per_epoch: int) -> float:
+        """The epochs trained, the current one's consumed micro-batches counted: a metrics record's `epoch`."""
+        return round(self.epoch + self.batch / max(1, batches_per_epoch), 4)
+
 
 def save_state(run: Run, progress: Progress) -> Path:
     """Write an Accelerate resume state atomically and keep the newest `run.keep_states`.

@@ -174,6 +174,7 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
+    check_paths(jobs, out)
     check_kept(jobs, out, common, extra)
     out.mkdir(parents=True, exist_ok=True)
     sweep = Sweep(out, common, extra, parallel, pending=list(jobs))
@@ -330,10 +331,6 @@ def check_kept(jobs: list[Job], out: Path, common: list[str], extra: list[str]) 
     and those the run's recorded command line set, against the run's resolved config.yaml (`job_differences`)."""
     refused = []
     for job in jobs:
-        for path in (out / job.name, out / f"{job.name}{LOG_SUFFIX}"):
-            if path.exists() and path.is_dir() != (path.name == job.name):  # the job would fail there, after others had run
-                raise ConfigError(f"{path} is a {'file' if path.is_file() else 'folder'}, where job {job.name} writes its "
-                                  f"{'run folder' if path.name == job.name else 'log'}: move it, or use another --out")  # fmt: skip
         if is_finished(out / job.name):
             differ = job_differences(job_inputs(job, common, extra), out / job.name)
             if differ:
@@ -341,6 +338,16 @@ def check_kept(jobs: list[Job], out: Path, common: list[str], extra: list[str]) 
     if refused:
         raise ConfigError(f"finished run(s) in {out} ran other settings than the sweep gives now: {'; '.join(refused)}; "
                           "use another --out, or delete those run folders to run them again")  # fmt: skip
+
+
+def check_paths(jobs: list[Job], out: Path) -> None:
+    """Refuse, in one line, a file where a job writes its run folder or a folder where it writes its log: the job would
+    fail there, after the jobs before it had run."""
+    for job in jobs:
+        for path, what in ((out / job.name, "run folder"), (out / f"{job.name}{LOG_SUFFIX}", "log")):
+            if path.exists() and path.is_dir() != (what == "run folder"):
+                raise ConfigError(f"{path} is a {'file' if path.is_file() else 'folder'}, where job {job.name} writes its {what}: "
+                                  "move it, or use another --out")  # fmt: skip
 
 
 def job_inputs(job: Job, common: list[str], extra: list[str]) -> dict[str, Any]:

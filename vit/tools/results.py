@@ -101,7 +101,8 @@ def is_sweep_name(name: str) -> bool:
 
 
 def read_budget_runs(folder: Path) -> dict[str, dict[str, RunFolder]]:
-    """The finished runs under `folder`, at any depth, named as the budget sweep names them: {host label: {run name: run}}."""
+    """The finished runs under `folder`, at any depth (a sweep's --out, or an archive of records from several machines),
+    whose names follow the budget sweep: {host label: {run name: run}}. The same name twice on one host is a UserError."""
     return read_budget_sweep(folder)[0]
 
 
@@ -116,7 +117,8 @@ def read_budget_sweep(folder: Path) -> tuple[dict[str, dict[str, RunFolder]], di
 
 
 def by_host(runs: Iterable[RunFolder]) -> dict[str, dict[str, RunFolder]]:
-    """The finished ones among `runs`, by the host their summary names: {host: {folder name: run}}; a name twice is a UserError."""
+    """The finished ones among `runs`, by the host their summary names: {host label: {run folder name: run}}. The same
+    name twice on one host is a UserError."""
     hosts: dict[str, dict[str, RunFolder]] = {}
     for run in runs:
         if not run.finished:

@@ -61,7 +61,6 @@ class Run:
     lock: RunLock | None = None  # the run folder's, held by the main process until `finish` (or the process's end)
     budget_plan: dict[str, Any] | None = None  # a time budget's plan, once the loop has made it (or resumed it)
     replacing: str | None = None  # run.overwrite: this run's config, written by `ready` when it clears the run it replaces
-    parent: str | None = None  # the run whose encoder this one starts from, for the trackers' lineage
 
     @classmethod
     def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
@@ -110,9 +109,8 @@ class Run:
             f"{stage}: run folder {run_dir} | device {accelerator.device} x {accelerator.num_processes} process(es), "
             f"{threads} thread(s) each | precision {run_cfg.precision} | seed {run_cfg.seed}"
         )
-        run.parent = parent
         if run.replacing is None:  # else `ready` starts them, once the run it replaces (its tensorboard/ too) is cleared
-            run.start_trackers(parent)
+            run.start_trackers()
         return run
 
     def ready(self) -> None:
@@ -125,7 +123,7 @@ class Run:
             write_config(self.dir, self.replacing)
         self.replacing = None
         self.accelerator.wait_for_everyone()
-        self.start_trackers(self.parent)
+        self.start_trackers()
 
     # ------------------------------------------------------------------ output
 
@@ -146,7 +144,7 @@ class Run:
         if self.is_main:
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
-    def start_trackers(self, parent: str | None) -> None:
+    def start_trackers(self) -> None:
         run_cfg = self.cfg.run
         if run_cfg.tracker == "none" or not self.accelerator.log_with:
             return

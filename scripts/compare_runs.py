@@ -11,7 +11,7 @@ Runs without summary.json are unfinished: listed as such, with what metrics.json
 so far. Everything is read from the run folders: no tracker, no network.
 
 `--archive DEST` copies each finished run's record (config, summary, budget; `--with-metrics` adds metrics.jsonl) to
-DEST/<host>/<run>, without the machine's paths, never over a different record (`vit.tools.results.archive`; adding
+DEST/<host>/<run>, without the machine's paths, never over a different record (`vit.tools.records.archive`; adding
 metrics.jsonl to the same record is allowed); the same command reads the records back: `compare_runs.py DEST/*`. The
 runs left out (unfinished, or a config or summary that does not read) are named.
 
@@ -33,10 +33,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from vit.errors import UserError, exit_on_user_error
 from vit.tools.compare import compare
 from vit.tools.plots import check_output_folder
-from vit.tools.results import archivable, archive, by_host
-from vit.errors import UserError, exit_on_user_error
+from vit.tools.records import archivable, archive, by_host
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

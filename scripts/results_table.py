@@ -21,7 +21,8 @@ from pathlib import Path
 
 from vit.errors import UserError, exit_on_user_error
 from vit.tools.plots import check_output_folder, equal_compute_plot, png_path
-from vit.tools.results import archive, budget_table, markdown, read_budget_sweep
+from vit.tools.records import archive
+from vit.tools.results import budget_table, markdown, read_budget_sweep
 
 
 @exit_on_user_error

@@ -5,13 +5,14 @@ import sys
 
 import pytest
 import yaml
-
 from helpers import ROOT
+
 from vit.device import cpu_model_and_flags, host_label
 from vit.errors import UserError
-from vit.tools.plots import png_path
-from vit.tools.results import REPO, archive, budget_table, host_slug, markdown, read_budget_runs, read_budget_sweep
 from vit.store.runs import write_config, write_summary
+from vit.tools.plots import png_path
+from vit.tools.records import REPO, archive, host_slug
+from vit.tools.results import budget_table, markdown, read_budget_runs, read_budget_sweep
 
 AVX2 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2}
 BF16 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"], "cores": 2}
@@ -65,7 +66,7 @@ def test_choices_are_made_on_val_and_the_test_of_the_chosen_runs_is_reported(bud
     assert row.mae.minutes[0] == pytest.approx(30)
     assert row.probe.share == 50 and row.probe.test[0] == pytest.approx(0.46)  # 75% probes best on val but does not fit
     assert sorted(row.probe.test) == [0, 1, 2]
-    assert random.mean() == pytest.approx(0.32)
+    assert random[""].mean() == pytest.approx(0.32) and row.random is random[""] and row60.random is random[""]
     assert row60.mae.share == 25 and row60.mae.test == {0: 0.74} and row60.mae.minutes[0] == pytest.approx(60)
     assert row60.probe.share == 25 and row60.probe.test == {0: pytest.approx(0.46), 1: 0.44, 2: 0.44}
     text = markdown(rows, random)
@@ -188,7 +189,7 @@ def test_runs_of_the_sweep_without_a_readable_summary_are_named_and_the_rows_and
     assert "| 30 min (3 runs unfinished) | 60.0% (59.0-61.0, 2 of 3 seeds: s1 unfinished); light augmentation |" in text
     assert "| 45.0% (44.0-46.0, 2 of 3 seeds: s2 unfinished); pretraining 0.50 of the budget |" in text
     assert "| 30 min | scratch; strong augmentation | - | unfinished: scratch_m30_aug_s0 | - | - | - | - |" in text
-    assert ("Not in the table: 3 run folder(s) of the sweep without a readable summary (unfinished, crashed or damaged): "
+    assert ("Not in the table: 3 run folder(s) of the sweep, unfinished, crashed, damaged or misnamed: "
             "mae_15min_s2_probe (no summary.json), scratch_m30_aug_s0 (no summary.json), scratch_m30_s1 (summary.json unreadable)") in text
     # a row whose runs are all unfinished is kept, and says so
     (budget_runs / "scratch_m120_s0").mkdir()
@@ -294,3 +295,40 @@ def test_an_archive_inside_the_folder_it_reads_is_refused(budget_runs, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is inside" in err and "choose a folder outside it" in err, err
     assert not (budget_runs / "records").exists()
+
+
+def test_each_row_shows_the_random_encoder_probe_of_the_model_it_chose(tmp_path):
+    """A random encoder is the floor of its own model: vit_cifar_small's rows were shown vit_cifar_tiny's floor."""
+    f = tmp_path / "budget"
+    run(f, "scratch_m2_s0", 0.75, 0.74, 120, budget=2, model="vit_cifar_tiny")
+    run(f, "scratch_m5_s0", 0.79, 0.78, 300, budget=5, model="vit_cifar_small")
+    run(f, "random_probe_s0", 0.31, 0.30, 60, model="vit_cifar_tiny")
+    run(f, "random_probe_small_s0", 0.36, 0.35, 90, model="vit_cifar_small")
+    run(f, "random_probe_small_s1", 0.37, 0.37, 90, model="vit_cifar_small")
+    rows, randoms = budget_table(read_budget_runs(f)["host not recorded"])
+    assert set(randoms) == {"", "small"} and [r.random for r in rows] == [randoms[""], randoms["small"]]
+    table = markdown(rows, randoms)
+    assert "| 2 min | 74.0% (1 seed); light augmentation, vit_cifar_tiny | - | - | 30.0% (1 seed); vit_cifar_tiny |" in table
+    assert "| 5 min | 78.0% (1 seed); light augmentation, vit_cifar_small | - | - | 36.0% (35.0-37.0, 2 seeds); vit_cifar_small |" in table
+    # one random probe, whatever its model: every row shows it (as before the tags)
+    rows, randoms = budget_table({n: r for n, r in read_budget_runs(f)["host not recorded"].items() if "small" not in n})
+    assert all(r.random is randoms[""] for r in rows)
+
+
+def test_fractional_budgets_misnamed_folders_and_recipes_without_seed_0_are_said_not_dropped(tmp_path):
+    """`scratch_m2.5_s0` was no row, `scratch_m5-crop_s0` and a recipe run with seeds 1 and 2 only vanished unsaid."""
+    f = tmp_path / "budget"
+    run(f, "scratch_m2.5_s0", 0.70, 0.69, 150, budget=2.5)
+    run(f, "mae_1.25min_s0", None, None, 75, budget=1.25)
+    run(f, "ft_m2.5_f50_s0", 0.72, 0.71, 75, budget=1.25, init="runs/budget/mae_1.25min_s0")
+    run(f, "scratch_m2.5_crop_s1", 0.90, 0.90, 150, budget=2.5)  # better, but its recipe has no seed 0: never a candidate
+    run(f, "scratch_m5-crop_s0", 0.90, 0.90, 300, budget=5)
+    hosts, left_out = read_budget_sweep(f)
+    assert left_out == {"scratch_m5-crop_s0": "a name that follows none of the sweep's patterns"}
+    rows, randoms = budget_table(hosts["host not recorded"], left_out)
+    assert [r.minutes for r in rows] == [2.5] and rows[0].scratch.test == {0: 0.69} and rows[0].mae.test == {0: 0.71}
+    assert rows[0].unchosen == ["scratch_m2.5_crop_s1"]
+    table = markdown(rows, randoms, left_out)
+    assert "| 2.5 min | 69.0% (1 seed); light augmentation | 71.0% (1 seed); pretraining 0.50 of the budget, light augmentation |" in table
+    assert "scratch_m5-crop_s0 (a name that follows none of the sweep's patterns)" in table
+    assert "Not candidates: scratch_m2.5_crop_s1: every choice is made on seed 0" in table

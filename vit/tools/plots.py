@@ -336,15 +336,16 @@ def figure_sincos_table(encoder, path: Path) -> Path | None:
     return save(fig, path)
 
 
-def equal_compute_plot(tables: dict[str, tuple[list, Any]], path: Path) -> Path:
-    """The equal-compute table's figure (`vit.tools.results`: {host: (rows, random-encoder arm)}): test top-1 against the
-    budget for each arm (mean over seeds, min-max bars), one line style per host."""
+def equal_compute_plot(tables: dict[str, tuple[list, dict]], path: Path) -> Path:
+    """The equal-compute table's figure (`vit.tools.results`: {host: (rows, {tag: random-encoder probe arm})}): test top-1
+    against the budget for each arm (mean over seeds, min-max bars), one line style per host; a random-encoder probe is a
+    level line, named after its model where there are several."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     arms = (("ViT from scratch", lambda r: r.scratch, "o", "C0"), ("MAE then fine-tune", lambda r: r.mae, "s", "C1"),
             ("MAE linear probe", lambda r: r.probe, "^", "C2"))  # fmt: skip
     ticks = set()
-    for (host, (rows, random)), line in zip(tables.items(), ("-", "--", ":", "-.")):
+    for (host, (rows, randoms)), line in zip(tables.items(), ("-", "--", ":", "-.")):
         suffix = f" ({host})" if len(tables) > 1 else ""
         for label, pick, marker, color in arms:
             pts = [(r.minutes, pick(r)) for r in rows if pick(r).test]
@@ -356,8 +357,10 @@ def equal_compute_plot(tables: dict[str, tuple[list, Any]], path: Path) -> Path:
             hi = [100 * (a.spread()[1] - a.mean()) for _, a in pts]
             ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker + line, color=color, capsize=3, label=label + suffix)
             ticks.update(xs)
-        if n := len(random.test):
-            ax.axhline(100 * random.mean(), color="grey", ls=line, label=f"random-encoder probe ({n} seed{'s' if n > 1 else ''}){suffix}")
+        for random in randoms.values():
+            if n := len(random.test):
+                model = f", {random.model}" if len(randoms) > 1 and random.model else ""
+                ax.axhline(100 * random.mean(), color="grey", ls=line, label=f"random-encoder probe ({n} seed{'s' if n > 1 else ''}{model}){suffix}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
     ax.set_xlabel("minutes for all stages")

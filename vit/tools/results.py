@@ -2,19 +2,22 @@
 
     for host, runs in read_budget_runs(Path("runs/budget")).items():    # one table per kind of machine
         print(host, markdown(*budget_table(runs)))
-    archive(hosts, Path("docs/results/budget"))                         # the runs' records, to compute it again later
+    archive(hosts, Path("docs/results/budget"))     # the runs' records, to compute it again later (`vit.tools.records`)
 
 Run names follow the sweep: `scratch_m{M}[_{V}]_s{S}` (a ViT from scratch for M minutes, recipe variant V),
 `mae_{X}min_s{S}` (MAE pretraining for X minutes) and `mae_{X}min_s{S}_probe` (its linear probe), `ft_m{M}_f{F}[_{V}]_s{S}`
 (fine-tuning for the rest of M after a pretraining of F% of M, the one its config names as `finetune.init`: one
-pretraining serves every row whose share of it is the same number of minutes), `random_probe_s{S}`. Minutes buy two to
+pretraining serves every row whose share of it is the same number of minutes), `random_probe[_{T}]_s{S}` (a random
+encoder's probe; tag T tells the models apart, and each row shows its model's). M and X may be fractions (2.5); a run
+folder named like these that follows none of the patterns is listed as left out, never dropped unsaid. Minutes buy two to
 four times the steps on a CPU with native bf16 that they buy on an AVX2-only one, so runs are grouped by the host their
 summary records and never mixed in one table.
 
 Every choice is made on val, with seed 0: the scratch column takes the variant with the best val top-1; the MAE
 column the (share, variant) whose fine-tune has the best val top-1; the probe column, among the row's pretrainings
 whose pretraining and probe together fit in M minutes, the one whose probe has the best val top-1. The other seeds
-repeat what was chosen, and test numbers are read only for it. `scripts/results_table.py` is the command line.
+repeat what was chosen, and test numbers are read only for it; runs of a recipe without a seed-0 run are named under the
+table as never candidates. `scripts/results_table.py` is the command line.
 """
 
 from __future__ import annotations
@@ -27,18 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vit.device import host_label
 from vit.errors import UserError
-from vit.store.runs import CONFIG_FILE, METRICS_FILE, RECORD_FILES, SUMMARY_FILE, RunFolder, copy_record, is_run_folder, read_run
+from vit.store.runs import SUMMARY_FILE, RunFolder, is_run_folder, read_run
+from vit.tools.records import by_host
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout, whose path a run's recorded command starts with
-
-SCRATCH = re.compile(r"^scratch_m(\d+)(?:_([a-z]+))?_s(\d+)$")
-FINETUNE = re.compile(r"^ft_m(\d+)_f(\d+)(?:_([a-z]+))?_s(\d+)$")
-PRETRAIN = re.compile(r"^mae_(\d+(?:\.\d+)?)min_s(\d+)$")
-PROBE = re.compile(r"^(mae_\d+(?:\.\d+)?min_s\d+)_probe$")
-RANDOM = re.compile(r"^random_probe_s(\d+)$")
+MINUTES = r"(\d+(?:\.\d+)?)"  # a budget or a pretraining's minutes: 5, 2.5
+SCRATCH = re.compile(rf"^scratch_m{MINUTES}(?:_([a-z]+))?_s(\d+)$")
+FINETUNE = re.compile(rf"^ft_m{MINUTES}_f(\d+)(?:_([a-z]+))?_s(\d+)$")
+PRETRAIN = re.compile(rf"^mae_{MINUTES}min_s(\d+)$")
+PROBE = re.compile(rf"^(mae_{MINUTES[1:-1]}min_s\d+)_probe$")
+RANDOM = re.compile(r"^random_probe(?:_([a-z0-9]+))?_s(\d+)$")  # random_probe_s0, random_probe_small_s0: one per model
 PATTERNS = (SCRATCH, FINETUNE, PRETRAIN, PROBE, RANDOM)
+SWEEP_PREFIXES = ("scratch_m", "ft_m", "mae_", "random_probe")  # a run folder named so that matches no pattern is named as such
 VARIANTS = {None: "light augmentation", "aug": "strong augmentation", "crop": "crop 0.35-1 and drop path 0.1"}  # the sweeps' recipe variants
 
 
@@ -82,18 +85,14 @@ class Arm:
 
 @dataclass
 class Row:
-    minutes: int
+    minutes: float
     scratch: Arm
     mae: Arm
     probe: Arm
     search: list[dict[str, Any]]  # per candidate recipe, seed 0: its arm, share, variant, stages' minutes and epochs, val top-1
     unfinished: list[str] = field(default_factory=list)  # runs of this row without a readable summary: its choices may change
-
-
-def host_of(run: RunFolder) -> str:
-    """The kind of machine a run's minutes were spent on, from its summary ('host not recorded' for older runs)."""
-    s = run.summary or {}
-    return host_label(s.get("host"), s.get("precision")) if s.get("host") else host_label(None)
+    random: Arm = field(default_factory=Arm)  # the random-encoder probe of the model this row chose
+    unchosen: list[str] = field(default_factory=list)  # runs of recipes without a seed-0 run: never candidates (choices are seed 0's)
 
 
 def is_sweep_name(name: str) -> bool:
@@ -107,87 +106,16 @@ def read_budget_runs(folder: Path) -> dict[str, dict[str, RunFolder]]:
 
 
 def read_budget_sweep(folder: Path) -> tuple[dict[str, dict[str, RunFolder]], dict[str, str]]:
-    """`read_budget_runs(folder)`, and {name: why} of the sweep's run folders without a readable summary (unfinished, crashed
-    or damaged) and of the fine-tunes of such pretrainings (whose minutes are not known): a table must say they are missing."""
-    runs = [read_run(p) for p in sorted(p for p in Path(folder).rglob("*") if is_sweep_name(p.name) and is_run_folder(p))]
+    """`read_budget_runs(folder)`, and {name: why} of the sweep's run folders left out: those without a readable summary
+    (unfinished, crashed or damaged), the fine-tunes of such pretrainings (whose minutes are not known), and run folders
+    named like the sweep's that follow none of its patterns (`scratch_m5-crop_s0`): a table must say they are missing."""
+    folders = sorted(p for p in Path(folder).rglob("*") if p.name.startswith(SWEEP_PREFIXES) and is_run_folder(p))
+    misnamed = {p.name: "a name that follows none of the sweep's patterns" for p in folders if not is_sweep_name(p.name)}
+    runs = [read_run(p) for p in folders if is_sweep_name(p.name)]
     unfinished = {r.name: next((p for p in r.problems if p.startswith(SUMMARY_FILE)), f"no {SUMMARY_FILE}") for r in runs if not r.finished}
     waiting = {r.name: f"its pretraining {parent} has no readable summary" for r in runs if r.finished and FINETUNE.match(r.name)
                and (parent := Path(str((r.config.get("finetune") or {}).get("init"))).name) in unfinished}  # fmt: skip
-    return by_host(r for r in runs if r.name not in waiting), {**unfinished, **waiting}
-
-
-def by_host(runs: Iterable[RunFolder]) -> dict[str, dict[str, RunFolder]]:
-    """The finished ones among `runs`, by the host their summary names: {host label: {run folder name: run}}. The same
-    name twice on one host is a UserError."""
-    hosts: dict[str, dict[str, RunFolder]] = {}
-    for run in runs:
-        if not run.finished:
-            continue
-        host, name = host_of(run), Path(run.path).name
-        same_host = hosts.setdefault(host, {})
-        if name in same_host:
-            raise UserError(f"{same_host[name].path} and {run.path} are both {name} on {host}: keep one of them")
-        same_host[name] = run
-    return hosts
-
-
-def host_slug(host: str) -> str:
-    """A folder name for a host label: 'amd-epyc-avx2-avx512f-avx512-bf16-2-cores-bf16'."""
-    return re.sub(r"[^a-z0-9]+", "-", host.lower()).strip("-")
-
-
-def machine_paths(run: RunFolder) -> dict[str, str]:
-    """The paths of the machine a run's record names, and what an archive writes instead: the data folder given as an
-    absolute path becomes 'PATH' (as RESULTS.md writes it), an absolute run.dir becomes runs/<its name>, and the
-    checkout's folder is left out of the command."""
-    root = (run.config.get("data") or {}).get("root")
-    paths = {str(root): "PATH"} if root and Path(str(root)).is_absolute() else {}
-    # a sweep's --out given as an absolute path: the folder's own name under runs/, as the sweep files write it
-    out = (run.config.get("run") or {}).get("dir")
-    if out and Path(str(out)).is_absolute():
-        paths[str(out)] = f"runs/{Path(str(out)).name}"
-    # every other absolute path of the record (data.cache_dir, an init outside run.dir): a placeholder named after its key
-    for key, value in absolute_paths([run.config, run.summary or {}]):
-        if not any(value == known or value.startswith(known.rstrip("/") + "/") for known in [*paths, str(REPO)]):
-            name, path = key.upper(), Path(value)
-            paths[value] = name if key.endswith(("dir", "root")) else "/".join([name, *([path.parent.name] if path.suffix else []), path.name])
-    # longest first: a path inside another is replaced by its own placeholder, not by its parent's
-    return {**dict(sorted(paths.items(), key=lambda kv: -len(kv[0]))), str(REPO) + "/": ""}
-
-
-def absolute_paths(tree: Any, key: str = "") -> Iterable[tuple[str, str]]:
-    """(key, value) of every string in a config or summary that is an absolute path (a command is not one)."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            if k != "command":
-                yield from absolute_paths(v, str(k))
-    elif isinstance(tree, list):
-        for v in tree:
-            yield from absolute_paths(v, key)
-    elif isinstance(tree, str) and len(tree) > 1 and tree.startswith("/") and "\n" not in tree:
-        yield key, tree.rstrip("/")
-
-
-def archivable(run: RunFolder) -> bool:
-    """Whether a run's record can be archived: finished, with a config and summary that read (a damaged one is left out)."""
-    return run.finished and not any(p.startswith((CONFIG_FILE, SUMMARY_FILE)) for p in run.problems)
-
-
-def archive(hosts: dict[str, dict[str, RunFolder]], dest: Path, metrics: bool = False) -> list[Path]:
-    """Copy each run's record (config, summary, budget; with `metrics`, its metrics.jsonl too) to dest/<host slug>/<name>,
-    where `read_budget_runs(dest)` finds it once the run folders are gone, without the machine's paths; returns the
-    records written (the same one is kept)."""
-    written = []
-    files = RECORD_FILES + ((METRICS_FILE,) if metrics else ())
-    for host, runs in hosts.items():
-        for name, run in runs.items():
-            target = Path(dest) / host_slug(host) / name
-            try:
-                if copy_record(run.path, target, replace=machine_paths(run), files=files):
-                    written.append(target)
-            except OSError as e:
-                raise UserError(f"cannot write {e.filename or target}: {e.strerror} ({len(written)} record(s) written before)") from None
-    return written
+    return by_host(r for r in runs if r.name not in waiting), {**misnamed, **unfinished, **waiting}
 
 
 def stage_minutes(run: RunFolder) -> float:
@@ -206,7 +134,7 @@ def top1(run: RunFolder, split: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
 
 
-def pretraining_of(runs: dict[str, RunFolder], name: str, budget: int, share: int) -> RunFolder:
+def pretraining_of(runs: dict[str, RunFolder], name: str, budget: float, share: int) -> RunFolder:
     """The pretraining fine-tune `name` started from (its `finetune.init`), checked to be a run of this sweep whose time
     budget is `share`% of `budget` minutes and the fine-tune's the rest: the names promise it, the configs must say it."""
     ft = runs[name]
@@ -225,16 +153,32 @@ def check_budget(run: RunFolder, minutes: float, name: str) -> None:
         raise UserError(f"{run.path} has schedule.budget_minutes={budget_minutes(run)}, but {name} needs {minutes:g}")
 
 
-def budget_table(runs: dict[str, RunFolder], unfinished: Iterable[str] = ()) -> tuple[list[Row], Arm]:
-    """The rows (one per budget, ascending) and the random-encoder probe (budget-free). `unfinished` names the sweep's runs
-    without a readable summary: the rows and seeds they belong to say so (a row whose runs are all unfinished is kept)."""
+def budget_table(runs: dict[str, RunFolder], unfinished: Iterable[str] = ()) -> tuple[list[Row], dict[str, Arm]]:
+    """The rows (one per budget, ascending) and the random-encoder probes (budget-free), one per name tag
+    (`random_probe_s0`: "", `random_probe_small_s0`: "small"): each row shows the one of the model it chose. `unfinished`
+    names the sweep's runs left out: the rows and seeds they belong to say so (a row whose runs are all unfinished is kept)."""
     unfinished = set(unfinished) - set(runs)
-    random = Arm(unfinished={int(m.group(1)) for n in unfinished if (m := RANDOM.match(n))})
-    for name, run in runs.items():
+    randoms: dict[str, Arm] = {}
+    for name in sorted([*runs, *unfinished]):
         if m := RANDOM.match(name):
-            random.add(int(m.group(1)), run, stage_minutes(run))
-    budgets = {int(m.group(1)) for n in [*runs, *unfinished] if (m := SCRATCH.match(n) or FINETUNE.match(n))}
-    return [budget_row(runs, minutes, unfinished) for minutes in sorted(budgets)], random
+            arm = randoms.setdefault(m.group(1) or "", Arm())
+            if name in runs:
+                arm.add(int(m.group(2)), runs[name], stage_minutes(runs[name]))
+            else:
+                arm.unfinished.add(int(m.group(2)))
+    budgets = {float(m.group(1)) for n in [*runs, *unfinished] if (m := SCRATCH.match(n) or FINETUNE.match(n))}
+    rows = [budget_row(runs, minutes, unfinished) for minutes in sorted(budgets)]
+    for row in rows:
+        row.random = random_of(row, randoms)
+    return rows, randoms
+
+
+def random_of(row: Row, randoms: dict[str, Arm]) -> Arm:
+    """The random-encoder probe of the model `row` chose (its probe's, else its fine-tune's or its scratch run's): the floor
+    of that model; the only one where there is one; else none (an empty arm)."""
+    model = row.probe.model or row.mae.model or row.scratch.model
+    same = [a for a in randoms.values() if a.model is not None and a.model == model]
+    return same[0] if same else next(iter(randoms.values())) if len(randoms) == 1 else Arm()
 
 
 def choose(candidates: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
@@ -243,15 +187,15 @@ def choose(candidates: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
     return max(done, key=lambda c: c[key]) if done else None
 
 
-def is_share(minutes: str, budget: int, share: int) -> bool:
+def is_share(minutes: str, budget: float, share: int) -> bool:
     """Whether a pretraining of `minutes` (as its name writes them) is `share`% of `budget` minutes."""
     return abs(float(minutes) - budget * share / 100) < 1e-6
 
 
-def row_unfinished(unfinished: set[str], budget: int, shares: set[int]) -> list[str]:
+def row_unfinished(unfinished: set[str], budget: float, shares: set[int]) -> list[str]:
     """The unfinished runs that belong to the row of `budget`: its scratch and fine-tune runs, and the pretrainings (and
     their probes) of the `shares` its fine-tunes name."""
-    mine = {n for n in unfinished if (m := SCRATCH.match(n) or FINETUNE.match(n)) and int(m.group(1)) == budget}
+    mine = {n for n in unfinished if (m := SCRATCH.match(n) or FINETUNE.match(n)) and float(m.group(1)) == budget}
     for name in unfinished:
         m = PRETRAIN.match(PROBE.match(name).group(1) if PROBE.match(name) else name)
         if m and any(is_share(m.group(1), budget, f) for f in shares):
@@ -272,7 +216,7 @@ def scratch_search(scratch_runs: dict, unfinished: dict) -> list[dict[str, Any]]
     return search
 
 
-def mae_search(runs: dict[str, RunFolder], ft_runs: dict, unfinished: dict, budget: int) -> list[dict[str, Any]]:
+def mae_search(runs: dict[str, RunFolder], ft_runs: dict, unfinished: dict, budget: float) -> list[dict[str, Any]]:
     """The MAE candidates (share, variant) of one row, seed 0; one whose fine-tune is unfinished is listed as such."""
     search = []
     for share, variant in sorted({(f, v) for f, v, _ in [*ft_runs, *unfinished]}, key=lambda k: (k[0], str(k[1]))):
@@ -292,13 +236,13 @@ def mae_search(runs: dict[str, RunFolder], ft_runs: dict, unfinished: dict, budg
     return search
 
 
-def budget_row(runs: dict[str, RunFolder], budget: int, unfinished: set[str] = frozenset()) -> Row:
-    scratch_runs = {(m.group(2), int(m.group(3))): r for n, r in runs.items() if (m := SCRATCH.match(n)) and int(m.group(1)) == budget}
+def budget_row(runs: dict[str, RunFolder], budget: float, unfinished: set[str] = frozenset()) -> Row:
+    scratch_runs = {(m.group(2), int(m.group(3))): r for n, r in runs.items() if (m := SCRATCH.match(n)) and float(m.group(1)) == budget}
     for run in scratch_runs.values():
         check_budget(run, budget, run.name)
-    ft_runs = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in runs if (m := FINETUNE.match(n)) and int(m.group(1)) == budget}
-    scratch_gone = {(m.group(2), int(m.group(3))): n for n in unfinished if (m := SCRATCH.match(n)) and int(m.group(1)) == budget}
-    ft_gone = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in unfinished if (m := FINETUNE.match(n)) and int(m.group(1)) == budget}
+    ft_runs = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in runs if (m := FINETUNE.match(n)) and float(m.group(1)) == budget}
+    scratch_gone = {(m.group(2), int(m.group(3))): n for n in unfinished if (m := SCRATCH.match(n)) and float(m.group(1)) == budget}
+    ft_gone = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in unfinished if (m := FINETUNE.match(n)) and float(m.group(1)) == budget}
     search = scratch_search(scratch_runs, scratch_gone) + mae_search(runs, ft_runs, ft_gone, budget)
     scratch, mae, probe = Arm(), Arm(), Arm()
     if best := choose([c for c in search if c["arm"] == "scratch"], "finetune_val"):
@@ -315,10 +259,15 @@ def budget_row(runs: dict[str, RunFolder], budget: int, unfinished: set[str] = f
     if best := choose(fits, "probe_val"):
         probe.share = best["share"]
         add_probes(probe, runs, PRETRAIN.match(best["pretraining"]).group(1), unfinished)
-    return Row(budget, scratch, mae, probe, search, row_unfinished(unfinished, budget, {k[0] for k in [*ft_runs, *ft_gone]}))
+    row = Row(budget, scratch, mae, probe, search, row_unfinished(unfinished, budget, {k[0] for k in [*ft_runs, *ft_gone]}))
+    # A recipe is a candidate through its seed 0 alone: the runs of one without it would be left out unsaid
+    seed0 = {k[:-1] for k in [*scratch_runs, *scratch_gone, *ft_runs, *ft_gone] if k[-1] == 0}
+    named = {**{k: r.name for k, r in scratch_runs.items()}, **ft_runs}
+    row.unchosen = sorted(n for k, n in named.items() if k[:-1] not in seed0)
+    return row
 
 
-def add_finetunes(mae: Arm, best: dict[str, Any], runs: dict[str, RunFolder], ft_runs: dict, budget: int, ft_gone: dict,
+def add_finetunes(mae: Arm, best: dict[str, Any], runs: dict[str, RunFolder], ft_runs: dict, budget: float, ft_gone: dict,
                   unfinished: set[str]) -> None:  # fmt: skip
     """Every seed's fine-tune of the chosen (share, variant); a seed whose fine-tune or pretraining is unfinished is noted."""
     mae.share, mae.variant = best["share"], best["variant"]
@@ -381,21 +330,24 @@ def difference(row: Row) -> str:
     return f"{100 * d:+.1f} points ({len(seeds)} seeds; largest seed spread {100 * spread:.1f})"
 
 
-def markdown(rows: list[Row], random: Arm, unfinished: dict[str, str] | None = None) -> str:
+def markdown(rows: list[Row], randoms: dict[str, Arm], unfinished: dict[str, str] | None = None) -> str:
     """The equal-compute table (test top-1) and the val search behind it; `unfinished` ({name: why}, from `read_budget_sweep`)
-    is listed under the table, and the rows they belong to say how many of their runs are missing."""
+    is listed under the table, and the rows they belong to say how many of their runs are missing, as are the runs that
+    no choice could see (`Row.unchosen`)."""
     lines = ["| budget (all stages) | scratch ViT | MAE then fine-tune | MAE linear probe | random-encoder probe | MAE - scratch | minutes used: scratch, MAE then fine-tune |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     # Minutes buy each model its own steps: where the rows choose more than one, every cell names its model.
-    many = len({a.model for r in rows for a in (r.scratch, r.mae, r.probe, random) if a.model}) > 1
+    many = len({a.model for a in [*randoms.values(), *(a for r in rows for a in (r.scratch, r.mae, r.probe))] if a.model}) > 1
     for r in rows:
-        budget = f"{r.minutes} min" + (f" ({len(r.unfinished)} run{'s' if len(r.unfinished) > 1 else ''} unfinished)" if r.unfinished else "")
-        lines.append(f"| {budget} | {cell(r.scratch, True, many)} | {cell(r.mae, True, many)} | {cell(r.probe, False, many)} | {cell(random, False, many)} | "
+        budget = f"{r.minutes:g} min" + (f" ({len(r.unfinished)} run{'s' if len(r.unfinished) > 1 else ''} unfinished)" if r.unfinished else "")
+        lines.append(f"| {budget} | {cell(r.scratch, True, many)} | {cell(r.mae, True, many)} | {cell(r.probe, False, many)} | {cell(r.random, False, many)} | "
                      f"{difference(r)} | {r.scratch.used()}, {r.mae.used()} |")  # fmt: skip
     if unfinished:
-        lines += ["", f"Not in the table: {len(unfinished)} run folder(s) of the sweep without a readable summary (unfinished, crashed or damaged): "
+        lines += ["", f"Not in the table: {len(unfinished)} run folder(s) of the sweep, unfinished, crashed, damaged or misnamed: "
                   + ", ".join(f"{n} ({why})" for n, why in sorted(unfinished.items()))
                   + ". The choices and numbers of the rows marked unfinished may change once they finish."]  # fmt: skip
+    if unchosen := [n for r in rows for n in r.unchosen]:
+        lines += ["", f"Not candidates: {', '.join(unchosen)}: every choice is made on seed 0, and their recipes have no seed-0 run."]
     lines += ["", "The search, on val (seed 0): every recipe tried in each row, the minutes (and epochs) each stage took, the val top-1 "
               "of the fine-tune (or of the training from scratch) and of the pretraining's probe, and the pretraining's last kNN top-1.", "",
               "| budget | recipe | pretraining | fine-tuning or training | probe | val top-1 | probe val | kNN val (last) |",
@@ -408,11 +360,11 @@ def markdown(rows: list[Row], random: Arm, unfinished: dict[str, str] | None = N
         for s in r.search:
             arm = "scratch" if s["arm"] == "scratch" else "MAE"
             if "unfinished" in s:
-                lines.append(f"| {r.minutes} min | {arm}; {recipe(s['share'], s['variant'])} | {s.get('pretraining', '-')} | "
+                lines.append(f"| {r.minutes:g} min | {arm}; {recipe(s['share'], s['variant'])} | {s.get('pretraining', '-')} | "
                              f"unfinished: {s['unfinished']} | - | - | - | - |")  # fmt: skip
                 continue
             what = recipe(s["share"], s["variant"]) + (f", {s['model']}" if many and s.get("model") else "")
-            lines.append(f"| {r.minutes} min | {arm}; {what} | {mins(s.get('pretrain_min'), s.get('pretrain_epochs'))} | "
+            lines.append(f"| {r.minutes:g} min | {arm}; {what} | {mins(s.get('pretrain_min'), s.get('pretrain_epochs'))} | "
                          f"{mins(s['finetune_min'], s['finetune_epochs'])} | {mins(s.get('probe_min'))} | {pct(s['finetune_val'])} | "
                          f"{pct(s.get('probe_val'))} | {pct(s.get('knn_top1'))} |")  # fmt: skip
     return "\n".join(lines)

@@ -901,3 +901,24 @@ def test_a_bad_image_stops_the_decoding_workers_with_the_error(tmp_path):
         list(data.loader(data.splits.train, 4, train=True).raw_epoch(0))
     assert "data.skip_bad_images" in str(e.value)
     assert {p.pid for p in multiprocessing.active_children()} - before == set()  # while the error is still held
+
+
+@pytest.mark.parametrize("change", ["removed", "relabelled"])
+def test_a_shard_changed_after_the_scan_is_one_line_from_the_workers(tmp_path, change):
+    """An error raised inside a decoding worker reached the user as the DataLoader's re-raise: the worker's whole traceback
+    as the message of a DataError (a `.cls` that is no class index), or a FileNotFoundError traceback (a shard removed)."""
+    import multiprocessing
+
+    pattern = write_shards(tmp_path / "shards", shards=2, per_shard=6)
+    cfg = data_cfg(tmp_path, dataset="webdataset", root=pattern, loader="stream", shuffle_buffer=2, workers=2)
+    data, _ = open_quiet(cfg, out_size=16)
+    shard = tmp_path / "shards" / "train-000001.tar"
+    if change == "removed":
+        shard.unlink()
+    else:
+        write_samples(shard, [png_sample(f"x{i}", b"cat") for i in range(6)])
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(DataError) as e:
+        list(data.loader(data.splits.train, 4, train=True).raw_epoch(0))
+    assert_one_line_naming(e, shard, *(["No such file", "changed after the scan"] if change == "removed" else ["'cat'", "not a class index"]))
+    assert {p.pid for p in multiprocessing.active_children()} - before == set()

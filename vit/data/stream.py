@@ -38,6 +38,7 @@ import itertools
 import math
 import random
 import sys
+import tarfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -47,7 +48,7 @@ import torch
 from vit.data.augment import Loader, epoch_order, fallback_size, finish_batch
 from vit.data.splits import seeded_generator
 from vit.data.decode import BadImage, Box, decode_crop, decode_image
-from vit.errors import DataError
+from vit.errors import DataError, UserError
 from vit.data.files import FileSet, ShardSet
 from vit.data.sources.shards import sample_image, sample_label, shard_samples
 
@@ -244,10 +245,25 @@ class _ShardBatches(torch.utils.data.IterableDataset):
             cycle += 1
 
     def __iter__(self):
+        """The batches; an error that stops the stream (a `.cls` that is no class index, a shard gone or changed since the
+        scan) is yielded as {"fatal": one line} for the loader to raise: raised here, in a worker, the DataLoader would
+        re-raise it with the worker's whole traceback as its message."""
+        try:
+            yield from self.batches()
+        except UserError as e:
+            yield {"fatal": str(e)}
+        except (OSError, tarfile.TarError, EOFError) as e:
+            where = getattr(e, "filename", None) or ", ".join(self.shards.urls[i] for i in self.shards_of(self.worker()))
+            yield {"fatal": f"cannot read shard {where}: {getattr(e, 'strerror', None) or e} (it changed after the scan at the start of the run)"}
+
+    def worker(self) -> int:
+        """This worker's role: the DataLoader takes batches from its workers in turn, starting with worker 0; batch b
+        belongs to the worker of role b % workers, so worker 0 plays the role of start_batch's worker and the others follow."""
         info = torch.utils.data.get_worker_info()
-        # The DataLoader takes batches from its workers in turn, starting with worker 0; batch b belongs to the worker of
-        # role b % workers, so worker 0 plays the role of start_batch's worker and the others follow.
-        worker = ((info.id if info is not None else 0) + self.start_batch) % self.workers
+        return ((info.id if info is not None else 0) + self.start_batch) % self.workers
+
+    def batches(self) -> Iterator[dict[str, Any]]:
+        worker = self.worker()
         stream = self.shuffled(worker)
         # This worker makes batches worker, worker + workers, ...: skip those before start_batch without decoding them.
         skipped = max(0, math.ceil((self.start_batch - worker) / self.workers))
@@ -375,6 +391,9 @@ class StreamLoader(Loader):
         """The uint8 batches of `epoch` from `start_batch` on, as the workers made them (bad images reported here)."""
         batches = self._batches(epoch, start_batch)
         for batch in batches:
+            if "fatal" in batch:
+                self.stop_workers(batches)
+                raise DataError(batch["fatal"])
             if batch["error"] is not None:
                 self.stop_workers(batches)
                 raise BadImage(f"{batch['error']}; data.skip_bad_images=true skips such files")

@@ -68,7 +68,18 @@ class FinetuneConfig(StageConfig):
     aug: AugmentConfig = section(AugmentConfig)
 
     def validate(self) -> None:
-        """What the sections cannot check alone: patch dropout must leave each image at least one patch of the model's."""
+        """What the sections cannot check alone: patch dropout must leave each image at least one patch of the model's;
+        a linear probe's BatchNorm needs two images a batch; mixup and cutmix need an even batch."""
+        ft, aug, batch = self.finetune, self.aug, self.optim.batch_size
+        # The probe's head whitens each batch with its own statistics (BatchNorm1d, per process): one image has none.
+        check(batch >= 2 or ft.mode != "linear", "optim.batch_size",
+              "must be at least 2 for finetune.mode=linear: the probe's BatchNorm normalises each batch by its own statistics")  # fmt: skip
+        # timm's Mixup mixes each image with its mirror in the batch and refuses an odd batch: the loss then skipped it at
+        # every step (training batches are always full), and the run trained without the mixing its config records.
+        mixing = ft.mode == "full" and (aug.mixup > 0 or aug.cutmix > 0) and aug.mix_prob > 0
+        check(batch % 2 == 0 or not mixing, "optim.batch_size",
+              f"is odd ({batch}): mixup and cutmix (aug.mixup={aug.mixup:g}, aug.cutmix={aug.cutmix:g}) mix pairs of images and "
+              "need an even batch; use an even optim.batch_size, or aug.mix_prob=0 to train without them")  # fmt: skip
         if self.finetune.patch_keep < 1.0:
             patches, keep = self.model.num_patches(), self.finetune.patch_keep
             # The count the encoder's patch dropout keeps: int(N * (1 - drop rate)), drop rate = 1 - patch_keep.

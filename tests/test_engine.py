@@ -74,6 +74,19 @@ def test_lr_warms_up_linearly_then_follows_a_cosine_to_min_lr():
     assert lr_at(0, total, 0, peak, low) == peak  # no warmup: the first step runs at the peak
 
 
+def test_a_warmup_as_long_as_the_run_is_said_since_its_peak_is_never_reached(tmp_path, capsys):
+    """216 training images in batches of 32: 6 steps an epoch. A one-epoch warm-up of a one-epoch run ends one step
+    short of the peak (and a one-step run trains at a learning rate of 0): it was said only where warm-up was longer."""
+    from helpers import pretraining_loop
+
+    loop, _ = pretraining_loop(tmp_path, **{"schedule.epochs": 1, "schedule.warmup_epochs": 1, "mae.knn_every": 0})
+    assert loop.spec.warmup_steps == loop.spec.total_steps == 6 and loop.spec.lr(5) < loop.spec.peak_lr
+    err = capsys.readouterr().err
+    assert "warning: schedule.warmup_epochs spans 6 steps, as many as the 6 the run trains: the learning rate never reaches its peak" in err
+    assert f"(its last step's is {loop.spec.lr(5):.3g})" in err
+    loop.run.lock.release()
+
+
 def test_frozen_parameters_get_no_group_and_no_weight_decay_names_are_not_decayed():
     model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
     for p in model.blocks[0].parameters():

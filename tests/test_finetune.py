@@ -231,6 +231,24 @@ def test_patch_dropout_where_it_cannot_apply_is_a_one_line_error(tmp_path, capsy
     assert len(err) == 1 and err[0].startswith("error: finetune.patch_keep")
 
 
+@pytest.mark.parametrize("extra, message", [
+    # The probe's BatchNorm1d in training: a traceback ("Expected more than 1 value per channel") at the first step.
+    ({"optim.batch_size": 1, "finetune.mode": "linear"}, "error: optim.batch_size must be at least 2 for finetune.mode=linear"),
+    # Mixup and cutmix skipped every (always full, odd) batch: the run trained without the mixing its config records.
+    ({"optim.batch_size": 7}, "error: optim.batch_size is odd (7): mixup and cutmix (aug.mixup=0.8, aug.cutmix=1) mix pairs"),
+])  # fmt: skip
+def test_a_batch_the_classifier_cannot_train_on_as_configured_is_a_one_line_error(tmp_path, capsys, extra, message):
+    assert finetune(tiny_overrides(tmp_path, **extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    # Without the mixing (or in the modes that do not mix), an odd batch is fine.
+    from finetune.config import FinetuneConfig
+    from vit.config import load_config
+
+    for fine in ({"optim.batch_size": 7, "aug.mix_prob": 0}, {"optim.batch_size": 7, "finetune.mode": "linear"}):
+        load_config(FinetuneConfig, None, tiny_overrides(tmp_path, **fine))
+
+
 def test_cached_features_are_extracted_in_eval_mode_even_with_dropout_and_drop_path():
     from vit.models.encoder import create_model
     from finetune.features import extract_features

@@ -22,7 +22,7 @@ from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
 from vit.store.lock import lock_run
-from vit.store.runs import state_dirs
+from vit.store.runs import holds_run, state_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -491,6 +491,26 @@ def test_resuming_keeps_a_run_s_record_and_refuses_what_would_mix_two_runs(finis
     reset_accelerate()
     assert all(json.loads(line)["step"] != 999 for line in (run_dir / "metrics.jsonl").read_text().splitlines())
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["seed"] == 0
+
+
+def test_a_state_of_another_run_folder_is_held_to_that_run_s_settings(finished, tmp_path, capsys):
+    """run.resume=<a state of another run> continues that run in a new folder. Its settings went unchecked (only this
+    folder's record was, and a new folder has none): a batch of 16 resumed a state of batches of 32, at its micro-batch
+    position, and the new config.yaml claimed batch 16 from the first step. Now refused in one line, as run.resume=auto is."""
+    source = tmp_path / "runs" / "done"
+    shutil.copytree(finished / "runs" / "done", source)
+    before = snapshot(source)
+    state = str(state_dirs(source)[-1])
+    assert pretrain(tiny_overrides(tmp_path, name="fork", **{"schedule.epochs": 1, "optim.batch_size": 16, "run.resume": state})) == 2
+    reset_accelerate()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: run.resume: the run in {source} was started with other settings "
+                                                  "(optim.batch_size 32 -> 16); resume it with the settings it recorded"), err  # fmt: skip
+    assert not holds_run(tmp_path / "runs" / "fork") and snapshot(source) == before
+    # What a resume may change (where the run is written, its precision) still continues it there.
+    assert pretrain(tiny_overrides(tmp_path, name="fork", **{"schedule.epochs": 1, "run.resume": state})) == 0
+    reset_accelerate()
+    assert snapshot(source) == before
 
 
 def test_an_overwrite_refuses_to_delete_what_it_reads_and_clears_every_earlier_output(finished, tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -217,7 +218,9 @@ def test_a_resume_state_of_another_model_is_refused_in_one_line_naming_what_diff
     small = {"data.synthetic_size": 64, "data.val_size": 16, "optim.batch_size": 16, "schedule.max_steps": 1, "mae.knn_every": 0}
     assert pretrain(tiny_overrides(tmp_path, name="small", **small)) == 0
     reset_accelerate()
-    state = state_dirs(tmp_path / "runs" / "small")[-1]
+    # A copy away from its run folder: a state inside one is first held to that run's config.yaml (test_reliability.py)
+    state = tmp_path / "copied_state"
+    shutil.copytree(state_dirs(tmp_path / "runs" / "small")[-1], state)
     capsys.readouterr()
     # Accelerate's error names only the class ("Error(s) in loading state_dict for MaskedAutoencoder:"); the line must say why.
     assert pretrain(tiny_overrides(tmp_path, name="wide", **{**small, "model.embed_dim": 64, "run.resume": str(state)})) == 2

@@ -285,6 +285,14 @@ def state_dirs(run_dir: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.name.startswith(STATE_PREFIX) and is_complete_state(p)), key=lambda p: p.name)
 
 
+def state_run_folder(state: Path) -> Path | None:
+    """The run folder a resume state was saved in (`<run>/states/step_*`, beside that run's config.yaml), None for a state
+    elsewhere (a copy)."""
+    state = Path(state)
+    run_dir = state.parent.parent
+    return run_dir if state.parent.name == STATE_DIR and (run_dir / CONFIG_FILE).is_file() else None
+
+
 def newest_state(run_dir: Path) -> Path | None:
     """The newest complete resume state, or None."""
     states = state_dirs(run_dir)

@@ -33,6 +33,7 @@ from vit.store.runs import (
     last_logged,
     read_config,
     state_dirs,
+    state_run_folder,
     write_config,
     write_summary,
 )
@@ -295,10 +296,17 @@ RESUMABLE_CHANGES = frozenset({
 def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int) -> bool:
     """Before a resume touches the folder: refuse a finished run with no state to continue from (starting afresh would
     write over its results) and a run recorded with other settings, by another stage or with another number of
-    processes, naming what differs. True when the folder's record (config.yaml) is the one to keep; False when there is
-    none to keep (a fresh run)."""
+    processes, naming what differs; a state of another run folder (`run.resume=<run>/states/step_N`) is held to that
+    run's record the same way. True when the folder's record (config.yaml) is the one to keep; False when there is none
+    to keep (a fresh run)."""
     run_cfg = cfg.run
-    if not run_cfg.resume or not holds_run(run_dir):
+    if not run_cfg.resume:
+        return False
+    source = state_run_folder(Path(run_cfg.resume).expanduser()) if run_cfg.resume != "auto" else None
+    if source is not None and source.resolve() != run_dir.resolve():
+        # A state of another run folder continues that run here: it is held to that run's record, as `auto` is to this one's.
+        check_recorded(source, cfg, stage, processes, instead="start a fresh run without run.resume")
+    if not holds_run(run_dir):
         return False
     if run_cfg.resume == "auto" and not state_dirs(run_dir):
         if is_finished(run_dir):  # starting afresh would write over its results
@@ -307,6 +315,13 @@ def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int) -> bool:
         if int(os.environ.get("RANK", "0")) == 0:
             clear_outputs(run_dir)  # it died before its first state: its records would mix with this fresh run's
         return False
+    return check_recorded(run_dir, cfg, stage, processes)
+
+
+def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead: str = "choose another run.name") -> bool:
+    """Refuse to continue the run recorded in `run_dir`'s config.yaml by another stage, with another number of processes
+    or with settings other than `RESUMABLE_CHANGES`, naming what differs (`instead`: the other way out the message
+    offers). False when there is no record to compare."""
     try:
         recorded = read_config(run_dir)
     except UserError:
@@ -315,17 +330,17 @@ def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int) -> bool:
         return False  # no record to keep: this run writes one
     then = recorded.pop("meta", None) or {}
     if then.get("stage", stage) != stage:
-        raise ConfigError(f"run.resume: {run_dir} holds a {then['stage']} run, not a {stage} one; choose another run.name")
+        raise ConfigError(f"run.resume: {run_dir} holds a {then['stage']} run, not a {stage} one; {instead}")
     if then.get("processes", processes) != processes:  # the effective batch, and with it the schedule's steps and learning rate
         raise ConfigError(f"run.resume: the run in {run_dir} was started with {then['processes']} process(es), this one has {processes}: "
-                          f"resume it with {then['processes']} (its effective batch and schedule), or choose another run.name")  # fmt: skip
+                          f"resume it with {then['processes']} (its effective batch and schedule), or {instead}")  # fmt: skip
     now, before = flat_keys(to_dict(cfg)), flat_keys(recorded)
     differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
               if key not in RESUMABLE_CHANGES and now.get(key) != before.get(key)]  # fmt: skip
     if differ:
         shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
         raise ConfigError(f"run.resume: the run in {run_dir} was started with other settings ({shown}); resume it with "
-                          "the settings it recorded in config.yaml, or choose another run.name")  # fmt: skip
+                          f"the settings it recorded in config.yaml, or {instead}")  # fmt: skip
     return True
 
 

@@ -235,3 +235,26 @@ def test_the_benchmarks_captured_step_trains_as_its_eager_step(monkeypatch):
     monkeypatch.setattr(graph, "cuda_capture", rerun_capture)
     captured = trained(True)
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+
+
+def test_impossible_thread_counts_and_a_gpu_under_a_cpu_launch_are_one_line_errors(monkeypatch):
+    """run.threads=100000 crashed building the model (torch could not allocate the threads' pools); run.device=cuda under
+    ACCELERATE_USE_CPU=1 (a leftover variable, `accelerate launch --cpu`) trained on the CPU without a word."""
+    from vit.config import RunConfig
+    from vit.errors import ConfigError
+    from vit.train.accelerator import make_accelerator, set_threads
+
+    monkeypatch.setattr(accelerator.os, "cpu_count", lambda: 2)
+    with pytest.raises(ConfigError) as e:
+        set_threads(RunConfig(threads=100_000), Device("cpu"))
+    assert "\n" not in str(e.value) and "run.threads=100000" in str(e.value) and "machine's 2" in str(e.value)
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(RunConfig(threads=8), Device("cpu")) == 8  # oversubscribing a little is the user's choice
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    with pytest.raises(ConfigError) as e:
+        make_accelerator(RunConfig(device="cuda", dir="/nonexistent", name="x"))
+    assert "\n" not in str(e.value) and "run.device=cuda" in str(e.value) and "ACCELERATE_USE_CPU" in str(e.value)

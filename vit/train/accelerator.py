@@ -81,6 +81,9 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     # Accelerate's own choice of device decides the precision. The Accelerator reads ACCELERATE_USE_CPU
     # (a multi-process CPU launch) itself; the state made first must see it too, or it starts one process.
     cpu = device == "cpu" or parse_flag_from_env("ACCELERATE_USE_CPU")
+    if cpu and device in ("cuda", "mps"):  # a leftover variable or `accelerate launch --cpu` would train on the CPU unsaid
+        raise ConfigError(f"run.device={device} was requested, but ACCELERATE_USE_CPU is set (accelerate launch --cpu, or the "
+                          f"environment): unset it to train on {device}, or set run.device=cpu")  # fmt: skip
     state = PartialState(cpu=cpu)
     requested = run_cfg.precision
     precision = resolve_precision(requested, state.device)
@@ -168,6 +171,10 @@ def set_threads(run_cfg: RunConfig, accelerator) -> int:
     jobs a sweep runs beside this one (`SHARED_BY_ENV`), at most `GPU_HOST_THREADS` on a GPU."""
     if run_cfg.threads is not None:
         threads = run_cfg.threads
+        # Beyond a few per core the threads only contend; far beyond, torch cannot allocate their pools (a traceback).
+        if threads > 4 * (os.cpu_count() or 1):
+            raise ConfigError(f"run.threads={threads} is more than 4 per core of this machine's {os.cpu_count()}: "
+                              "leave it unset (the cores shared among the processes) or name at most as many as the cores")  # fmt: skip
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes if accelerator.num_processes > 1 else 1))
         jobs = max(1, int(os.environ.get(SHARED_BY_ENV, "1") or 1))

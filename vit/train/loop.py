@@ -158,8 +158,8 @@ class TrainLoop:
         self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here
         spec.planned_steps = progress.planned_steps  # a resumed budget run keeps its plan
         run.budget_plan = progress.plan
-        if spec.budget is None and progress.step == 0:
-            self.warn_long_warmup()
+        if spec.budget is None and progress.step == 0 and (said := spec.long_warmup()):
+            run.warn(said)
         device = run.accelerator.device
         self.meter = StepMeter(min_seconds=measure_seconds(spec.budget.minutes), sync=lambda: synchronize(device)) \
             if spec.budget is not None and spec.planned_steps is None else None  # fmt: skip
@@ -170,16 +170,6 @@ class TrainLoop:
         self.prepare = getattr(loss_fn, "prepare", None)
         autocast = step_autocast(device, run.accelerator.mixed_precision)
         self.graph = StepGraph(model, optimizer, loss_fn, autocast, run.cfg.optim.clip_grad) if run.cuda_graph else None
-
-    def warn_long_warmup(self) -> None:
-        """Say when the warm-up lasts the whole schedule: its steps run at `lr(step) < peak` up to the last one (a warm-up as
-        long as the run ends one step short of the peak; a one-step run then trains at a learning rate of 0)."""
-        spec = self.spec
-        if spec.warmup_steps < spec.total_steps:
-            return
-        than = "more than" if spec.warmup_steps > spec.total_steps else "as many as"
-        self.run.warn(f"schedule.warmup_epochs spans {spec.warmup_steps} steps, {than} the {spec.total_steps} the run trains: the "
-                      f"learning rate never reaches its peak {spec.peak_lr:.3g} (its last step's is {spec.lr(spec.total_steps - 1):.3g})")
 
     def train_epoch(self, signals: SignalGuard) -> bool:
         """The optimiser steps left in the current epoch; False when `spec.stop_step` cut it short."""
@@ -326,8 +316,8 @@ class TrainLoop:
         if plan.total_steps <= p.step:
             self.run.warn(f"schedule.budget_minutes={plan.budget_minutes:g} ({plan.budget_minutes * 60:.0f} s) was spent before the step "
                           f"time was measured ({elapsed:.0f} s, {p.step} steps): the stage stops here, over its budget")  # fmt: skip
-        else:
-            self.warn_long_warmup()
+        elif said := self.spec.long_warmup():
+            self.run.warn(said)
 
     def host_losses(self) -> dict[int, list[float]]:
         """{step: every process's loss} of the steps since the last record, read from the device once per step."""

@@ -51,6 +51,15 @@ class LoopSpec:
     def lr(self, step: int) -> float:
         return lr_at(step, self.total_steps, self.warmup_steps, self.peak_lr, self.min_lr)
 
+    def long_warmup(self) -> str | None:
+        """What to say when the warm-up lasts the whole schedule: its steps run at `lr(step) < peak` up to the last one (a
+        warm-up as long as the run ends one step short of the peak; a one-step run then trains at a learning rate of 0)."""
+        if self.warmup_steps < self.total_steps:
+            return None
+        than = "more than" if self.warmup_steps > self.total_steps else "as many as"
+        return (f"schedule.warmup_epochs spans {self.warmup_steps} steps, {than} the {self.total_steps} the run trains: the learning "
+                f"rate never reaches its peak {self.peak_lr:.3g} (its last step's is {self.lr(self.total_steps - 1):.3g})")
+
 
 def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluation: Evaluation = Evaluation()) -> LoopSpec:
     """Steps and learning rate from `optim` and `schedule`: lr = base_lr * effective batch / 256 unless `optim.lr` is set.

@@ -30,7 +30,7 @@ def test_auto_is_bf16_only_on_a_cpu_with_native_bf16(monkeypatch, native):
 
 
 def test_fp16_off_the_gpu_is_refused():
-    with pytest.raises(ConfigError, match="run.precision=fp16 needs a GPU"):
+    with pytest.raises(ConfigError, match="run.precision=fp16 needs a CUDA GPU"):
         resolve_precision("fp16", CPU)
 
 

@@ -513,6 +513,26 @@ def test_a_state_of_another_run_folder_is_held_to_that_run_s_settings(finished, 
     assert snapshot(source) == before
 
 
+def test_resuming_a_finished_run_at_its_last_state_says_so_and_writes_nothing(finished, tmp_path, capsys):
+    """It evaluated the last step again, added a second record of it to metrics.jsonl and wrote summary.json over (its
+    first step's compile time lost, its timings changed). A run stopped by schedule.max_steps still goes on past it."""
+    run_dir = tmp_path / "runs" / "done"
+    shutil.copytree(finished / "runs" / "done", run_dir)
+    args = tiny_overrides(tmp_path, name="done", **{"schedule.epochs": 1}) + ["run.resume=auto"]
+    before = {name: digest for name, digest in snapshot(run_dir).items() if name != "run.lock"}
+    assert pretrain(args) == 0
+    reset_accelerate()
+    out = capsys.readouterr().out
+    assert f"{run_dir} finished at step" in out and "nothing to resume" in out and str(run_dir / "summary.json") in out, out
+    assert {name: digest for name, digest in snapshot(run_dir).items() if name != "run.lock"} == before
+    stopped = tmp_path / "runs" / "stopped"
+    assert pretrain(tiny_overrides(tmp_path, name="stopped", **{"schedule.epochs": 2, "schedule.max_steps": 1})) == 0
+    reset_accelerate()
+    assert pretrain(tiny_overrides(tmp_path, name="stopped", **{"schedule.epochs": 2, "schedule.max_steps": 2}) + ["run.resume=auto"]) == 0
+    reset_accelerate()
+    assert json.loads((stopped / "summary.json").read_text())["steps"] == 2
+
+
 def test_an_overwrite_refuses_to_delete_what_it_reads_and_clears_every_earlier_output(finished, tmp_path, capsys):
     run_dir = tmp_path / "runs" / "done"
     shutil.copytree(finished / "runs" / "done", run_dir)

@@ -34,6 +34,10 @@ class StorageError(UserError):
     """The disk refused a write (full, over quota); the message names the path and what was kept."""
 
 
+class NothingToDo(UserError):
+    """What was asked is already done (a finished run resumed): the message says where its results are; exit 0."""
+
+
 class SaidElsewhere(UserError):
     """Another process of the run stopped on a UserError and printed it: this one stops too, exit 2, without a line."""
 
@@ -56,6 +60,9 @@ def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
             code = main(*args, **kwargs)
         except SaidElsewhere:
             return EXIT_USER_ERROR
+        except NothingToDo as e:
+            print(e, flush=True)
+            return 0
         except BrokenPipeError:
             # The reader of the output has gone (`... | head`): stop quietly, as command-line tools do. Python would
             # print a second error while flushing stdout at exit, so stdout points at nothing from here on.

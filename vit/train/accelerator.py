@@ -59,7 +59,7 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "bf16" if native_bf16(device) else "no"
     if requested == "fp16" and device.type != "cuda":
-        raise ConfigError(f"run.precision=fp16 needs a GPU, this run is on {device.type}; use run.precision=auto")
+        raise ConfigError(f"run.precision=fp16 needs a CUDA GPU, this run is on {device.type}; use run.precision=auto")
     return requested
 
 

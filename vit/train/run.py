@@ -22,16 +22,20 @@ import torch
 
 from vit.config import RunConfig, dump_config, flat_keys, to_dict
 from vit.device import host
-from vit.errors import ConfigError, UserError
+from vit.errors import ConfigError, NothingToDo, UserError
 from vit.store.lock import RunLock, lock_run
 from vit.store.runs import (
     METRICS_FILE,
+    SUMMARY_FILE,
     append_metrics,
     clear_outputs,
     holds_run,
     is_finished,
     last_logged,
+    newest_state,
     read_config,
+    read_state_progress,
+    read_summary,
     state_dirs,
     state_run_folder,
     write_config,
@@ -80,7 +84,7 @@ class Run:
         lock = lock_run(run_dir) if accelerator.is_main_process else None
         try:
             replacing = check_run_dir(run_dir, run_cfg, cfg)
-            keep_record = check_resume(run_dir, cfg, stage, accelerator.num_processes)
+            keep_record = check_resume(run_dir, cfg, stage, accelerator.num_processes, parent)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -293,7 +297,7 @@ RESUMABLE_CHANGES = frozenset({
 })  # fmt: skip
 
 
-def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int) -> bool:
+def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int, parent: str | None = None) -> bool:
     """Before a resume touches the folder: refuse a finished run with no state to continue from (starting afresh would
     write over its results) and a run recorded with other settings, by another stage or with another number of
     processes, naming what differs; a state of another run folder (`run.resume=<run>/states/step_N`) is held to that
@@ -305,7 +309,7 @@ def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int) -> bool:
     source = state_run_folder(Path(run_cfg.resume).expanduser()) if run_cfg.resume != "auto" else None
     if source is not None and source.resolve() != run_dir.resolve():
         # A state of another run folder continues that run here: it is held to that run's record, as `auto` is to this one's.
-        check_recorded(source, cfg, stage, processes, instead="start a fresh run without run.resume")
+        check_recorded(source, cfg, stage, processes, instead="start a fresh run without run.resume", parent=parent)
     if not holds_run(run_dir):
         return False
     if run_cfg.resume == "auto" and not state_dirs(run_dir):
@@ -315,13 +319,31 @@ def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int) -> bool:
         if int(os.environ.get("RANK", "0")) == 0:
             clear_outputs(run_dir)  # it died before its first state: its records would mix with this fresh run's
         return False
-    return check_recorded(run_dir, cfg, stage, processes)
+    if not check_recorded(run_dir, cfg, stage, processes, parent=parent):
+        return False
+    if run_cfg.resume == "auto":
+        check_not_done(run_dir, cfg)
+    return True
 
 
-def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead: str = "choose another run.name") -> bool:
-    """Refuse to continue the run recorded in `run_dir`'s config.yaml by another stage, with another number of processes
-    or with settings other than `RESUMABLE_CHANGES`, naming what differs (`instead`: the other way out the message
-    offers). False when there is no record to compare."""
+def check_not_done(run_dir: Path, cfg: Any) -> None:
+    """NothingToDo for a finished run whose newest state is the step it finished at, resumed with what it ran
+    (`schedule.max_steps` too; a higher one goes on): the resume would only evaluate that step again and write over its
+    records (summary.json's timings, a second record of the step in metrics.jsonl)."""
+    summary, state = read_summary(run_dir) if is_finished(run_dir) else None, newest_state(run_dir)
+    if not summary or state is None or read_state_progress(state).get("step") != summary.get("steps"):
+        return
+    if ((read_config(run_dir) or {}).get("schedule") or {}).get("max_steps") == cfg.schedule.max_steps:
+        raise NothingToDo(f"run.resume=auto: {run_dir} finished at step {summary['steps']}, its newest state: nothing to resume; its "
+                          f"results are in {run_dir / SUMMARY_FILE} (run.overwrite=true without run.resume trains it again)")  # fmt: skip
+
+
+def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead: str = "choose another run.name",
+                   parent: str | None = None) -> bool:  # fmt: skip
+    """Refuse to continue the run recorded in `run_dir`'s config.yaml by another stage, with another number of processes,
+    from another parent run (`parent`: the pretraining run of the encoder `finetune.init` names now) or with settings
+    other than `RESUMABLE_CHANGES`, naming what differs (`instead`: the other way out the message offers). False when
+    there is no record to compare."""
     try:
         recorded = read_config(run_dir)
     except UserError:
@@ -334,6 +356,10 @@ def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead:
     if then.get("processes", processes) != processes:  # the effective batch, and with it the schedule's steps and learning rate
         raise ConfigError(f"run.resume: the run in {run_dir} was started with {then['processes']} process(es), this one has {processes}: "
                           f"resume it with {then['processes']} (its effective batch and schedule), or {instead}")  # fmt: skip
+    if False:  # finetune.init may name a moved folder, not another run's encoder
+        was, now = (f"the encoder of {p}" if p else "no pretraining run's encoder" for p in (then["parent"], parent))
+        raise ConfigError(f"run.resume: the run in {run_dir} was started from {was}, and finetune.init now names {now}; resume it "
+                          f"with the init it recorded in config.yaml, or {instead}")  # fmt: skip
     now, before = flat_keys(to_dict(cfg)), flat_keys(recorded)
     differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
               if key not in RESUMABLE_CHANGES and now.get(key) != before.get(key)]  # fmt: skip

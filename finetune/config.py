@@ -51,6 +51,10 @@ class FinetuneSection:
         check(self.init.strip() != "", "finetune.init", "must be scratch, a run folder or checkpoint, timm:<model name>, "
               "local-dir:<folder> or hf-hub:<user>/<name>")  # fmt: skip
         check(self.mode != "eval" or self.init != "scratch", "finetune.init", "must name a finished run folder or classifier.pt in eval mode")
+        # Only timm:<name> reads init_file: another init loaded its own weights and left the file unread, unsaid. (eval mode
+        # reads neither, and accepts a timm recipe's file as it accepts its patch_keep: its config evaluates as it is.)
+        check(self.init_file is None or self.init.startswith("timm:") or self.mode == "eval", "finetune.init_file",
+              f"is read only with finetune.init=timm:<model name> (the file holds that model's weights), not with finetune.init={self.init}")
         for prefix, what in (("timm:", "model name"), ("local-dir:", "folder"), ("hf-hub:", "user/name")):
             if self.init.startswith(prefix):
                 check(len(self.init) > len(prefix), "finetune.init", f"must look like {prefix}<{what}>")

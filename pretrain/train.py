@@ -60,11 +60,14 @@ def knn_monitor(cfg: PretrainConfig, run: Run, data: Data):
     bank_loader = data.loader(bank, cfg.optim.batch_size, train=False)
     query_loader = data.loader(queries, cfg.optim.batch_size, train=False)
     num_classes = len(splits.train.classes)
+    k = min(mae_cfg.knn_k, len(bank))  # the vote takes the whole bank where k is larger: say so, and print the k that votes
+    if k < mae_cfg.knn_k:
+        run.warn(f"mae.knn_k={mae_cfg.knn_k} is more than the {len(bank)} training images of the kNN monitor's bank: all {k} vote")
 
     def evaluate(encoder, epoch: int, epoch_seconds: float) -> dict[str, float]:
-        r = knn_evaluate(encoder, bank_loader, query_loader, run.accelerator, num_classes, k=mae_cfg.knn_k,
+        r = knn_evaluate(encoder, bank_loader, query_loader, run.accelerator, num_classes, k=k,
                          temperature=mae_cfg.knn_temperature, pool=mae_cfg.knn_pool)  # fmt: skip
-        run.print(f"epoch {epoch}: kNN top-1 {r['top1']:.2%}, top-5 {r['top5']:.2%} (k {mae_cfg.knn_k}, bank {r['bank']}, "
+        run.print(f"epoch {epoch}: kNN top-1 {r['top1']:.2%}, top-5 {r['top5']:.2%} (k {k}, bank {r['bank']}, "
                   f"{r['count']} val images) in {r['seconds']:.1f}s, {r['seconds'] / max(epoch_seconds, 1e-9):.1%} "
                   f"of the epoch's {epoch_seconds:.0f}s of training")  # fmt: skip
         return {"knn_top1": r["top1"], "knn_top5": r["top5"], "knn_sec": round(r["seconds"], 2)}

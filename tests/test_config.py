@@ -168,3 +168,14 @@ def test_overrides_keep_what_the_command_line_spells():
 def test_numbers_no_field_can_take_are_one_config_error(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(PretrainConfig, None, [override])
+
+
+@pytest.mark.parametrize("init", ["scratch", "runs/mae_cpu", "local-dir:exports/mae", "hf-hub:user/name"])
+def test_an_init_file_no_init_reads_is_refused(init):
+    # Only timm:<name> reads finetune.init_file: with any other init the file was left unread and the run trained from
+    # that init, without a word.
+    with pytest.raises(ConfigError, match=r"^finetune.init_file is read only with finetune.init=timm:"):
+        load_config(FinetuneConfig, None, [f"finetune.init={init}", "finetune.init_file=weights.safetensors"])
+    load_config(FinetuneConfig, None, ["finetune.init=timm:vit_tiny_patch16_224", "finetune.init_file=weights.safetensors"])
+    # eval mode trains nothing: a timm recipe's config (its init_file too) evaluates its finished run as it is
+    load_config(FinetuneConfig, None, ["finetune.mode=eval", "finetune.init=runs/baseline", "finetune.init_file=weights.safetensors"])

@@ -341,3 +341,24 @@ def test_a_baseline_config_evaluates_its_finished_run_in_eval_mode(tmp_path):
 
     with pytest.raises(ConfigError, match="finetune.init must be scratch for the resnet18 baseline"):
         load_config(FinetuneConfig, config, [f"finetune.init={tmp_path / 'runs' / 'mae'}"])  # training from an encoder: refused
+
+
+def test_a_resume_from_another_pretraining_run_s_encoder_is_refused(mae_run, tmp_path, capsys):
+    # finetune.init may change on a resume (a moved folder), and did so for any encoder: the run continued its state
+    # while summary.json named the new init's run as its parent, and config.yaml the first one's.
+    import shutil
+
+    moved = tmp_path / "moved"  # the same pretraining run in another folder: its encoder records where it was trained
+    shutil.copytree(mae_run, moved)
+    args = tiny_overrides(tmp_path, name="ft", **{"schedule.max_steps": 1, "run.save_every": 1}) + ["finetune.mode=linear", "finetune.probe_cache=false"]
+    assert finetune(args + [f"finetune.init={mae_run}"]) == 0
+    reset_accelerate()
+    capsys.readouterr()
+    assert finetune(args + ["finetune.init=scratch", "run.resume=auto", "schedule.max_steps=2"]) == 2
+    reset_accelerate()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"was started from the encoder of {mae_run}, and finetune.init now names no pretraining run's encoder" in err
+    assert summary(tmp_path, "ft")["steps"] == 1
+    assert finetune(args + [f"finetune.init={moved}", "run.resume=auto", "schedule.max_steps=2"]) == 0
+    reset_accelerate()
+    assert summary(tmp_path, "ft")["steps"] == 2 and summary(tmp_path, "ft")["parent"] == str(mae_run)

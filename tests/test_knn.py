@@ -115,3 +115,12 @@ def test_knn_needs_our_vit_and_sane_settings(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith(f"error: {key}"), err
     assert pretrain(tiny_overrides(tmp_path, **{"mae.knn_bank_size": 0})) == 2
     assert capsys.readouterr().err.startswith("error: mae.knn_bank_size must be positive")
+
+
+def test_a_monitor_k_above_its_bank_is_warned_and_printed_as_the_k_that_votes(tmp_path, capsys):
+    # The monitor's vote takes the whole bank where mae.knn_k is larger: it printed "k 1000, bank 40", unwarned.
+    extra = {"data.synthetic_size": 64, "data.val_size": 16, "schedule.epochs": 1, "mae.knn_bank_size": 40, "mae.knn_k": 1000}
+    assert pretrain(tiny_overrides(tmp_path, **extra)) == 0
+    out, err = capsys.readouterr()
+    assert "warning: mae.knn_k=1000 is more than the 40 training images of the kNN monitor's bank: all 40 vote" in err
+    assert "(k 40, bank 40, 16 val images)" in out and "k 1000" not in out

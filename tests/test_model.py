@@ -329,3 +329,21 @@ def test_sincos_pretrained_encoder_fine_tunes_with_a_learned_table_starting_from
     load_encoder(clf, tmp_path / "encoder.pt")
     assert clf.pos_embed.requires_grad
     torch.testing.assert_close(clf.pos_embed[0], sincos_2d(32, 4))
+
+
+def test_a_learned_table_is_refused_by_a_model_with_a_fixed_sincos_one(tmp_path):
+    # It loaded into the frozen parameter: the run said sin-cos and trained with the checkpoint's learned table, fixed.
+    save_encoder(VisionTransformer(**SMALL, pos_embed="learned"), tmp_path / "encoder.pt")
+    for img_size in (32, 64):  # as it is, and resampled to another patch grid
+        clf = VisionTransformer(**{**SMALL, "img_size": img_size}, pos_embed="sincos")
+        with pytest.raises(CheckpointError, match=r"holds a learned positional table: model.pos_embed=sincos would load it frozen"):
+            load_encoder(clf, tmp_path / "encoder.pt")
+    save_encoder(VisionTransformer(**SMALL, pos_embed="sincos"), tmp_path / "encoder.pt")
+    load_encoder(VisionTransformer(**SMALL, pos_embed="sincos"), tmp_path / "encoder.pt")
+
+
+def test_an_mlp_ratio_that_leaves_no_hidden_unit_is_refused():
+    # int(32 * 0.01) = 0: every block's MLP was a Linear of width 0, and the run trained without one, unsaid.
+    with pytest.raises(ValueError, match=r"mlp_ratio=0.01 gives the MLP no hidden unit at embed_dim=32"):
+        VisionTransformer(**{**SMALL, "mlp_ratio": 0.01})
+    assert VisionTransformer(**{**SMALL, "mlp_ratio": 0.05}).blocks[0].mlp.fc1.out_features == 1

@@ -255,6 +255,8 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"pos_embed must be 'learned' or 'sincos', got {pos_embed!r}")
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        if int(embed_dim * mlp_ratio) < 1:  # a Linear of width 0: blocks without an MLP, trained and saved without a word
+            raise ValueError(f"mlp_ratio={mlp_ratio:g} gives the MLP no hidden unit at embed_dim={embed_dim} (int({embed_dim} * {mlp_ratio:g}) = 0)")
         self.config = dict(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
             embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,

@@ -34,7 +34,8 @@ FILE_FORMATS = {ENCODER_FILE: ENCODER_FORMAT, MAE_FILE: MAE_FORMAT, CLASSIFIER_F
 
 # Fields that change the meaning of the weights: a checkpoint must agree on all of them. `pos_embed`
 # (learned or fixed sin-cos) is not one: the table is stored either way, and fine-tuning a sin-cos
-# pretrained encoder with a learned table that starts from it is MAE's own recipe.
+# pretrained encoder with a learned table that starts from it is MAE's own recipe (the other way, a learned table
+# would load frozen where the run says sin-cos: `load_encoder` refuses it).
 ARCHITECTURE_FIELDS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
 
 
@@ -165,7 +166,8 @@ def config_mismatch(stored: dict, wanted: dict, fields=ARCHITECTURE_FIELDS) -> l
 def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load an `encoder.pt` into `model` strictly (the head alone may be new); returns the payload.
 
-    Refuses a checkpoint whose stored encoder config differs from the model's, except in image size:
+    Refuses a checkpoint whose stored encoder config differs from the model's (or a learned positional table for a
+    model with a fixed sin-cos one), except in image size:
     an encoder pretrained at one size loads into a model of another (same patch size), its positional
     embeddings resampled to the new patch grid (a fixed sin-cos table is recomputed for it, a learned
     one interpolated bicubically), which `say` reports in one line.
@@ -176,6 +178,10 @@ def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callabl
     if diff:
         raise CheckpointError(f"{path} was saved from a different encoder (checkpoint != this run): {'; '.join(diff)}")
     state = payload["state_dict"]
+    if model.config["pos_embed"] == "sincos" and stored.get("pos_embed", "learned") != "sincos":
+        # It would load into the frozen parameter: a learned table, fixed, where the run says sin-cos.
+        raise CheckpointError(f"{path} holds a learned positional table: model.pos_embed=sincos would load it frozen, not a sin-cos "
+                              "table; set model.pos_embed=learned to fine-tune it")  # fmt: skip
     if stored.get("img_size") != model.config["img_size"] and "pos_embed" in state:
         try:
             state = {**state, "pos_embed": resampled_pos_embed(state["pos_embed"], stored, model)}

@@ -356,7 +356,7 @@ def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead:
     if then.get("processes", processes) != processes:  # the effective batch, and with it the schedule's steps and learning rate
         raise ConfigError(f"run.resume: the run in {run_dir} was started with {then['processes']} process(es), this one has {processes}: "
                           f"resume it with {then['processes']} (its effective batch and schedule), or {instead}")  # fmt: skip
-    if False:  # finetune.init may name a moved folder, not another run's encoder
+    if then.get("parent", parent) != parent:  # finetune.init may name a moved folder, not another run's encoder
         was, now = (f"the encoder of {p}" if p else "no pretraining run's encoder" for p in (then["parent"], parent))
         raise ConfigError(f"run.resume: the run in {run_dir} was started from {was}, and finetune.init now names {now}; resume it "
                           f"with the init it recorded in config.yaml, or {instead}")  # fmt: skip

@@ -23,6 +23,7 @@ from finetune.models import Built, build_classifier, encoder_init, load_classifi
 from vit.train import tracking
 from vit.store.checkpoint import unwrap
 from vit.cli import parse
+from vit.config import ModelConfig
 from vit.data.splits import Splits
 from vit.train.accelerator import compile_for_run, main_first
 from vit.train.budget import Evaluation
@@ -260,6 +261,8 @@ def run_eval(cfg: FinetuneConfig) -> int:
     run = Run.start(cfg, stage="finetune", job_type="eval", parent=payload.get("parent"))
     if replaced:
         run.print(f"eval: the classifier's data split: {', '.join(replaced)}")
+    if given := [f"model.{k}={v}" for k, v in vars(cfg.model).items() if v != getattr(ModelConfig(), k) and k != "attn_impl"]:
+        run.print(f"eval: the classifier is rebuilt as it was saved ({payload['arch']}); {', '.join(given)} not used")
     acc = run.accelerator
     size = payload["data"]["image_size"]
     data = open_run_data(cfg, run, size)

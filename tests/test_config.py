@@ -63,12 +63,15 @@ def test_bad_file_values_name_the_key_and_file(tmp_path, data, message):
         ("schedule.epochs=-1", r"schedule.epochs must be positive"),
         ("model.img_size=30", r"model.img_size 30 is not divisible by model.patch_size=4"),
         ("model.num_heads=5", r"model.num_heads 5 does not divide model.embed_dim=128"),
+        # caught before the run folder is written, not when the model is built after it
+        ("model.mlp_ratio=0.001", r"model.mlp_ratio 0.001 gives the MLP no hidden unit at embed_dim=128"),
+        ("model.pos_embed=sincos model.embed_dim=130 model.num_heads=2", r"model.pos_embed sincos needs model.embed_dim divisible by 4 .*, not 130"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
     extra = ["model.img_size=32", "model.patch_size=4", "model.embed_dim=128"] if override.startswith("model.") else []
     with pytest.raises(ConfigError, match=message):
-        load_config(PretrainConfig, None, extra + [override])
+        load_config(PretrainConfig, None, extra + override.split())
 
 
 def test_yaml_booleans_are_read_back_as_the_choice_they_spell(tmp_path):

@@ -64,7 +64,7 @@ def test_layer_decay_scales_first_and_last_block_and_head():
 
 
 @pytest.mark.slow
-def test_short_finetune_beats_chance_and_eval_mode_reproduces_it(mae_run, tmp_path):
+def test_short_finetune_beats_chance_and_eval_mode_reproduces_it(mae_run, tmp_path, capsys):
     args = tiny_overrides(tmp_path, name="ft", **{"schedule.epochs": 3, "optim.lr": 2e-3}) + [f"finetune.init={mae_run}", "aug.mixup=0.2"]
     assert finetune(args) == 0
     s = summary(tmp_path, "ft")
@@ -83,7 +83,10 @@ def test_short_finetune_beats_chance_and_eval_mode_reproduces_it(mae_run, tmp_pa
     reset_accelerate()
     # generated data is rebuilt at the size it was trained at (it was built at the default 1024 images, another set)
     bare = [a for a in tiny_overrides(tmp_path, name="ft_eval2") if not a.startswith("data.synthetic_size")]
-    assert finetune(bare + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'ft'}"]) == 0
+    # model settings on the command line: the classifier is rebuilt as saved, and a line says they go unused
+    capsys.readouterr()
+    assert finetune(bare + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'ft'}", "model.name=vit_cifar_small"]) == 0
+    assert "eval: the classifier is rebuilt as it was saved (vit); model.name=vit_cifar_small" in capsys.readouterr().out
     e = summary(tmp_path, "ft_eval2")
     assert e["data"]["test"] == 64 and e["val_top1"] == s["final_val_top1"] and e["test_top1"] == s["final_test_top1"]
 

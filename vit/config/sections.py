@@ -71,6 +71,10 @@ class ModelConfig:
                else f"{patch} does not divide the image size {img} of {self.name} (set model.img_size too)")  # fmt: skip
         heads, dim = sizes["num_heads"], sizes["embed_dim"]
         check(dim % heads == 0, "model.num_heads", f"{heads} does not divide model.embed_dim={dim}")
+        ratio = sizes["mlp_ratio"]
+        check(int(dim * ratio) >= 1, "model.mlp_ratio", f"{ratio:g} gives the MLP no hidden unit at embed_dim={dim} (int({dim} * {ratio:g}) = 0)")
+        check(self.pos_embed != "sincos" or dim % 4 == 0, "model.pos_embed",
+              f"sincos needs model.embed_dim divisible by 4 (a quarter each for sin and cos of rows and columns), not {dim}")  # fmt: skip
 
 
 @dataclass

@@ -157,6 +157,15 @@ def test_local_timm_weights_file_loads_with_resampling_and_gives_timms_outputs(t
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
 
 
+def test_our_own_checkpoint_given_as_timm_weights_is_refused_naming_the_init_that_reads_it(tmp_path, capsys):
+    """An encoder.pt passed as finetune.init_file loaded as "timm weights": no parent, no overlap check, job type baseline."""
+    weights = tmp_path / "encoder.pt"
+    torch.save({"format": "vit-encoder/1", "config": {"embed_dim": 32}, "state_dict": {"cls_token": torch.zeros(1, 1, 32)}, "meta": {}}, weights)
+    code = finetune(tiny_overrides(tmp_path) + ["finetune.init=timm:vit_tiny_patch16_224", f"finetune.init_file={weights}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "vit-encoder/1 checkpoint, not a timm weights file" in err and f"finetune.init={weights}" in err
+
+
 def test_unreachable_hub_and_missing_file_are_one_line_errors(tmp_path, capsys, monkeypatch):
     code = finetune(tiny_overrides(tmp_path) + ["finetune.init=timm:vit_tiny_patch16_224", f"finetune.init_file={tmp_path / 'nope.pth'}"])
     assert code == 2 and "nope.pth does not exist" in capsys.readouterr().err

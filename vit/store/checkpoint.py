@@ -290,6 +290,8 @@ def read_weights_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path} is not a readable weights file ({type(e).__name__})") from None
+    if isinstance(sd, dict) and sd.get("format") in FILE_FORMATS.values():  # loaded as timm's, it would lose its config and run
+        raise CheckpointError(f"{path} is this project's {sd['format']} checkpoint, not a timm weights file: pass it as finetune.init={path}")
     for key in ("model", "state_dict"):
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
             sd = sd[key]

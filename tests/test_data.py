@@ -244,6 +244,25 @@ def test_cache_is_reused_and_a_corrupt_cache_is_rebuilt(tmp_path, imagefolder_ta
     assert sorted(p.name for p in imagefolder_tar.path.parent.iterdir()) == ["tree.tar.gz"]  # nothing written next to the input
 
 
+def test_a_cache_file_whose_bytes_changed_is_rebuilt_not_read_back(tmp_path, imagefolder_tree, capsys):
+    """torch.load reads a cache whose pixel bytes changed on disk without a word: the run trained on other pixels."""
+    import zipfile
+
+    cfg = cfg_for(tmp_path, dataset="imagefolder", root=str(imagefolder_tree.root))
+    first = load_splits(cfg)
+    path = cache_path(cfg, imagefolder_tree.root)
+    with zipfile.ZipFile(path) as z:
+        images = max(z.infolist(), key=lambda i: i.file_size)  # the training images' storage
+    data = bytearray(path.read_bytes())
+    start = images.header_offset + 30 + len(images.filename) + len(images.extra)  # past the member's local header
+    data[start + 10 : start + 60] = bytes(b ^ 0xFF for b in data[start + 10 : start + 60])
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    second = load_splits(cfg)
+    assert f"warning: data cache {path} is unreadable" in capsys.readouterr().err
+    assert torch.equal(first.train.images, second.train.images)
+
+
 def test_cache_key_follows_the_source_and_decode_size(tmp_path, imagefolder_tree):
     cfg = cfg_for(tmp_path, dataset="imagefolder", root=str(imagefolder_tree.root))
     before = cache_path(cfg, imagefolder_tree.root)

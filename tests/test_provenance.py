@@ -172,3 +172,25 @@ def test_a_damaged_record_in_an_export_is_one_line(mae_export, tmp_path, capsys,
     assert finetune(tiny_overrides(tmp_path, name="knn") + ["finetune.mode=knn", f"finetune.init=local-dir:{folder}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pretrained_on is damaged" in err and why in err
+
+
+@pytest.mark.parametrize("later", [{"loader": "stream"}, {"image_size": 8}, {"archive": True, "image_size": 8}],
+                         ids=["stream", "other-size", "archive-other-size"])
+def test_a_later_run_reading_the_same_files_another_way_is_checked_for_overlap(tmp_path, imagefolder_tree, imagefolder_tar, later):
+    """The record's fingerprint names the files, not their decoded pixels: a fine-tune that streams the tree, decodes it
+    at another size or reads its archive still finds the val images the pretraining trained on (it said "other data")."""
+    from vit.data.loaders import open_data
+    from vit.data.provenance import check_overlap, split_record
+    from vit.errors import DataError
+
+    def opened(root, **kw):
+        cfg = DataConfig(dataset="imagefolder", root=str(root), cache_dir=str(tmp_path / "cache"), val_size=3, workers=0, **kw)
+        return cfg, open_data(cfg, out_size=16, say=lambda line: None).splits
+
+    cfg, splits = opened(imagefolder_tree.root, loader="memory", image_size=16)
+    record = split_record(cfg, splits)
+    root = imagefolder_tar.path if later.pop("archive", False) else imagefolder_tree.root
+    _, other = opened(root, split_seed=1, **{"loader": "memory", **later})
+    assert other.source.fingerprint == record["fingerprint"]
+    with pytest.raises(DataError, match=r"^\d+ of this run's 3 val images were training images of the encoder"):
+        check_overlap(record, other, "the encoder", "finetune.allow_overlap", False)

@@ -3,7 +3,8 @@
 The hash covers the source's identity (a path with its size and newest change time, mtime or ctime, linked folders
 included; or an identity string for shard lists and Hub datasets), the decode settings (size, `data.max_image_pixels`)
 and `FORMAT_VERSION`, so a changed source is decoded again. Images skipped by `data.skip_bad_images` are recorded in
-the cache too. A broken cache file is rebuilt; the cache is never written next to the input.
+the cache too. A broken cache file is rebuilt, a truncated one or one whose bytes changed (each split's pixels and
+labels carry a CRC-32); the cache is never written next to the input.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -24,7 +26,8 @@ from vit.data.splits import ImageSet
 from vit.errors import DataError
 from vit.store.atomic import atomic_save
 
-FORMAT_VERSION = 2  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs)
+FORMAT_VERSION = 3  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs;
+#   3: each split's CRC-32 and the names and sizes of its files)
 
 
 def cache_path(cfg: DataConfig, source: Path | str, extra: tuple = ()) -> Path:
@@ -80,7 +83,10 @@ def _read_cache(path: Path) -> tuple[dict[str, ImageSet], list[tuple[str, str]]]
         if payload.get("format") != FORMAT_VERSION:
             raise ValueError(f"format {payload.get('format')}, expected {FORMAT_VERSION}")
         classes = list(payload["classes"])
-        splits = {split: ImageSet(v["images"], v["labels"], classes) for split, v in payload["splits"].items()}
+        splits = {split: ImageSet(v["images"], v["labels"], classes, v["identity"]) for split, v in payload["splits"].items()}
+        for split, images in splits.items():
+            if _crc(images) != payload["splits"][split]["crc"]:  # torch.load reads changed bytes back without a word
+                raise ValueError(f"the {split} images are not the ones written (CRC-32 differs)")
         return splits, [tuple(b) for b in payload.get("skipped", [])]
     except Exception as e:  # truncated, foreign or stale files are all rebuilt the same way
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -93,13 +99,19 @@ def _write_cache(path: Path, result: dict[str, ImageSet], skipped: list[tuple[st
     payload = {
         "format": FORMAT_VERSION,
         "classes": list(result["train"].classes),
-        "splits": {split: {"images": s.images, "labels": s.labels} for split, s in result.items()},
+        "splits": {split: {"images": s.images, "labels": s.labels, "identity": s.identity, "crc": _crc(s)} for split, s in result.items()},
         "skipped": [list(b) for b in skipped],
     }
     try:
         atomic_save(payload, path)
     except OSError as e:
         raise DataError(f"cannot write the data cache {path} ({e.strerror}); set data.cache_dir to a writable folder") from None
+
+
+def _crc(images: ImageSet) -> int:
+    """CRC-32 of a split's pixels and labels: what tells a cache file whose bytes changed on disk."""
+    crc = zlib.crc32(images.images.contiguous().view(-1).numpy())  # flat: an empty split has no bytes to cast
+    return zlib.crc32(images.labels.numpy().tobytes(), crc)
 
 
 def _fingerprint(source: Path) -> tuple[int, int]:

@@ -14,7 +14,6 @@ Labels are int64 class indices, -1 for an unlabelled image; `classes` is empty f
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 
 from vit.data.decode import BadImage, decode_image, is_image_name
-from vit.data.splits import ImageSet
+from vit.data.splits import ImageSet, identity_fingerprint
 from vit.errors import DataError
 
 UNLABELLED = -1
@@ -186,11 +185,7 @@ def tree_files(root: Path, split_names: tuple[str, ...]) -> dict[str, FileSet]:
 
 def files_fingerprint(files: FileSet) -> str:
     """A hash of a file set's names (or rows), sizes, labels and classes: the same tree copied elsewhere gives the same string."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr(list(files.classes)).encode())
-    digest.update(files.labels.numpy().tobytes())
-    digest.update(files.reader.identity(files.index).encode())
-    return digest.hexdigest()
+    return identity_fingerprint(files.classes, files.labels, files.reader.identity(files.index))
 
 
 def decode_files(files, image_size: int | None, skip_bad: bool, bad: list, max_pixels: int | None = None) -> ImageSet:
@@ -213,7 +208,8 @@ def decode_files(files, image_size: int | None, skip_bad: bool, bad: list, max_p
     if not arrays:
         raise DataError("every image of the source failed to decode")
     stacked = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (N, H, W, 3) -> (N, 3, H, W)
-    return ImageSet(stacked, files.labels[torch.tensor(keep, dtype=torch.int64)].clone(), list(files.classes))
+    keep = torch.tensor(keep, dtype=torch.int64)
+    return ImageSet(stacked, files.labels[keep].clone(), list(files.classes), files.reader.identity(files.index[keep]))
 
 
 class SizeCheck:

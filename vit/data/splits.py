@@ -30,6 +30,9 @@ class ImageSet:
     images: torch.Tensor
     labels: torch.Tensor
     classes: list[str]
+    # Decoded from files: their names and sizes, in order (`PathReader.identity`), so `fingerprint` names the files
+    # as the stream loader's does, whatever size they were decoded to. None for arrays and subsets.
+    identity: str | None = None
 
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.ndim != 4 or self.images.shape[1] != 3:
@@ -54,8 +57,9 @@ class ImageSet:
 class SourceIndex:
     """Where `Splits.train` and `Splits.val` sit in the source's training split, and a hash of that split's content."""
 
-    # The memory loader hashes the decoded images and labels (`fingerprint`): the same images give the same string
-    # wherever they are read from. The stream loader cannot read everything first: it hashes names and sizes.
+    # Image files (trees, archives, folders, Hugging Face rows) are hashed by their names and sizes, labels and classes,
+    # by either loader and at any decode size (`identity_fingerprint`): the same tree, copied elsewhere or packed in
+    # an archive, gives the same string. Arrays (CIFAR pickles, MNIST, synthetic, shards in memory) by their pixels.
     fingerprint: str
     size: int  # images in the source's training split
     train: torch.Tensor | None  # (len(Splits.train),) int64 positions; None for shards (read in order, never indexed)
@@ -119,11 +123,25 @@ def carve_splits(cfg: DataConfig, raw: dict[str, Any], source_fingerprint: str, 
 
 
 def fingerprint(images: ImageSet) -> str:
-    """A hash of the images, labels and class names: it tells whether two runs read the same data, from any path or format."""
+    """A hash that tells whether two runs read the same data, from any path or format: of the files' names and sizes
+    where the images were decoded from files (so the decode size and the loader do not change it), else of the pixels;
+    with the labels and class names."""
+    if images.identity is not None:
+        return identity_fingerprint(images.classes, images.labels, images.identity)
     digest = hashlib.blake2b(digest_size=16)
     digest.update(repr(list(images.classes)).encode())
     digest.update(images.labels.numpy().tobytes())
     digest.update(memoryview(images.images.contiguous().numpy()).cast("B"))
+    return digest.hexdigest()
+
+
+def identity_fingerprint(classes: list[str], labels: torch.Tensor, identity: str) -> str:
+    """A hash of class names, labels (N,) and the files' `identity` (names and sizes): `fingerprint` of images decoded
+    from files, and `vit.data.files.files_fingerprint` of the same files listed, agree."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(list(classes)).encode())
+    digest.update(labels.numpy().tobytes())
+    digest.update(identity.encode())
     return digest.hexdigest()
 
 

@@ -93,23 +93,24 @@ def read_tree(source: Path, image_size: int | None, skip_bad: bool = False, bad:
         for c in names:
             if c not in index:
                 raise DataError(f"{source}: class folder {split}/{c} has no counterpart in train/ (train classes: {', '.join(classes)})")
-        images, labels = [], []
+        images, labels, identity = [], [], []
         for c in names:
-            files = entries[(split, c)]
-            images += [arr for _, arr in sorted(files, key=lambda f: f[0])]  # file order, so tree and archive agree
+            files = sorted(entries[(split, c)], key=lambda f: f[0])  # file order, so tree and archive agree
+            images += [arr for _, _, arr in files]
+            identity += [f"{split}/{c}/{rel}\0{size}\n" for rel, size, _ in files]  # as `PathReader.identity` names the tree's files
             labels += [index[c]] * len(files)
         stacked = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()  # (N, H, W, 3) -> (N, 3, H, W)
-        result[split] = ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), list(classes))
+        result[split] = ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), list(classes), "".join(identity))
     return result
 
 
 def read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: list,
-                  max_pixels: int | None = None) -> dict[tuple[str, str], list[tuple[str, np.ndarray]]]:  # fmt: skip
+                  max_pixels: int | None = None) -> dict[tuple[str, str], list[tuple[str, int, np.ndarray]]]:  # fmt: skip
     """Stream the members of a .tar.gz (no extraction to disk): `[prefix/]split/class/**/file` images are decoded, at
     any depth below the class folder, as the folder reader (`vit.data.files.tree_files`) reads them. Files are keyed by
-    their path below the class folder, so sorting them gives the folder reader's order."""
+    their path below the class folder, so sorting them gives the folder reader's order; each with its size in bytes."""
     check = SizeCheck()
-    entries: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
+    entries: dict[tuple[str, str], list[tuple[str, int, np.ndarray]]] = {}
     class_dirs: set[tuple[str, str]] = set()
     try:
         with tarfile.open(archive, "r|gz") as tar:
@@ -136,7 +137,7 @@ def read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: lis
                     class_dirs.add((parts[0], parts[1]))
                     continue
                 check(name, arr)
-                entries.setdefault((parts[0], parts[1]), []).append(("/".join(parts[2:]), arr))
+                entries.setdefault((parts[0], parts[1]), []).append(("/".join(parts[2:]), member.size, arr))
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         raise DataError(f"{archive} is truncated or not a readable .tar.gz ({type(e).__name__}: {e})") from None
     empty = sorted(class_dirs - set(entries))

@@ -400,6 +400,23 @@ def test_patch_dropout_that_keeps_no_patch_is_refused_before_the_run_folder_is_w
     assert not (tmp_path / "runs" / "fresh").exists()
 
 
+def test_a_run_folder_inside_the_photos_it_reads_is_refused_before_anything_is_written(tmp_path, capsys):
+    """data.dataset=folder reads every image under its root: a run written there made its reconstruction figure one of
+    the next run's training images (8 photos, then 9)."""
+    from PIL import Image
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i in range(8):
+        Image.new("RGB", (32, 32), (30 * i, 0, 0)).save(photos / f"{i}.png")
+    args = tiny_overrides(tmp_path, **{"data.dataset": "folder", "data.root": photos, "run.dir": photos / "runs", "data.val_size": 2,
+                                       "optim.batch_size": 4, "schedule.max_steps": 1})  # fmt: skip
+    assert pretrain(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"inside data.root {photos}" in err and "choose a run.dir outside it" in err, err
+    assert sorted(p.name for p in photos.iterdir()) == [f"{i}.png" for i in range(8)]
+
+
 @pytest.mark.parametrize("kind, message", [("empty_class", "empty class folder"), ("unreadable", "broken.png"), ("truncated", "bad.tar.gz")])
 def test_bad_data_is_one_line_naming_the_path(tmp_path, kind, message, capsys):
     root = bad_data(tmp_path, kind)

@@ -79,6 +79,7 @@ class Run:
         cfg = replace(cfg, run=run_cfg)
         threads = set_threads(run_cfg, accelerator)
         run_dir = run_cfg.path
+        check_outside_inputs(run_dir, getattr(cfg, "data", None))
         # Before anything reads or clears the folder (an overwrite, a resume's trimming): a live run of it refuses this one.
         # The main process alone holds it; the other ranks of this run follow it.
         lock = lock_run(run_dir) if accelerator.is_main_process else None
@@ -264,6 +265,18 @@ def param_checksum(model) -> torch.Tensor:
 def flatten(d: dict) -> dict:
     """Dotted keys (`flat_keys`) with the values trackers take: numbers, strings, booleans and None; anything else as text."""
     return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in flat_keys(d).items()}
+
+
+def check_outside_inputs(run_dir: Path, data: Any) -> None:
+    """Refuse a run folder inside the folder of a `data.dataset=folder` source: read at any depth, it would read the run's
+    figures as images next time."""
+    if getattr(data, "dataset", None) != "folder":
+        return
+    for key in ("root", "val_root"):
+        root = Path(str(getattr(data, key, None) or "")).expanduser()
+        if str(root) != "." and root.is_dir() and root.resolve() in run_dir.resolve().parents:
+            raise ConfigError(f"run.dir puts the run folder {run_dir} inside data.{key} {root}, whose images the next run would read "
+                              "with the run's figures among them; choose a run.dir outside it")  # fmt: skip
 
 
 def check_run_dir(run_dir: Path, run_cfg: RunConfig, cfg: Any) -> bool:

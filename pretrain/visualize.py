@@ -25,8 +25,9 @@ from vit.store.checkpoint import CLASSIFIER_FORMAT, ENCODER_FORMAT, classifier_e
 from vit.data.sources import IMAGENET_MEAN, IMAGENET_STD, NORMALIZATION
 from vit.errors import CheckpointError, DataError, UserError
 from vit.models.encoder import VisionTransformer
-from vit.tools.plots import figure_attention_heads, figure_patch_grid, figure_pos_similarity, figure_rollout, figure_sincos_table
-from vit.store.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, MAE_FILE, read_config
+from vit.tools.plots import check_output_folder, figure_attention_heads, figure_patch_grid, figure_pos_similarity, figure_rollout
+from vit.tools.plots import figure_sincos_table
+from vit.store.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, FIGURES_DIR, MAE_FILE, is_run_folder, read_config
 
 
 # --------------------------------------------------------------------------- the checkpoint
@@ -154,6 +155,11 @@ def get_images(loaded: Loaded, spec: list[str], n: int):
 @torch.no_grad()
 def visualize(checkpoint: str, image_spec: list[str], out: Path, num_images: int = 8, seed: int = 0) -> dict[str, Path | None]:
     """Every figure for `checkpoint` into `out`; returns {name: path, or None where skipped}. Prints one line per figure."""
+    check_output_folder(out, "--out")  # before any work; and not a run folder, whose own reconstruction.png it would replace
+    if is_run_folder(out):
+        raise UserError(
+            f"--out {out} is a run folder, whose own figures it would replace; write into one of its own, e.g. {out / FIGURES_DIR}"
+        )
     loaded = load_checkpoint(checkpoint)
     encoder = loaded.encoder.eval()
     images, mean, std, described = get_images(loaded, image_spec, num_images)

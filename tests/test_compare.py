@@ -3,6 +3,7 @@ files read as damaged runs, archives that add metrics to the same record. Run fo
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,62 @@ def test_a_nan_of_an_older_summary_is_shown_as_nan_not_a_traceback(tmp_path):
     (path / "summary.json").write_text((path / "summary.json").read_text().replace("60.0", "NaN").replace("0.5", "NaN"))
     line = compare.compare([str(path)])["table"].splitlines()[2]
     assert line.startswith("| old | finetune | - | vit_cifar_tiny depth=3 | - | nan | - | - | - | 1.0000 | - | nan |"), line
+
+
+def test_a_loss_that_went_non_finite_is_shown_as_nan_not_as_an_earlier_finite_loss(tmp_path):
+    """metrics.jsonl writes a non-finite loss as null and summary.json's final_loss is then null: the table fell back to
+    the last finite loss of the metrics (step 1's 2.5) and showed it as the run's final loss."""
+    metrics = [{"step": 1, "loss": 2.5, "time": 1.0}, {"step": 2, "loss": None, "time": 2.0}, {"step": 2, "val_loss": None}]
+    write_run(tmp_path / "runs", "diverged", {"final_loss": None, "final_val_loss": None}, metrics=metrics)
+    write_run(tmp_path / "runs", "diverging", None, metrics=metrics)  # unfinished: the metrics alone
+    result = compare.compare([str(tmp_path / "runs")])
+    for r in result["rows"]:
+        assert math.isnan(r["final_loss"]) and math.isnan(r["val_loss"]), r["name"]
+    assert all(" | nan | nan | " in line for line in result["table"].splitlines()[2:])
+
+
+def test_runs_keeps_runs_by_their_folder_name_where_two_share_it(tmp_path):
+    """Two runs named mae show as a/mae and b/mae; --runs 'mae*' matched neither ("matches none of the runs")."""
+    for parent in ("a", "b"):
+        write_run(tmp_path / parent, "mae", {"final_loss": 1.0})
+    write_run(tmp_path / "a", "probe", {"final_loss": 1.0})
+    runs = compare.load_runs([str(tmp_path / "a"), str(tmp_path / "b")], ["mae*"])
+    assert [r.name for r in runs] == ["a/mae", "b/mae"]
+    assert [r.name for r in compare.load_runs([str(tmp_path / "a"), str(tmp_path / "b")], ["b/mae"])] == ["b/mae"]
+
+
+def test_values_of_the_wrong_type_make_a_flagged_row_not_a_traceback(tmp_path):
+    """A summary.json or config.yaml edited by hand (or by another tool): a string host, a text wall time, a section that
+    is not a mapping stopped the whole comparison with a traceback (AttributeError, TypeError)."""
+    root = tmp_path / "runs"
+    write_run(root, "summary", {"wall_time_sec": "slow", "final_val_top1": "0.5", "model": 5}, host="my laptop")
+    path = write_run(root, "config", {"final_loss": 1.0, "wall_time_sec": 60.0})
+    (path / "config.yaml").write_text(yaml.safe_dump({"model": 3, "run": [1], "meta": "x", "finetune": {"init": 7}}))
+    result = compare.compare([str(root)], out=tmp_path / "report", csv_path=tmp_path / "runs.csv")
+    rows = {r["name"]: r for r in result["rows"]}
+    assert rows["summary"]["status"] == ("finished; not of the expected type, left out: summary.json host, summary.json wall_time_sec, "
+                                         "summary.json final_val_top1, summary.json model")  # fmt: skip
+    assert rows["summary"]["wall_time_sec"] is None and rows["summary"]["val_top1"] is None and rows["summary"]["host"] is None
+    assert rows["config"]["status"].endswith("left out: config.yaml model, config.yaml run, config.yaml meta, config.yaml finetune.init")
+    assert rows["config"]["wall_time_sec"] == 60.0 and "| config (not of the expected type" in result["table"]
+    assert (tmp_path / "report" / "report.md").is_file()
+
+
+def test_a_report_md_that_compare_runs_did_not_write_is_left_as_it_is(runs, tmp_path):
+    """--out into a folder holding someone's report.md replaced it with the comparison."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "report.md").write_text("# my notes\n")
+    with pytest.raises(UserError, match="holds a report.md that compare_runs.py did not write") as e:
+        compare.compare([str(runs)], out=notes)
+    assert "\n" not in str(e.value) and (notes / "report.md").read_text() == "# my notes\n" and not (notes / "loss_by_step.png").exists()
+    ours = tmp_path / "report"
+    compare.compare([str(runs)], out=ours)
+    compare.compare([str(runs)], out=ours)  # a report it wrote before is replaced
+
+
+def test_losses_logged_without_a_training_time_draw_no_empty_loss_by_time_figure(runs, tmp_path):
+    """The report linked an empty loss_by_time.png (matplotlib: "No artists with labels") as if it held the curves."""
+    result = compare.compare([str(runs)], out=tmp_path / "report")
+    assert result["figures"]["loss_by_step"] is not None and result["figures"]["loss_by_time"] is None
+    assert not (tmp_path / "report" / "loss_by_time.png").exists() and "loss_by_time" not in result["report"].read_text()

@@ -414,6 +414,33 @@ def test_visualize_on_a_classifier_with_an_image_folder(quickstart_out, tmp_path
         assert png_size(figures / f"{name}.png")[0] > 100
 
 
+def test_visualize_refuses_an_out_that_is_a_run_folder_or_a_file(tmp_path):
+    """--out <run folder> wrote its figures over the run's own reconstruction.png; an --out that is a file was
+    'File exists' after the model and images were loaded."""
+    from vit.errors import UserError
+    from vit.models.encoder import VisionTransformer
+    from vit.store.checkpoint import save_encoder
+
+    run = tmp_path / "runs" / "mae"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"meta": {"stage": "pretrain"}}))
+    (run / "summary.json").write_text(json.dumps({"final_loss": 1.0}))
+    save_encoder(VisionTransformer(img_size=16, patch_size=8, embed_dim=8, depth=1, num_heads=1, num_classes=0), run / "encoder.pt")
+    (run / "reconstruction.png").write_bytes(b"the run's own figure")
+    (run / "attention_heads.png").write_bytes(b"the run's own figure")
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(images / "red.png")
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    for out, message in ((run, "is a run folder"), (afile, "is a file, not a folder")):
+        with pytest.raises(UserError, match=message) as e:
+            visualize(str(run), [str(images)], out, 1)
+        assert "\n" not in str(e.value)
+    assert (run / "attention_heads.png").read_bytes() == (run / "reconstruction.png").read_bytes() == b"the run's own figure"
+    assert afile.read_text() == "mine\n"
+
+
 @pytest.mark.slow
 def test_visualize_refuses_bad_checkpoints_with_one_line(tmp_path):
     (tmp_path / "encoder.pt").write_text("not a checkpoint")

@@ -211,3 +211,17 @@ def test_an_overwrite_starts_tensorboard_on_a_cleared_folder(tmp_path):
     assert pretrain([*args, "run.overwrite=true"]) == 0
     reset_accelerate()
     assert len(events()) == len(first) and not set(events()) & set(first)  # the new run's events alone
+
+
+def test_a_disabled_wandb_run_names_no_wandb_folder(tmp_path):
+    """run.wandb_mode=disabled: wandb writes nothing, yet its run names a folder (/tmp/wandb/run-...), which summary.json
+    recorded as `wandb_run`: a record that was never there."""
+    import wandb
+
+    from vit.train.tracking import wandb_run_dir
+
+    wrun = wandb.init(mode="disabled", dir=str(tmp_path))
+    try:
+        assert wandb_run_dir(wrun) is None
+    finally:
+        wrun.finish()

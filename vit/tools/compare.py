@@ -3,113 +3,28 @@
     result = compare(["runs/mae", "runs/ft"], out=Path("report"), csv_path=Path("report/runs.csv"))
     print(result["table"])                           # also result["rows"], ["figures"], ["report"], ["csv"]
 
-Runs are read through `vit.store.runs` (`RunFolder`: config, summary, metric records; a run without a
-summary is unfinished and shows what its metrics hold so far); figures are drawn by `vit.tools.plots`.
+Runs are found and their curves read by `vit.tools.reading`, through `vit.store.runs` (`RunFolder`: config, summary,
+metric records; a run without a summary is unfinished and shows what its metrics hold so far); figures are drawn by
+`vit.tools.plots`.
 No tracker, no network. `scripts/compare_runs.py` is its command line.
 """
 
 from __future__ import annotations
 
-import bisect
 import csv
-import fnmatch
 import math
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from vit.device import host_label
-from vit.tools import plots
 from vit.errors import UserError
-from vit.store.runs import CLASSIFICATION, CONFIG_FILE, RUN_MARKERS, RunFolder, is_run_folder, read_run
+from vit.store.runs import CLASSIFICATION, CONFIG_FILE, SUMMARY_FILE, RunFolder, is_run_folder
+from vit.tools import plots
+from vit.tools.reading import Series, last_value, load_runs, series
 
 REPORT_FILE = "report.md"  # in the report folder, beside the figures
+REPORT_TITLE = "# Run comparison\n"  # how the report.md this module writes begins: the only one --out may replace
 CSV_HEADER = "name,status,"  # how the CSVs this module writes begin: the only existing files --csv may replace
-
-# --------------------------------------------------------------------------- reading run folders
-
-
-def find_runs(paths: list[str]) -> list[Path]:
-    """Run folders named by `paths`: each is a run folder or holds run folders (one level down). Order kept, no repeats."""
-    found: list[Path] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if not path.exists():
-            raise UserError(f"{path} does not exist")
-        if is_run_folder(path):
-            candidates = [path]
-        elif path.is_dir():
-            candidates = sorted(p for p in path.iterdir() if is_run_folder(p))
-            if not candidates:
-                print(f"note: {path} is not a run folder and holds none; skipped", file=sys.stderr)
-        else:
-            print(f"note: {path} is not a run folder; skipped", file=sys.stderr)
-            candidates = []
-        for c in candidates:
-            if c.resolve() not in {f.resolve() for f in found}:
-                found.append(c)
-    return found
-
-
-def run_names(paths: list[Path]) -> list[str]:
-    """Folder names, with the parent folder prepended where two runs share a name."""
-    names = [p.name for p in paths]
-    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
-
-
-def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFolder]:
-    """The runs under `paths`, kept where their names match one of `patterns` (all when None)."""
-    folders = find_runs(paths)
-    if not folders:
-        raise UserError(f"no run folders (with {', '.join(RUN_MARKERS)}) under {' '.join(paths)}")
-    runs = [read_run(p, n) for p, n in zip(folders, run_names(folders))]
-    if patterns:
-        for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(r.name, pattern) for r in runs):
-                raise UserError(f"--runs {pattern!r} matches none of the runs: {', '.join(r.name for r in runs)}")
-        runs = [r for r in runs if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)]
-    return runs
-
-
-# --------------------------------------------------------------------------- curves
-
-
-@dataclass
-class Series:
-    steps: list[float]
-    times: list[float | None]
-    values: list[float]
-
-
-def series(run: RunFolder, key: str) -> Series:
-    """One metric over the run: (step, training time, value), sorted by step.
-
-    A resumed run logs the steps after its last state again; the later line wins. Epoch-end
-    lines that carry no time take the time of the latest line at or before their step.
-    """
-    clock: dict[float, float] = {}
-    values: dict[float, float] = {}
-    for rec in run.metrics:
-        step = rec["step"]
-        if isinstance(rec.get("time"), (int, float)):
-            clock[step] = rec["time"]
-        value = rec.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            values[step] = float(value)
-    timed = sorted(clock)
-    steps = sorted(values)
-    times = []
-    for s in steps:
-        i = bisect.bisect_right(timed, s)  # the timed lines at or before this step
-        times.append(clock[timed[i - 1]] if i else None)
-    return Series(steps, times, [values[s] for s in steps])
-
-
-def last_value(run: RunFolder, key: str) -> float | None:
-    s = series(run, key)
-    return s.values[-1] if s.values else None
-
 
 # --------------------------------------------------------------------------- the table
 
@@ -155,8 +70,39 @@ def first(*values):
     return next((v for v in values if v is not None), None)
 
 
+NUMBER_KEYS = ("epochs", "steps", "wall_time_sec", "feature_images_per_sec", "images_per_sec", "processes", "final_loss",
+               "final_val_loss", "val_loss", "final_val_top1", "val_top1", "best_val_top1", "final_test_top1", "test_top1",
+               "final_knn_top1")  # fmt: skip
+TEXT_KEYS = ("stage", "job_type", "model", "arch", "init", "parent", "precision")
+CONFIG_SECTIONS = ("model", "data", "run", "finetune", "meta")
+
+
+def drop_mistyped(run: RunFolder) -> None:
+    """Drop the values of summary.json and config.yaml that the table reads and that are not of their type (a hand edit,
+    another tool's file), and name them in `run.problems`: a damaged run is a flagged row, not a traceback."""
+
+    def fits(value: Any, kind: Any) -> bool:
+        return value is None or (isinstance(value, kind) and not isinstance(value, bool))
+
+    def drop(values: dict[str, Any], kinds: dict[str, Any], label: str) -> list[str]:
+        wrong = [k for k, kind in kinds.items() if not fits(values.get(k), kind)]
+        for key in wrong:
+            del values[key]
+        return [f"{label}{key}" for key in wrong]
+
+    bad = drop(run.config, dict.fromkeys(CONFIG_SECTIONS, dict), f"{CONFIG_FILE} ")
+    for section, key in (("model", "name"), ("finetune", "init"), ("run", "precision"), ("data", "dataset")):
+        bad += drop(run.config.get(section) or {}, {key: str}, f"{CONFIG_FILE} {section}.")
+    bad += drop(run.meta, dict.fromkeys(TEXT_KEYS, str), f"{CONFIG_FILE} meta.")
+    kinds = {"host": dict, "data": dict, **dict.fromkeys(NUMBER_KEYS, (int, float)), **dict.fromkeys(TEXT_KEYS, str)}
+    bad += drop(run.summary or {}, kinds, f"{SUMMARY_FILE} ")
+    if bad:
+        run.problems.append(f"not of the expected type, left out: {', '.join(bad)}")
+
+
 def row(run: RunFolder) -> dict[str, Any]:
     """Raw values of one run for the table and the CSV; None where the run does not have the value."""
+    drop_mistyped(run)
     s = run.summary or {}
     meta = run.meta
     data = s.get("data") or {}
@@ -178,7 +124,7 @@ def row(run: RunFolder) -> dict[str, Any]:
         "stage": run.stage,
         "init": init_label,
         "model": model_label(run),
-        "epochs": first(s.get("epochs"), last.get("epoch")),
+        "epochs": first(s.get("epochs"), last_value(run, "epoch")),
         "steps": first(s.get("steps"), last.get("step")),
         "wall_time_sec": first(s.get("wall_time_sec"), last_value(run, "time")),
         # A cached probe's (or kNN's) cost is its frozen encoder's rate over the images; RESULTS.md quotes that one, not the head's.
@@ -287,6 +233,11 @@ def check_outputs(out: Path | None, csv_path: Path | None) -> None:
             raise UserError(f"{what} {path} {'is' if inside == path else 'is inside'} the run folder {inside}; write it elsewhere")
     if out is not None:
         plots.check_output_folder(out, "--out")
+        report = out / REPORT_FILE
+        if report.is_dir() or report.exists() and not report.read_bytes().startswith(REPORT_TITLE.encode()):
+            raise UserError(
+                f"--out {out} holds a {REPORT_FILE} that compare_runs.py did not write; it is left as it is (choose another --out)"
+            )
     if csv_path is None:
         return
     if csv_path.is_dir():
@@ -385,7 +336,7 @@ def make_figures(runs: list[RunFolder], rows: list[dict[str, Any]], out: Path) -
 def report_markdown(rows: list[dict[str, Any]], figures: dict[str, Path | None], command: str) -> str:
     unfinished = sum(not r["status"].startswith("finished") for r in rows)
     lines = [
-        "# Run comparison",
+        REPORT_TITLE.rstrip("\n"),
         "",
         f"Made by `{command}` from {len(rows)} run folder(s)" + (f", {unfinished} of them unfinished." if unfinished else "."),
         "Wall time and images/s count training only (no evaluation, no start-up); accuracies are top-1 on the splits below.",

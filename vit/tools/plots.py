@@ -113,9 +113,9 @@ def finish(ax, title: str, xlabel: str, ylabel: str) -> None:
 def plot_loss(panels: dict[str, dict[str, tuple[Curve, Curve]]], axis: str, path: Path, colour: dict) -> Path | None:
     """One panel per title, each {run: (training loss, validation loss)}: training solid, validation dashed with markers.
 
-    None when there is no panel.
+    None when there is no panel, or no point to draw on this axis (runs that logged no training time, against time).
     """
-    if not panels:
+    if not any(xy(curve, axis)[0] for runs in panels.values() for pair in runs.values() for curve in pair):
         return None
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=FIGSIZE, squeeze=False)

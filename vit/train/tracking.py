@@ -76,8 +76,11 @@ def wandb_run(accelerator):
     return None
 
 
-def wandb_run_dir(wrun) -> str:
-    """The run's own folder inside the wandb directory (`.../wandb/offline-run-<time>-<id>`)."""
+def wandb_run_dir(wrun) -> str | None:
+    """The run's own folder inside the wandb directory (`.../wandb/offline-run-<time>-<id>`); None for a disabled run
+    (`run.wandb_mode=disabled`), which writes nothing though it names a folder."""
+    if getattr(wrun, "disabled", False):
+        return None
     return str(Path(wrun.dir).parent)
 
 

@@ -1,0 +1,111 @@
+"""Reading runs for a comparison: the run folders that paths name (a run folder, or a folder of them one level down),
+each named so two of one name stay apart (`a/mae`, `b/mae`), kept by `--runs` patterns, and their metric curves.
+
+    runs = load_runs(["runs/mae", "runs"], ["ft_*"])        # RunFolder each (vit.store.runs), in the order named
+    loss = series(runs[0], "loss")                          # (step, training time, value), the later line of a step winning
+
+`vit.tools.compare` makes the table, figures and report from them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fnmatch
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from vit.errors import UserError
+from vit.store.runs import RUN_MARKERS, RunFolder, is_run_folder, read_run
+
+
+def find_runs(paths: list[str]) -> list[Path]:
+    """Run folders named by `paths`: each is a run folder or holds run folders (one level down). Order kept, no repeats."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise UserError(f"{path} does not exist")
+        if is_run_folder(path):
+            candidates = [path]
+        elif path.is_dir():
+            candidates = sorted(p for p in path.iterdir() if is_run_folder(p))
+            if not candidates:
+                print(f"note: {path} is not a run folder and holds none; skipped", file=sys.stderr)
+        else:
+            print(f"note: {path} is not a run folder; skipped", file=sys.stderr)
+            candidates = []
+        for c in candidates:
+            if c.resolve() not in {f.resolve() for f in found}:
+                found.append(c)
+    return found
+
+
+def run_names(paths: list[Path]) -> list[str]:
+    """Folder names, with the parent folder prepended where two runs share a name."""
+    names = [p.name for p in paths]
+    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
+
+
+def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFolder]:
+    """The runs under `paths`, kept where their names match one of `patterns` (all when None)."""
+    folders = find_runs(paths)
+    if not folders:
+        raise UserError(f"no run folders (with {', '.join(RUN_MARKERS)}) under {' '.join(paths)}")
+    runs = [read_run(p, n) for p, n in zip(folders, run_names(folders))]
+    if patterns:
+
+        def matches(run: RunFolder, pattern: str) -> bool:  # the folder's name, or the table's (`x/mae` where two share one)
+            return fnmatch.fnmatchcase(run.path.name, pattern) or fnmatch.fnmatchcase(run.name, pattern)
+
+        for pattern in patterns:
+            if not any(matches(r, pattern) for r in runs):
+                raise UserError(f"--runs {pattern!r} matches none of the runs: {', '.join(r.name for r in runs)}")
+        runs = [r for r in runs if any(matches(r, p) for p in patterns)]
+    return runs
+
+
+# --------------------------------------------------------------------------- curves
+
+
+@dataclass
+class Series:
+    steps: list[float]
+    times: list[float | None]
+    values: list[float]
+
+
+def series(run: RunFolder, key: str) -> Series:
+    """One metric over the run: (step, training time, value), sorted by step.
+
+    A resumed run logs the steps after its last state again; the later line wins. Epoch-end
+    lines that carry no time take the time of the latest line at or before their step.
+    """
+    clock: dict[float, float] = {}
+    values: dict[float, float] = {}
+    for rec in run.metrics:
+        step = rec["step"]
+        if isinstance(rec.get("time"), (int, float)):
+            clock[step] = rec["time"]
+        value = rec.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            values[step] = float(value)
+    timed = sorted(clock)
+    steps = sorted(values)
+    times = []
+    for s in steps:
+        i = bisect.bisect_right(timed, s)  # the timed lines at or before this step
+        times.append(clock[timed[i - 1]] if i else None)
+    return Series(steps, times, [values[s] for s in steps])
+
+
+def last_value(run: RunFolder, key: str) -> float | None:
+    """`key` at the latest step that logged it (the later line of a step wins), NaN where it was not finite there: a run
+    whose loss went non-finite (metrics.jsonl's null) must not show an earlier finite loss as its last."""
+    last: tuple[float, float] | None = None
+    for rec in run.metrics:
+        value = rec.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (last is None or rec["step"] >= last[0]):
+            last = (rec["step"], float(value))
+    return last[1] if last else None

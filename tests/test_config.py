@@ -63,6 +63,9 @@ def test_bad_file_values_name_the_key_and_file(tmp_path, data, message):
         ("schedule.epochs=-1", r"schedule.epochs must be positive"),
         ("model.img_size=30", r"model.img_size 30 is not divisible by model.patch_size=4"),
         ("model.num_heads=5", r"model.num_heads 5 does not divide model.embed_dim=128"),
+        # wandb refused these once the run had started (the run went on without it); TensorBoard wrote outside the run folder
+        ("run.project=a/b", r"run.project 'a/b' must be 1-128 characters without /"),
+        ("run.project=..", r"run.project '..' must be .* not \. or \.\."),
         # caught before the run folder is written, not when the model is built after it
         ("model.mlp_ratio=0.001", r"model.mlp_ratio 0.001 gives the MLP no hidden unit at embed_dim=128"),
         ("model.pos_embed=sincos model.embed_dim=130 model.num_heads=2", r"model.pos_embed sincos needs model.embed_dim divisible by 4 .*, not 130"),

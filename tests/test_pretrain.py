@@ -277,7 +277,9 @@ def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_good_state(tmp_p
     assert main(tiny_overrides(tmp_path, **{"run.save_every": 2})) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert err[0].startswith("error: non-finite loss (nan) at step 3, lr ") and "precision no" in err[0] and "loss pretrain" in err[0]
+    # the 4th step, as metrics.jsonl numbers them (its records of steps 1-3 are finite): it said "step 3", the ring's index
+    assert err[0].startswith("error: non-finite loss (nan) at step 4, lr ") and "precision no" in err[0] and "stage pretrain" in err[0]
+    assert [r["step"] for r in map(json.loads, (tmp_path / "runs" / "run" / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3]
     run_dir = tmp_path / "runs" / "run"
     assert [p.name for p in (run_dir / "states").iterdir()] == ["step_00000002"]
     assert not (run_dir / "summary.json").exists()
@@ -287,7 +289,7 @@ def test_a_non_finite_loss_before_any_state_says_none_was_kept(tmp_path, monkeyp
     monkeypatch.setattr(MaskedAutoencoder, "forward_loss", nan_after(1))
     assert main(tiny_overrides(tmp_path)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "at step 0" in err[0] and err[0].endswith("no resume state was saved before it"), err
+    assert len(err) == 1 and "at step 1," in err[0] and err[0].endswith("no resume state was saved before it"), err
     assert not (tmp_path / "runs" / "run" / "states").exists()
 
 

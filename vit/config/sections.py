@@ -236,6 +236,10 @@ class RunConfig:
             check(getattr(self, key) > 0, f"run.{key}", "must be positive")
         check(self.figure_every >= 0, "run.figure_every", "must be >= 0")
         check(self.nan_skip_budget >= 0, "run.nan_skip_budget", "must be >= 0")
+        # wandb refuses such a name only once the run has started (the run went on without it), and TensorBoard joins the
+        # project to the run folder's log path, so a '/' put its event files outside the run folder.
+        check(0 < len(self.project) <= 128 and not set(self.project) & set("/\\#?%:") and self.project not in (".", ".."), "run.project",
+              f"{self.project!r} must be 1-128 characters without / \\ # ? % : (wandb's rule), and not . or .. (a folder for TensorBoard)")
 
     @property
     def path(self) -> Path:

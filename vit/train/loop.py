@@ -336,13 +336,13 @@ class TrainLoop:
         if not bad:
             return
         p.nan_skips += len(bad)
-        first, loss = bad[0]
-        where = f"step {first}, lr {self.spec.lr(first):.3g}, precision {run.cfg.run.precision}, loss {run.stage}"
+        first, loss = bad[0]  # the ring's 0-based step index: the step metrics.jsonl records as first + 1, at lr(first)
+        where = f"step {first + 1}, lr {self.spec.lr(first):.3g}, precision {run.cfg.run.precision}, stage {run.stage}"
         if p.nan_skips > budget:
             last = newest_state(run.dir)
             kept = f"the last good resume state is kept in {last.parent}" if last is not None else "no resume state was saved before it"
             raise NonFiniteLoss(f"non-finite loss ({loss}) at {where}; {kept}")
-        what = "step skipped" if len(bad) == 1 else f"{len(bad)} steps skipped from there to step {bad[-1][0]}"
+        what = "step skipped" if len(bad) == 1 else f"{len(bad)} steps skipped from there to step {bad[-1][0] + 1}"
         run.warn(f"non-finite loss at {where}; {what} ({p.nan_skips}/{budget})")
 
     def log_step(self) -> None:

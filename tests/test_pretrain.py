@@ -366,3 +366,12 @@ def test_a_mask_or_decoder_that_cannot_train_is_a_one_line_error_naming_the_key(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
     assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()
+
+
+def test_the_reconstruction_rows_are_laid_out_as_torchvisions_make_grid_lays_out_one_row():
+    from torchvision.utils import make_grid
+
+    from pretrain.figures import image_row
+
+    images = torch.rand(5, 3, 8, 6)
+    assert torch.equal(image_row(images), make_grid(images, nrow=5, padding=2, pad_value=1.0))

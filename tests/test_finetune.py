@@ -374,3 +374,11 @@ def test_a_resume_from_another_pretraining_run_s_encoder_is_refused(mae_run, tmp
     assert finetune(args + [f"finetune.init={moved}", "run.resume=auto", "schedule.max_steps=2"]) == 0
     reset_accelerate()
     assert summary(tmp_path, "ft")["steps"] == 2 and summary(tmp_path, "ft")["parent"] == str(mae_run)
+    # weights named rather than found in a run folder have no parent to compare: the names are (scratch -> timm: went on)
+    scratch = tiny_overrides(tmp_path, name="scratch", **{"schedule.max_steps": 1, "run.save_every": 1}) + ["finetune.init=scratch"]
+    assert finetune(scratch) == 0
+    reset_accelerate()
+    capsys.readouterr()
+    assert finetune(scratch + ["finetune.init=timm:vit_tiny_patch16_224", "run.resume=auto", "schedule.max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was started from finetune.init=scratch, and this one names timm:vit_tiny_patch16_224" in err, err

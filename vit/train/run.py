@@ -373,6 +373,11 @@ def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead:
         was, now = (f"the encoder of {p}" if p else "no pretraining run's encoder" for p in (then["parent"], parent))
         raise ConfigError(f"run.resume: the run in {run_dir} was started from {was}, and finetune.init now names {now}; resume it "
                           f"with the init it recorded in config.yaml, or {instead}")  # fmt: skip
+    # finetune.init may change on a resume where it names a moved folder; a name (scratch, timm:, hf-hub:) names weights
+    was_init, init = (str((c.get("finetune") or {}).get("init") or "") for c in (recorded, to_dict(cfg)))
+    if was_init != init and any(i == "scratch" or i.startswith(("timm:", "hf-hub:")) for i in (was_init, init)):
+        raise ConfigError(f"run.resume: the run in {run_dir} was started from finetune.init={was_init}, and this one names {init}; "
+                          f"resume it with the init it recorded in config.yaml, or {instead}")  # fmt: skip
     now, before = flat_keys(to_dict(cfg)), flat_keys(recorded)
     differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
               if key not in RESUMABLE_CHANGES and now.get(key) != before.get(key)]  # fmt: skip

@@ -221,13 +221,13 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
     task, module, spec = t.task, t.module, t.spec
     num_classes = len(splits.train.classes)
 
-    evaluated = {"step": None}  # where an epoch's end last evaluated val
+    evaluated: dict[str, Any] = {"step": None, "val": None}  # where an epoch's end last evaluated val, and what it found
 
     def on_epoch_end(epoch: int, progress: Progress) -> dict:
         if "val" not in task.evals or (epoch % cfg.finetune.eval_every and epoch != spec.epoch_limit):
             return {}
         r = evaluate(unwrap(module), task.evals["val"], acc, num_classes)
-        evaluated["step"] = progress.step
+        evaluated.update(step=progress.step, val=r)
         best = max(progress.best.get("val_top1", 0.0), r["top1"])
         progress.best["val_top1"] = best
         if not t.cached:  # the cached probe runs many short epochs
@@ -235,8 +235,10 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
         return {"val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]}
 
     progress = fit(run, t.forward, t.optimizer, task.train, t.loss_fn, spec, load_state(run), on_epoch_end)
-    results = {split: evaluate(unwrap(module), loader, acc, num_classes) for split, loader in task.evals.items()}
-    if "val" in results and evaluated["step"] != progress.step:
+    at_end = evaluated["step"] == progress.step  # the last epoch's end evaluated these very weights on val: not again
+    results = {split: evaluated["val"] if split == "val" and at_end else evaluate(unwrap(module), loader, acc, num_classes)
+               for split, loader in task.evals.items()}  # fmt: skip
+    if "val" in results and not at_end:
         # A time budget (or schedule.max_steps) ends mid-epoch, where no epoch end evaluated: the final weights' val
         # figures join the curve at the last step, and count for the best.
         r = results["val"]

@@ -137,7 +137,7 @@ def evaluation(cfg: PretrainConfig, splits) -> Evaluation:
     epochs, and the kNN monitor every `mae.knn_every`, which embeds its bank and queries with every patch visible (about
     3 masked-MAE forwards an image)."""
     images = len(splits.val) // cfg.mae.val_every if cfg.mae.val_every else 0
-    final = len(splits.val)  # the final val loss, and the final kNN where the last step is not at an epoch's end
+    final = len(splits.val)  # the final val loss and kNN, where the last step is not at an epoch's end (a budget's, nearly always)
     if cfg.mae.knn_every and len(splits.val) and splits.labelled:
         knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
         images += 3 * knn_images // cfg.mae.knn_every
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     figure = reconstruction_figures(cfg, run, t)
     first_batch_sum = next(t.train_loader.epoch(0))[0].float().sum().item()  # float32: MPS has no float64
     clock = {"epoch": time.perf_counter(), "weights": time.perf_counter()}  # when the epoch's steps began; the weights' last save
-    evaluated = {"step": None}  # where an epoch's end last evaluated (val loss, kNN)
+    evaluated = {"step": None, "val_loss": None}  # where an epoch's end last evaluated (val loss, kNN), and its val loss
 
     def on_epoch_end(epoch: int, progress) -> dict[str, float]:
         epoch_seconds = time.perf_counter() - clock["epoch"]
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             clock["weights"] = time.perf_counter()
         clock["epoch"] = time.perf_counter()
         if metrics:
-            evaluated["step"] = progress.step
+            evaluated.update(step=progress.step, val_loss=metrics.get("val_loss"))
         return metrics
 
     try:
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     save_weights(run, model, progress.step, splits, pretrained_on)
     run.log_encoder(run.dir / ENCODER_FILE)
     figure(progress.step, run.dir / RECONSTRUCTION_FILE)
-    final_val = final_evaluation(run, t, knn, progress, evaluated["step"], clock["epoch"])
+    final_val = final_evaluation(run, t, knn, progress, evaluated, clock["epoch"])
     summary = run.finish(summarize(cfg, run, t, progress, final_val, first_batch_sum))
     run.print(f"done: {summary['steps']} steps in {summary['wall_time_sec']:.0f}s ({summary['images_per_sec']:.0f} img/s), "
               f"loss {summary['final_loss']}, val loss {final_val} -> {run.dir / ENCODER_FILE}")
@@ -217,14 +217,18 @@ def summarize(cfg: PretrainConfig, run: Run, t: Pretraining, progress, final_val
     }
 
 
-def final_evaluation(run: Run, t: Pretraining, knn, progress, evaluated_step: int | None, epoch_start: float) -> float | None:
-    """The final encoder's val loss (None without a val split). A run that ended mid-epoch (a time budget's plan,
+def final_evaluation(run: Run, t: Pretraining, knn, progress, evaluated: dict[str, Any], epoch_start: float) -> float | None:
+    """The final encoder's val loss (None without a val split): the last epoch end's where it evaluated these very weights
+    (`evaluated`: its step and val loss), else computed here. A run that ended mid-epoch (a time budget's plan,
     schedule.max_steps) ended where no epoch end evaluated: its val loss and kNN join the curves at the last step, so
     that final_knn_top1 is of the encoder that encoder.pt holds."""
     if t.val_loader is None:
         return None
+    at_end = evaluated["step"] == progress.step
+    if at_end and evaluated["val_loss"] is not None:
+        return evaluated["val_loss"]
     final_val = validation_loss(t.mae, t.val_loader, run, run.cfg.run.seed)
-    if evaluated_step != progress.step:
+    if not at_end:
         epoch = progress.epochs_done(len(t.train_loader))
         final = knn(t.mae.encoder, epoch, time.perf_counter() - epoch_start) if knn is not None else {}
         run.log({"step": progress.step, "epoch": epoch, "val_loss": final_val, **final})

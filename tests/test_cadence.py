@@ -68,3 +68,32 @@ def test_a_run_that_ends_mid_epoch_records_its_final_evaluation_on_the_curve(tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [m["step"] for m in knn] == [6, 9] and knn[-1]["val_loss"] == summary["final_val_loss"]
     assert summary["final_knn_top1"] == knn[-1]["knn_top1"]
+
+
+def test_the_last_epoch_ends_evaluation_is_the_final_one_not_run_again(tmp_path, monkeypatch):
+    """The last epoch's end evaluates the final weights on val; the final evaluation ran the same pass again (a second
+    val pass at every stage's end), and now takes its numbers. A run cut mid-epoch still evaluates at its last step."""
+    import finetune.train as finetune_stage
+    import pretrain.train as pretrain_stage
+
+    passes = {"val_loss": 0, "evaluate": 0}
+    val_loss, evaluate = pretrain_stage.validation_loss, finetune_stage.evaluate
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            passes[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(pretrain_stage, "validation_loss", counted("val_loss", val_loss))
+    monkeypatch.setattr(finetune_stage, "evaluate", counted("evaluate", evaluate))
+    assert pretrain(tiny_overrides(tmp_path, name="mae", **{"mae.val_every": 1, "mae.knn_every": 0, "run.figure_every": 0})) == 0
+    summary = json.loads((tmp_path / "runs" / "mae" / "summary.json").read_text())
+    assert passes["val_loss"] == 2 and summary["final_val_loss"] == [m for m in metrics(tmp_path / "runs" / "mae") if "val_loss" in m][-1]["val_loss"]
+    assert finetune(tiny_overrides(tmp_path, name="ft", **{"finetune.eval_every": 1}) + ["finetune.init=scratch"]) == 0
+    assert passes["evaluate"] == 2 + 1  # val at both epochs' ends, then test alone
+    passes.update(val_loss=0, evaluate=0)
+    cut = {"schedule.max_steps": 9, "run.figure_every": 0, "mae.knn_every": 0}  # 6 steps an epoch: mid-epoch 2
+    assert pretrain(tiny_overrides(tmp_path, name="mae_cut", **cut)) == 0
+    assert passes["val_loss"] == 1 + 1  # epoch 1's end, and the last step

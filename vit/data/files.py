@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from vit.data.decode import BadImage, decode_image, is_image_name
-from vit.data.splits import ImageSet, identity_fingerprint
+from vit.data.splits import ImageSet, content_fingerprint
 from vit.errors import DataError
 
 UNLABELLED = -1
@@ -185,7 +185,7 @@ def tree_files(root: Path, split_names: tuple[str, ...]) -> dict[str, FileSet]:
 
 def files_fingerprint(files: FileSet) -> str:
     """A hash of a file set's names (or rows), sizes, labels and classes: the same tree copied elsewhere gives the same string."""
-    return identity_fingerprint(files.classes, files.labels, files.reader.identity(files.index))
+    return content_fingerprint(files.classes, files.labels, files.reader.identity(files.index).encode())
 
 
 def decode_files(files, image_size: int | None, skip_bad: bool, bad: list, max_pixels: int | None = None) -> ImageSet:

@@ -58,7 +58,7 @@ class SourceIndex:
     """Where `Splits.train` and `Splits.val` sit in the source's training split, and a hash of that split's content."""
 
     # Image files (trees, archives, folders, Hugging Face rows) are hashed by their names and sizes, labels and classes,
-    # by either loader and at any decode size (`identity_fingerprint`): the same tree, copied elsewhere or packed in
+    # by either loader and at any decode size (`content_fingerprint`): the same tree, copied elsewhere or packed in
     # an archive, gives the same string. Arrays (CIFAR pickles, MNIST, synthetic, shards in memory) by their pixels.
     fingerprint: str
     size: int  # images in the source's training split
@@ -126,22 +126,17 @@ def fingerprint(images: ImageSet) -> str:
     """A hash that tells whether two runs read the same data, from any path or format: of the files' names and sizes
     where the images were decoded from files (so the decode size and the loader do not change it), else of the pixels;
     with the labels and class names."""
-    if images.identity is not None:
-        return identity_fingerprint(images.classes, images.labels, images.identity)
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr(list(images.classes)).encode())
-    digest.update(images.labels.numpy().tobytes())
-    digest.update(memoryview(images.images.contiguous().numpy()).cast("B"))
-    return digest.hexdigest()
+    content = images.identity.encode() if images.identity is not None else memoryview(images.images.contiguous().numpy()).cast("B")
+    return content_fingerprint(images.classes, images.labels, content)
 
 
-def identity_fingerprint(classes: list[str], labels: torch.Tensor, identity: str) -> str:
-    """A hash of class names, labels (N,) and the files' `identity` (names and sizes): `fingerprint` of images decoded
-    from files, and `vit.data.files.files_fingerprint` of the same files listed, agree."""
+def content_fingerprint(classes: list[str], labels: torch.Tensor, content) -> str:
+    """A hash of class names, labels (N,) and `content` (bytes: the pixels, or the files' identity, their names and sizes):
+    `fingerprint` of images decoded from files, and `vit.data.files.files_fingerprint` of the same files listed, agree."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(repr(list(classes)).encode())
     digest.update(labels.numpy().tobytes())
-    digest.update(identity.encode())
+    digest.update(content)
     return digest.hexdigest()
 
 

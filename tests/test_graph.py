@@ -13,6 +13,7 @@ import vit.train.accelerator as accelerator
 import vit.train.graph as graph
 from helpers import finetuning_loop, pretraining_loop, reset_accelerate, tiny_overrides
 from vit.train.graph import StepGraph, rerun_capture
+from vit.train.lars import LARS
 from vit.train.loop import SignalGuard
 from vit.train.optim import set_lr
 
@@ -25,12 +26,20 @@ def squares(model, images, targets):
     return model(images).pow(2).mean() * targets[0], {"scale": targets[0].clone()}
 
 
-def tiny(seed=0):
+def fused_adamw(groups):
+    return torch.optim.AdamW(groups, lr=0.0, fused=True)
+
+
+def lars(groups):
+    return LARS(groups, momentum=0.9, trust_coefficient=0.02)
+
+
+def tiny(seed=0, make=fused_adamw):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
     groups = [{"params": [model[0].weight, model[2].weight], "weight_decay": 0.05, "lr_scale": 0.5},
               {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0, "lr_scale": 1.0}]  # fmt: skip
-    return model, torch.optim.AdamW(groups, lr=0.0, fused=True)
+    return model, make(groups)
 
 
 def batches(n, bad_at=(), short_at=()):
@@ -40,20 +49,22 @@ def batches(n, bad_at=(), short_at=()):
         yield torch.randn(rows, 8, generator=g), torch.tensor([float("nan") if i in bad_at else 1.0 + 0.1 * i])
 
 
-def eager_reference(data, clip):
+def eager_reference(data, clip, make=fused_adamw):
     """The same steps as the loop takes them without a graph: set the learning rate, loss, backward, skip a non-finite
-    one, clip, step."""
-    model, optimizer = tiny()
+    one, clip, step. Returns the model, the optimiser and each step's loss."""
+    model, optimizer = tiny(make=make)
+    losses = []
     for i, (x, t) in enumerate(data):
         set_lr(optimizer, 1e-2 / (i + 1))
         loss, _ = squares(model, x, t)
+        losses.append(loss.detach().float())
         loss.backward()
         if torch.isfinite(loss):
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return model, optimizer
+    return model, optimizer, losses
 
 
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
@@ -68,11 +79,26 @@ def test_a_replayed_step_trains_exactly_as_the_eager_steps(clip):
         assert torch.equal(extras["scale"], t[0]) or bad
     assert step.replay is not None and step.capture_seconds is not None
     assert flags == [i == 6 for i in range(10)]
-    reference, ref_optimizer = eager_reference(data, clip)
+    reference, ref_optimizer, _ = eager_reference(data, clip)
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(ours, theirs)
     for p, q in zip(model.parameters(), reference.parameters()):  # the skipped step did not count in AdamW's steps
         assert torch.equal(optimizer.state[p]["step"], ref_optimizer.state[q]["step"]) and optimizer.state[p]["step"].item() == 9
+    step.close()
+    assert all(isinstance(g["lr"], float) for g in optimizer.param_groups) and not hasattr(optimizer, "found_inf")
+
+
+def test_a_replayed_lars_step_trains_exactly_as_the_eager_steps():
+    # The linear probe's LARS takes the guard as `found_inf` and its learning rate as a tensor: its step is captured too.
+    data = list(batches(10, bad_at=(6,), short_at=(8,)))  # a non-finite loss after the capture, then a short batch
+    model, optimizer = tiny(make=lars)
+    step = StepGraph(model, optimizer, squares, contextlib.nullcontext, 0.05, warmup=3, capture=rerun_capture)
+    losses = [step.step(x, t, 1e-2 / (i + 1))[0].clone() for i, (x, t) in enumerate(data)]  # a replay rewrites its outputs
+    assert step.replay is not None
+    reference, ref_optimizer, ref_losses = eager_reference(data, 0.05, make=lars)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=0, atol=0, equal_nan=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert all(torch.equal(optimizer.state[p]["mu"], ref_optimizer.state[q]["mu"]) for p, q in zip(model.parameters(), reference.parameters()))
     step.close()
     assert all(isinstance(g["lr"], float) for g in optimizer.param_groups) and not hasattr(optimizer, "found_inf")
 
@@ -97,7 +123,7 @@ def test_a_capture_that_fails_leaves_the_run_to_eager_steps_and_says_why():
     for i, (x, t) in enumerate(data):
         step.step(x, t, 1e-2 / (i + 1))
     assert step.replay is None and step.failure == "RuntimeError: operation not permitted when stream is capturing"
-    reference, _ = eager_reference(data, None)
+    reference, _, _ = eager_reference(data, None)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
@@ -191,6 +217,7 @@ def test_only_a_step_that_can_be_captured_is_captured():
     assert "grad_accum_steps" in graph_unfit(cuda, 1, 2, fused, None)
     assert "GradScaler" in graph_unfit(cuda, 1, 1, fused, object())
     assert "fused AdamW or SGD" in graph_unfit(cuda, 1, 1, plain, None)
+    assert graph_unfit(cuda, 1, 1, LARS([torch.nn.Parameter(torch.zeros(2))]), None) is None  # the linear probe's
 
 
 def test_a_captured_run_resumed_mid_epoch_ends_as_the_uninterrupted_eager_run(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """A training step never waits for the device: the non-finite guard decides on it, metrics stay on it, and the host reads
 them only at records, resume states and the end. The guard's skipped step leaves the weights and optimiser state exactly
-as they were, on both of its paths (a flag the fused optimiser reads, or a host read for the others)."""
+as they were, on both of its paths (a flag that fused AdamW and SGD and LARS read, or a host read for the others)."""
 
 import json
 import math
@@ -34,7 +34,13 @@ def finetuning(tmp_path):
                                         "run.precision": "auto"})  # fmt: skip
 
 
-@pytest.mark.parametrize("build", [pretraining, finetuning], ids=["pretrain", "finetune"])
+def linear_probe(tmp_path):
+    # configs/finetune/linprobe_cpu.yaml's optimiser, LARS, which takes the guard as a device flag.
+    return finetuning_loop(tmp_path, **{"run.log_every": 5, "data.synthetic_size": 512, "optim.batch_size": 16, "finetune.init": "scratch",
+                                        "finetune.mode": "linear", "finetune.probe_cache": False, "optim.name": "lars"})  # fmt: skip
+
+
+@pytest.mark.parametrize("build", [pretraining, finetuning, linear_probe], ids=["pretrain", "finetune", "linear-probe-lars"])
 def test_the_steps_between_two_records_never_read_from_the_device(tmp_path, build):
     loop, batches = build(tmp_path)
     for _ in range(5):  # the first step (timed apart) and the first record, at step 5
@@ -83,22 +89,24 @@ def configured(name: str, params: list, lr: float = 0.1) -> torch.optim.Optimize
     return optimizer
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),  # the flag path: no host read
-    lambda ps: configured("sgd", ps),  # the flag path, with momentum buffers
-    lambda ps: LARS(ps, lr=0.1),  # the host-read path
-], ids=["fused-adamw", "sgd", "lars"])  # fmt: skip
-def test_a_non_finite_step_leaves_weights_and_optimiser_state_untouched(make):
+@pytest.mark.parametrize("make, on_device", [
+    (lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True), True),  # the flag path: no host read
+    (lambda ps: configured("sgd", ps), True),  # the flag path, with momentum buffers
+    (lambda ps: LARS(ps, lr=0.1), True),  # the flag path, with momentum buffers (the linear probe's optimiser)
+    (lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=False), False),  # the host-read path
+], ids=["fused-adamw", "sgd", "lars", "adamw-host-read"])  # fmt: skip
+def test_a_non_finite_step_leaves_weights_and_optimiser_state_untouched(make, on_device):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
     optimizer = make(list(model.parameters()))
     ring = LossRing(OneProcess(), optimizer, slots=4)
-    assert ring.on_device == takes_found_inf(optimizer)
+    assert ring.on_device == takes_found_inf(optimizer) == on_device
     nan_step(model, optimizer, ring, 0, bad=False)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     state = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in optimizer.state.items()}
+    assert len(state) == 2  # the weight's and the bias's (moments, momentum buffers), which the skipped step must keep
     stepped = nan_step(model, optimizer, ring, 1, bad=True)
-    assert stepped == ring.on_device  # the fused optimiser was called and skipped on the flag; LARS was not called
+    assert stepped == on_device  # called and skipped on the flag, or (the host read) not called
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     for p, s in optimizer.state.items():
         for k, v in s.items():

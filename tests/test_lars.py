@@ -84,3 +84,53 @@ def test_optim_name_lars_builds_lars_with_the_configs_momentum_and_no_decay_on_v
     decay = {id(p): (g["weight_decay"], g["momentum"]) for g in opt.param_groups for p in g["params"]}
     assert decay[id(model[1].weight)] == (0.1, 0.8)
     assert decay[id(model[1].bias)] == (0.0, 0.8)
+
+
+def test_a_tensor_learning_rate_under_the_guards_flag_steps_bit_for_bit_as_a_number_without_it():
+    # A captured step (vit/train/graph.py) gives LARS its learning rate as a 0-d tensor, refilled each step, and the
+    # guard's decision as `found_inf`: 0 steps exactly as the plain run does; 1 (NaN gradients, step 3) is the step the
+    # plain run never takes.
+    def trained(flagged: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w, b = torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(7))
+        opt = LARS([{"params": [w], "weight_decay": 0.05}, {"params": [b]}], momentum=0.9, trust_coefficient=0.02)
+        if flagged:
+            opt.found_inf = torch.zeros(())
+            for group in opt.param_groups:
+                group["lr"] = torch.zeros((), dtype=torch.float64)  # as StepGraph's on a CPU
+        g = torch.Generator().manual_seed(1)
+        for i in range(8):
+            bad = i == 3
+            grads = [torch.randn(p.shape, generator=g) * (float("nan") if bad else 1.0) for p in (w, b)]
+            for group, scale in zip(opt.param_groups, (0.5, 1.0)):
+                if flagged:
+                    group["lr"].fill_(0.3 / (i + 1) * scale)
+                else:
+                    group["lr"] = 0.3 / (i + 1) * scale
+            if flagged:
+                opt.found_inf.fill_(float(bad))
+            if flagged or not bad:
+                step(opt, [w, b], grads)
+        return [w.detach(), b.detach(), opt.state[w]["mu"], opt.state[b]["mu"]]
+
+    plain, flagged = trained(False), trained(True)
+    assert all(torch.isfinite(t).all() for t in flagged)
+    assert all(torch.equal(a, b) for a, b in zip(plain, flagged))
+
+
+def test_a_raised_flag_leaves_the_weights_and_the_momentum_as_they_were():
+    w, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+    start = [w.detach().clone(), b.detach().clone()]
+    opt = LARS([w, b], lr=0.5, momentum=0.9, trust_coefficient=0.1)
+    nan = [torch.full((4, 3), float("nan")), torch.full((3,), float("inf"))]
+    opt.found_inf = torch.ones(())
+    step(opt, [w, b], nan)  # a first step, before any momentum: mu stays zeros
+    assert torch.equal(w.detach(), start[0]) and torch.equal(b.detach(), start[1])
+    assert all(torch.equal(opt.state[p].get("mu", torch.zeros_like(p)), torch.zeros_like(p)) for p in (w, b))
+    opt.found_inf = torch.zeros(())
+    step(opt, [w, b], [torch.ones(4, 3), torch.ones(3)])
+    assert not torch.equal(w.detach(), start[0]) and not torch.equal(b.detach(), start[1])  # a lowered flag steps
+    kept = [t.detach().clone() for t in (w, b, opt.state[w]["mu"], opt.state[b]["mu"])]
+    opt.found_inf.fill_(1.0)
+    step(opt, [w, b], nan)
+    assert all(torch.equal(a, k) for a, k in zip((w, b, opt.state[w]["mu"], opt.state[b]["mu"]), kept))

@@ -39,7 +39,7 @@ def graph_unfit(device: torch.device, num_processes: int, accum: int, optimizer,
     if scaler is not None:
         return "fp16 needs a GradScaler, which reads the host every step"
     if not takes_found_inf(getattr(optimizer, "optimizer", optimizer)):
-        return "the optimiser cannot take the guard as a device flag (fused AdamW or SGD can: optim.fused)"
+        return "the optimiser cannot take the guard as a device flag (LARS can, and fused AdamW or SGD: optim.fused)"
     return None
 
 

@@ -8,20 +8,22 @@
 
 A step whose loss is not finite on any process keeps the weights and the optimiser state as they were, and still
 counts as a step (its learning rate and its batches are used up), as AMP's `GradScaler` skips a step. Where the
-optimiser can take the decision as a tensor (fused AdamW and SGD read `found_inf`, as they do under `GradScaler`), the
-host never waits; any other optimiser (LARS, a non-fused one, fp16 under a `GradScaler`) is gated by a host read
-each step, which costs a synchronisation but skips the same steps.
+optimiser can take the decision as a tensor (fused AdamW and SGD read `found_inf`, as they do under `GradScaler`, and so
+does our LARS), the host never waits; any other optimiser (a non-fused one, or any under fp16's `GradScaler`) is
+gated by a host read each step, which costs a synchronisation but skips the same steps.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vit.train.lars import LARS
+
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` skips its update on a device flag `optimizer.found_inf` (fused Adam, AdamW and SGD)."""
+    """Whether `optimizer.step()` skips its update on a device flag `optimizer.found_inf` (fused Adam, AdamW and SGD; LARS)."""
     fused = all(group.get("fused") for group in optimizer.param_groups)
-    return fused and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
+    return isinstance(optimizer, LARS) or (fused and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)))
 
 
 class LossRing:

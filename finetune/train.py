@@ -26,7 +26,7 @@ from vit.cli import parse
 from vit.config import ModelConfig
 from vit.data.splits import Splits
 from vit.train.accelerator import compile_for_run, main_first
-from vit.train.budget import Evaluation
+from vit.train.budget import Evaluation, evaluation_timer
 from vit.train.loop import Preempted, fit
 from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
@@ -207,9 +207,11 @@ def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> T
     # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
     forward = compile_for_run(run, module, optimizer, compile=not cached)
     # For a time budget: the val split every `finetune.eval_every` epochs, then val and test once at the end.
+    timed = next(iter(task.evals.values()), None)  # an evaluation's images are timed on the val split's (or test's) first batches
     evaluation = Evaluation(images=len(splits.val) if "val" in task.evals else 0, every=cfg.finetune.eval_every,
-                            final_images=sum(len(s) for s in (splits.val, splits.test) if s is not None))  # fmt: skip
-    spec = loop_spec(cfg, len(task.train), acc.num_processes, evaluation)
+                            final_images=sum(len(s) for s in (splits.val, splits.test) if s is not None),
+                            timer=evaluation_timer(unwrap(module), timed, acc) if timed is not None else None)  # fmt: skip
+    spec = loop_spec(cfg, len(task.train), acc.num_processes, (evaluation,))
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
     return Training(task, module, optimizer, forward, spec, make_loss(cfg, len(splits.train.classes)), cached)
 

@@ -14,14 +14,14 @@ from pretrain.model import MaskedAutoencoder, build_mae
 from vit.store.checkpoint import save_encoder, save_mae, unwrap
 from vit.cli import parse
 from vit.train.accelerator import compile_for_run, main_first
-from vit.train.budget import Evaluation
+from vit.train.budget import FORWARD_SHARE, Evaluation, evaluation_timer
 from vit.train.loop import Preempted, fit
 from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
 from vit.train.states import load_state
 from vit.errors import exit_on_user_error
-from vit.eval.knn import knn_evaluate, seeded_subset
+from vit.eval.knn import knn_evaluate, pooled, seeded_subset
 from vit.data.loaders import Data, open_data
 from vit.data.provenance import split_record
 from vit.store.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, read_metrics
@@ -126,23 +126,30 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
     model, optimizer = acc.prepare(mae, optimizer)
     train_loader = data.loader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed)
     val_loader = data.loader(splits.val, cfg.optim.batch_size, train=False) if len(splits.val) else None
-    spec = loop_spec(cfg, len(train_loader), acc.num_processes, evaluation(cfg, splits))
+    spec = loop_spec(cfg, len(train_loader), acc.num_processes, evaluations(cfg, splits, mae, val_loader, acc))
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
               f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")
     return Pretraining(cfg, run, data, mae, model, optimizer, compile_for_run(run, model, optimizer), train_loader, val_loader, spec)
 
 
-def evaluation(cfg: PretrainConfig, splits) -> Evaluation:
-    """What pretraining evaluates after an epoch on average, for a time budget: the val loss every `mae.val_every`
-    epochs, and the kNN monitor every `mae.knn_every`, which embeds its bank and queries with every patch visible (about
-    3 masked-MAE forwards an image)."""
-    images = len(splits.val) // cfg.mae.val_every if cfg.mae.val_every else 0
-    final = len(splits.val)  # the final val loss and kNN, where the last step is not at an epoch's end (a budget's, nearly always)
-    if cfg.mae.knn_every and len(splits.val) and splits.labelled:
-        knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
-        images += 3 * knn_images // cfg.mae.knn_every
-        final += 3 * knn_images
-    return Evaluation(images=images, final_images=final)
+def masked_forward(mae: MaskedAutoencoder) -> Callable[[torch.Tensor], Any]:
+    """`mae(images)` with fixed masks, as the val loss runs it: no draw from the run's random streams."""
+    return lambda images: mae(images, noise=torch.rand(images.shape[0], mae.num_patches, generator=torch.Generator().manual_seed(0)))
+
+
+def evaluations(cfg: PretrainConfig, splits, mae: MaskedAutoencoder, val_loader, accelerator) -> tuple[Evaluation, ...]:
+    """What pretraining evaluates, for a time budget: the val loss every `mae.val_every` epochs (a masked-MAE forward of
+    each val image) and the kNN monitor every `mae.knn_every` (its bank and queries through the encoder with every patch
+    visible, about 3 masked-MAE forwards an image), each once more after the last step. Each is timed on val images."""
+    if val_loader is None:
+        return ()
+    timer = evaluation_timer(mae, val_loader, accelerator, forward=masked_forward(mae))
+    val = Evaluation(images=len(splits.val) if cfg.mae.val_every else 0, every=cfg.mae.val_every or 1, final_images=len(splits.val), timer=timer)
+    if not (cfg.mae.knn_every and splits.labelled):
+        return (val,)
+    knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
+    timer = evaluation_timer(mae.encoder, val_loader, accelerator, forward=lambda images: pooled(mae.encoder, images, cfg.mae.knn_pool))
+    return val, Evaluation(images=knn_images, every=cfg.mae.knn_every, final_images=knn_images, cost=3 * FORWARD_SHARE, timer=timer)
 
 
 @exit_on_user_error

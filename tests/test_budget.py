@@ -1,8 +1,13 @@
 """Time budgets: the step plan is a pure function of what was measured."""
 
-import pytest
+import contextlib
+import time
 
-from vit.train.budget import StepMeter, eval_seconds_estimate, measure_seconds, plan_steps
+import pytest
+import torch
+
+from vit.train.budget import (Budget, EpochEnds, Evaluation, Spent, StepMeter, eval_seconds_estimate, evaluation_timer, make_plan,
+                              measure_seconds, plan_steps)  # fmt: skip
 
 
 def test_plan_fills_the_budget_with_steps_and_evaluations():
@@ -21,6 +26,94 @@ def test_plan_spreads_evaluations_over_eval_every():
     every_epoch = plan_steps(1000, 0, 0, 1.0, steps_per_epoch=10, eval_seconds=10, eval_every_epochs=1)
     every_5 = plan_steps(1000, 0, 0, 1.0, steps_per_epoch=10, eval_seconds=10, eval_every_epochs=5)
     assert every_epoch == 500 and every_5 == int(1000 // 1.2)
+
+
+def stage_seconds(steps: int, seconds_per_step: float, steps_per_epoch: int, end: float, evaluation: float, every: int, final: float) -> float:
+    """What a stage of `steps` steps takes where each step, each epoch's end, each evaluation and the end cost these."""
+    epochs = steps // steps_per_epoch
+    return steps * seconds_per_step + epochs * end + epochs // every * evaluation + final + end
+
+
+@pytest.mark.parametrize("ends", [(0.5, 1.5), (0.5, None)], ids=["evaluation-measured", "evaluation-estimated"])
+def test_a_plan_counts_every_epochs_end_and_the_evaluations_on_top(ends):
+    """Epochs of 10 steps at 0.1 s, each end 0.5 s (records, states), an evaluation every 5 epochs 1 s more (measured where
+    an end with one closed before the plan, else estimated: 300 images at a third of a step's work, 1 s here). The stage
+    fits its 100 s with less than an epoch to spare; the plan once counted the larger of the two costs, not both, and ran over."""
+    budget = Budget(100 / 60, (Evaluation(images=300, every=5, final_images=300),))
+    plan = make_plan(budget, 0.1, elapsed=0.0, done_steps=0, images_per_step=10, processes=1, steps_per_epoch=10, ends=ends, measured_steps=20)
+    assert plan.epoch_end_seconds == 0.5 and plan.eval_seconds == pytest.approx(1.0 / 5) and plan.final_seconds == pytest.approx(1.5)
+    took = stage_seconds(plan.total_steps, 0.1, 10, end=0.5, evaluation=1.0, every=5, final=1.0)
+    assert 100 - 1.7 < took <= 100
+    assert stage_seconds(plan.total_steps + 10, 0.1, 10, end=0.5, evaluation=1.0, every=5, final=1.0) > 100
+
+
+def test_a_plan_counts_each_kind_of_evaluation_at_its_timed_cost_and_cadence():
+    """Pretraining's val loss (500 images every 2 epochs, timed at 2 ms an image) and kNN monitor (1000 images every 5
+    epochs, untimed: a training image's work, 10 ms at this rate), on two processes that each take half of the images."""
+    val = Evaluation(images=500, every=2, final_images=500)
+    knn = Evaluation(images=1000, every=5, final_images=1000, cost=1.0)
+    plan = make_plan(Budget(10, (val, knn)), 0.64, elapsed=0.0, done_steps=0, images_per_step=128, processes=2, steps_per_epoch=10,
+                     ends=(None, None), measured_steps=20, seconds_per_image=(0.002, None))  # fmt: skip
+    # per rank: 250 images x 2 ms every 2 epochs, 500 images x 10 ms every 5
+    assert plan.eval_seconds == pytest.approx(250 * 0.002 / 2 + 500 * 0.01 / 5)
+    assert plan.final_seconds == pytest.approx(250 * 0.002 + 500 * 0.01, abs=0.05)
+
+
+class SlowModel(torch.nn.Module):
+    """A forward pass that takes 20 ms whatever the batch, and says whether it ran in eval mode without gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[bool, bool]] = []
+
+    def forward(self, images):
+        time.sleep(0.02)
+        self.calls.append((self.training, torch.is_grad_enabled()))
+        return images
+
+
+class Batches:
+    def __init__(self, n: int, size: int = 4):
+        self.n, self.size = n, size
+
+    def epoch(self, epoch: int):
+        return ((torch.zeros(self.size, 3), torch.zeros(self.size)) for _ in range(self.n))
+
+
+class CPUAccelerator:
+    device = torch.device("cpu")
+
+    @staticmethod
+    def autocast():
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("batches", [5, 1], ids=["several-batches", "one-batch-timed-again"])
+def test_an_evaluation_timer_times_images_after_an_untimed_batch_in_eval_mode(batches):
+    model = SlowModel()
+    timer = evaluation_timer(model, Batches(batches), CPUAccelerator(), batches=2)
+    per_image = timer()
+    assert 0.02 / 4 <= per_image < 0.02 / 4 * 2  # 20 ms a batch of 4: about 5 ms an image (the sleep's floor, and slack)
+    assert len(model.calls) == 3 and all(call == (False, False) for call in model.calls)  # one untimed and two timed
+    assert model.training  # given back as it was
+    assert evaluation_timer(model, Batches(0), CPUAccelerator())() is None
+
+
+def test_epochs_ends_with_and_without_an_evaluation_are_averaged_apart():
+    ends = EpochEnds()
+    assert ends.means() == (None, None)
+    for seconds, evaluated in [(0.1, False), (0.3, False), (2.0, True)]:
+        ends.add(seconds, evaluated)
+    assert ends.means() == (pytest.approx(0.2), pytest.approx(2.0))
+
+
+def test_what_a_budget_spent_after_its_plan_is_its_steps_ends_evaluations_and_the_end():
+    spent = Spent(start=10.0, step=100)
+    for seconds, evaluated in [(1.0, False), (1.0, False), (3.0, True)]:
+        spent.ends.add(seconds, evaluated)
+    assert spent.to_dict(now=50.0) == {}  # training has not ended
+    spent.trained = (45.0, 400)  # 35 s after the plan, 5 of them epochs' ends: 30 s for 300 steps
+    assert spent.to_dict(now=52.5) == {"seconds_per_step": 0.1, "epoch_end_seconds": 1.0, "eval_seconds": 2.0, "final_seconds": 7.5}
 
 
 def test_a_spent_budget_stops_where_the_run_is():
@@ -156,6 +249,10 @@ def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(
     records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
     peak = max(r["lr"] for r in records)
     assert records[-1]["lr"] < 0.05 * peak
+    # Beside the plan, what its figures turned out to be.
+    spent = summary["budget"]["spent"]
+    assert spent["seconds_per_step"] > 0 and spent["final_seconds"] >= 0
+    assert spent["epoch_end_seconds"] is None and spent["eval_seconds"] > 0  # every epoch's end here evaluates
     # The resume state carries the plan, so a resumed run keeps the same schedule.
     assert read_state_progress(state_dirs(run_dir)[-1])["planned_steps"] == plan["total_steps"]
 
@@ -174,6 +271,7 @@ def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(
     assert again["steps"] == plan["total_steps"] and again["budget"]["total_steps"] == plan["total_steps"]
     assert before["train_time"] > 0.5 * again["wall_time_sec"]  # the oldest kept state: most of the training came before it
     assert again["budget"]["stage_seconds"] >= again["wall_time_sec"]  # the training time of both processes, and more
+    assert again["budget"]["spent"]["seconds_per_step"] > 0  # the resumed process's steps, from its start
 
 
 @pytest.mark.slow

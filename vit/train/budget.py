@@ -4,22 +4,28 @@ A run with a budget measures its own speed over a few steps after warm-up, then 
 the total step count once, so that the stage (setup, training, the evaluations it does
 along the way and at the end) ends within the budget on whatever machine runs it:
 
-    budget = Budget(minutes, Evaluation(images=5000, every=1, final_images=15000))   # the stage says what it evaluates
+    budget = Budget(minutes, (Evaluation(images=5000, every=1, final_images=15000),))   # the stage says what it evaluates
     meter = StepMeter(warmup=3, min_steps=8, min_seconds=measure_seconds(minutes))
     ...each optimiser step: meter.tick()
     if meter.done: plan = make_plan(budget, meter.seconds_per_step, ...)    # once; stored in the resume state
 
 The plan is made in one place (`make_plan`), in one pass, and kept in the resume state, so a resumed run keeps
-the same schedule: the learning-rate curve never changes mid-run. Evaluation cost is an estimate (a forward pass
-costs about a third of a training step per image, or what the epochs' ends took where some closed before the
-plan), so the summary records the planned and the actual wall time side by side.
+the same schedule: the learning-rate curve never changes mid-run. What the epochs' ends and evaluations cost is
+measured where some closed before the plan, else estimated (a forward pass costs about a third of a training step per
+image), so the summary records the plan's figures beside what they turned out to be (`budget.spent`) and the stage's
+wall time (`budget.stage_seconds`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from vit.device import synchronize
 
 # A forward pass is about a third of a training step's work per image (backward ~ 2x forward).
 FORWARD_SHARE = 1 / 3
@@ -32,7 +38,39 @@ class Evaluation:
     images: int = 0  # images each evaluation during training looks at (0: none)
     every: int = 1  # epochs between those evaluations
     final_images: int = 0  # images evaluated once after the last step
-    cost: float = FORWARD_SHARE  # an evaluated image's cost, in training images
+    cost: float = FORWARD_SHARE  # an evaluated image's cost, in training images, where there is no `timer`
+    timer: Callable[[], float | None] | None = None  # seconds an evaluated image costs, timed when the plan is made
+
+
+def evaluation_timer(model: torch.nn.Module, loader, accelerator, forward: Callable | None = None, batches: int = 2):
+    """`timer() -> seconds an evaluated image costs now, or None`: `batches` batches of `loader` through `forward(images)`
+    (`model(images)` by default) in eval mode, without gradients, under the run's autocast, after one untimed batch (its
+    kernels' first run; a streamed loader's workers starting), the device drained at both ends. A plan counts that, not
+    the training rate's share: on a GPU an evaluation's forward passes wait on their launches, and a fine-tune that
+    drops half of its patches while training evaluates with all of them."""
+    forward = forward or model
+
+    def timer() -> float | None:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), accelerator.autocast():
+                it = iter(loader.epoch(0))
+                first = next(it, None)
+                if first is None:
+                    return None
+                forward(first[0])
+                synchronize(accelerator.device)
+                start, images = time.perf_counter(), 0
+                for images_, _ in [next(it, first) for _ in range(batches)]:  # a loader of one batch: that batch again
+                    forward(images_)
+                    images += images_.shape[0]
+                synchronize(accelerator.device)
+                return (time.perf_counter() - start) / images
+        finally:
+            model.train(was_training)
+
+    return timer
 
 
 @dataclass(frozen=True)
@@ -40,7 +78,7 @@ class Budget:
     """`schedule.budget_minutes` and what the stage evaluates."""
 
     minutes: float
-    evaluation: Evaluation = Evaluation()
+    evaluations: tuple[Evaluation, ...] = ()  # each kind the stage runs, at its own cadence
 
 
 @dataclass
@@ -50,8 +88,9 @@ class BudgetPlan:
     budget_minutes: float
     total_steps: int
     seconds_per_step: float  # measured after warm-up
-    eval_seconds: float  # estimated cost of one evaluation during training
-    final_seconds: float  # estimated cost of what runs after the last step (final evaluations)
+    eval_seconds: float  # what the evaluations during training cost an epoch, on average (each spread over its cadence)
+    epoch_end_seconds: float  # cost of an epoch's end beyond its evaluation (records, states, weights), measured; 0 where none closed
+    final_seconds: float  # estimated cost of what runs after the last step (final evaluations, the last end's records)
     elapsed_seconds: float  # stage wall time when the plan was made (setup and measured steps included)
     measured_steps: int  # steps the speed was measured over
 
@@ -59,21 +98,73 @@ class BudgetPlan:
         return asdict(self)
 
 
+@dataclass
+class EpochEnds:
+    """What the ends of epochs took, those that evaluated and those that did not apart: a plan spreads an evaluation over
+    its cadence, and the rest of an end (its record, a state, the weights; on a GPU, which closes an epoch a second, as
+    much as the evaluation) over every epoch."""
+
+    plain: list[float] = field(default_factory=lambda: [0, 0.0])  # [ends, seconds] without an evaluation
+    evaluated: list[float] = field(default_factory=lambda: [0, 0.0])  # [ends, seconds] with one
+
+    def add(self, seconds: float, evaluated: bool) -> None:
+        tally = self.evaluated if evaluated else self.plain
+        tally[0] += 1
+        tally[1] += seconds
+
+    def means(self) -> tuple[float | None, float | None]:
+        """(an end without evaluation, an end with one), on average; None for a kind none was."""
+        return tuple(seconds / count if count else None for count, seconds in (self.plain, self.evaluated))
+
+
 def make_plan(budget: Budget, seconds_per_step: float, elapsed: float, done_steps: int, images_per_step: int, processes: int,
-              steps_per_epoch: int, epoch_end_seconds: float | None, measured_steps: int) -> BudgetPlan:  # fmt: skip
-    """The plan of `budget`, from the measured seconds per step and the stage's seconds so far. Every process evaluates
-    its share of the images, so an evaluation takes its images / processes; where epochs closed before the plan, what
-    their ends took on average (`epoch_end_seconds`: evaluation, figures, weights, states; None where none closed) is used
-    if it outweighs the estimate (a GPU closes an epoch a second, each with work that does not run at the training rate)."""
-    ev = budget.evaluation
+              steps_per_epoch: int, ends: tuple[float | None, float | None], measured_steps: int,
+              seconds_per_image: tuple[float | None, ...] = ()) -> BudgetPlan:  # fmt: skip
+    """The plan of `budget`, from the measured seconds per step and the stage's seconds so far. `ends`: what the epochs'
+    ends before the plan took on average, (without evaluation, with one), None for a kind that did not happen; an end
+    without one is the cost of every end, once more at the last step. Each evaluation's images cost what its timer
+    measured (`seconds_per_image`, in the order of `budget.evaluations`), else the training rate's share
+    (`Evaluation.cost`); every process evaluates its share of them. A stage of one kind of evaluation whose end with it
+    was measured counts what that end took beyond the others instead."""
     rate = images_per_step / seconds_per_step
     per_rank = max(1, processes)
-    eval_s = eval_seconds_estimate(ev.images // per_rank, rate / per_rank, ev.cost)
-    if epoch_end_seconds is not None:
-        eval_s = max(eval_s, epoch_end_seconds * ev.every)
-    final_s = eval_seconds_estimate(ev.final_images // per_rank, rate / per_rank, ev.cost)
-    steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s, ev.every, final_s)
-    return BudgetPlan(budget.minutes, steps, round(seconds_per_step, 4), round(eval_s, 1), round(final_s, 1), round(elapsed, 1), measured_steps)
+    plain, evaluated = ends
+    end_s = plain or 0.0
+    timed = (*seconds_per_image, *[None] * len(budget.evaluations))
+
+    def seconds(images: int, ev: Evaluation, per_image: float | None) -> float:
+        return images // per_rank * per_image if per_image else eval_seconds_estimate(images // per_rank, rate / per_rank, ev.cost)
+
+    evs = list(zip(budget.evaluations, timed))
+    eval_s = sum(seconds(ev.images, ev, t) / max(1, ev.every) for ev, t in evs)
+    if evaluated is not None and len(evs) == 1:
+        eval_s = max(0.0, evaluated - end_s) / max(1, evs[0][0].every)
+    final_s = sum(seconds(ev.final_images, ev, t) for ev, t in evs) + end_s
+    steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s, 1, final_s, end_s)
+    return BudgetPlan(budget.minutes, steps, round(seconds_per_step, 4), round(eval_s, 3), round(end_s, 3), round(final_s, 1),
+                      round(elapsed, 1), measured_steps)  # fmt: skip
+
+
+@dataclass
+class Spent:
+    """Where a budgeted stage's time went from its plan (or, resumed, from this process's start) to its summary: what
+    the plan's figures turned out to be, for the summary beside them."""
+
+    start: float  # the clock then
+    step: int  # the step then
+    ends: EpochEnds = field(default_factory=EpochEnds)  # the epochs' ends since
+    trained: tuple[float, int] | None = None  # (the clock, the step) at the end of training
+
+    def to_dict(self, now: float) -> dict:
+        """The seconds a step, an epoch's end, an evaluation and the work after the last step took, on average."""
+        if self.trained is None:
+            return {}
+        clock, step = self.trained
+        ends_seconds = self.ends.plain[1] + self.ends.evaluated[1]
+        plain, evaluated = self.ends.means()
+        per_step = (clock - self.start - ends_seconds) / (step - self.step) if step > self.step else None
+        return {"seconds_per_step": per_step and round(per_step, 4), "epoch_end_seconds": plain and round(plain, 3),
+                "eval_seconds": evaluated and round(evaluated - (plain or 0.0), 2), "final_seconds": round(now - clock, 1)}  # fmt: skip
 
 
 def plan_steps(
@@ -85,16 +176,17 @@ def plan_steps(
     eval_seconds: float = 0.0,
     eval_every_epochs: int = 1,
     final_seconds: float = 0.0,
+    epoch_end_seconds: float = 0.0,
 ) -> int:
-    """Total optimiser steps such that the remaining steps, evaluations and final work fit the budget.
+    """Total optimiser steps such that the remaining steps, epochs' ends, evaluations and final work fit the budget.
 
-    Each step costs `seconds_per_step`; every `eval_every_epochs` epochs (of `steps_per_epoch` steps) an
-    evaluation costs `eval_seconds`, spread here over the steps it follows; `final_seconds` runs once at the
-    end. Never fewer than `done_steps` (a budget already spent stops the run where it is).
+    Each step costs `seconds_per_step`; each epoch's end (of `steps_per_epoch` steps) `epoch_end_seconds`, and every
+    `eval_every_epochs` epochs an evaluation `eval_seconds` more, both spread here over the steps they follow;
+    `final_seconds` runs once at the end. Never fewer than `done_steps` (a budget already spent stops the run where it is).
     """
     if seconds_per_step <= 0:
         raise ValueError(f"seconds_per_step must be positive, got {seconds_per_step}")
-    per_step = seconds_per_step
+    per_step = seconds_per_step + epoch_end_seconds / steps_per_epoch
     if eval_seconds > 0 and eval_every_epochs > 0:
         per_step += eval_seconds / (steps_per_epoch * eval_every_epochs)
     left = budget_seconds - elapsed_seconds - final_seconds

@@ -23,7 +23,7 @@ import torch.nn as nn
 from vit.device import BusySampler, synchronize
 from vit.errors import UserError
 from vit.store.runs import is_complete_state, newest_state, state_path, write_budget
-from vit.train.budget import StepMeter, make_plan, measure_seconds
+from vit.train.budget import EpochEnds, Spent, StepMeter, make_plan, measure_seconds
 from vit.train.graph import StepGraph, step_autocast
 from vit.train.guard import LossRing
 from vit.train.optim import set_lr
@@ -76,16 +76,8 @@ LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, d
 EpochEnd = Callable[[int, Progress], dict[str, float] | None]
 
 
-def fit(
-    run: Run,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loader,
-    loss_fn: LossFn,
-    spec: LoopSpec,
-    progress: Progress | None = None,
-    on_epoch_end: EpochEnd | None = None,
-) -> Progress:
+def fit(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, loader, loss_fn: LossFn, spec: LoopSpec,
+        progress: Progress | None = None, on_epoch_end: EpochEnd | None = None) -> Progress:  # fmt: skip
     """Train `model` on `loader` up to `spec.stop_step` (resuming from `progress`); returns the final progress.
 
     `loss_fn(model, images, labels) -> (loss, extras)` runs under autocast; extras are scalar
@@ -165,7 +157,8 @@ class TrainLoop:
             if spec.budget is not None and spec.planned_steps is None else None  # fmt: skip
         self.bar = make_bar(run, spec.stop_step if spec.stop_step < sys.maxsize else None, progress.step)
         self.busy = BusySampler(device)
-        self.epoch_ends: list[float] = []  # seconds each epoch's end took while the budget was being measured
+        self.ends = EpochEnds()  # what the epochs' ends took while the budget was being measured
+        self.spent = Spent(time.perf_counter(), progress.step)  # where the time went after that (or, resumed, from here)
         self.first = True  # this process's first step: timed apart (compilation), then the GPU's busy share is sampled
         self.prepare = getattr(loss_fn, "prepare", None)
         autocast = step_autocast(device, run.accelerator.mixed_precision)
@@ -297,11 +290,14 @@ class TrainLoop:
         acc, spec, p = self.run.accelerator, self.spec, self.progress
         # Every input of the plan is the slowest rank's: the main one writes records and states at its epochs' ends, and
         # ranks that planned different step counts would wait for each other forever at the first state past the shorter.
-        epoch_end = sum(self.epoch_ends) / len(self.epoch_ends) if self.epoch_ends else 0.0
-        measured = torch.tensor([self.meter.seconds_per_step, time.perf_counter() - self.run.started, epoch_end], device=acc.device)
-        seconds_per_step, elapsed, epoch_end = (acc.reduce(measured, reduction="max") if acc.num_processes > 1 else measured).tolist()
+        timed = [ev.timer() if ev.timer is not None else None for ev in spec.budget.evaluations]  # an evaluation's image, timed now
+        rest = [-1.0 if v is None else v for v in (*self.ends.means(), *timed)]  # -1: not measured (on any rank, after the max)
+        measured = torch.tensor([self.meter.seconds_per_step, time.perf_counter() - self.run.started, *rest], device=acc.device)
+        seconds_per_step, elapsed, *rest = (acc.reduce(measured, reduction="max") if acc.num_processes > 1 else measured).tolist()
+        plain, evaluated, *timed = (None if v < 0 else v for v in rest)
         plan = make_plan(spec.budget, seconds_per_step, elapsed, p.step, self.images_per_step, acc.num_processes, spec.steps_per_epoch,
-                         epoch_end if self.epoch_ends else None, self.meter.steps)  # fmt: skip
+                         (plain, evaluated), self.meter.steps, tuple(timed))  # fmt: skip
+        self.spent = Spent(time.perf_counter(), p.step)
         spec.planned_steps = p.planned_steps = plan.total_steps
         p.plan = self.run.budget_plan = plan.to_dict()
         self.meter = None
@@ -311,8 +307,8 @@ class TrainLoop:
             self.bar.reset(total=min(spec.stop_step, plan.total_steps))
             self.bar.update(p.step)
         self.run.print(f"budget: {plan.budget_minutes:g} min -> {plan.total_steps} steps ({plan.total_steps / spec.steps_per_epoch:.2f} epochs) "
-                       f"at {seconds_per_step:.3f} s/step measured over {plan.measured_steps} steps, {elapsed:.0f} s spent, evaluations "
-                       f"~{plan.eval_seconds:.0f} s each + {plan.final_seconds:.0f} s at the end")
+                       f"at {seconds_per_step:.3f} s/step measured over {plan.measured_steps} steps, {elapsed:.0f} s spent; evaluations "
+                       f"~{plan.eval_seconds:.2g} s an epoch, epochs' ends ~{plan.epoch_end_seconds:.2g} s, the end ~{plan.final_seconds:.2g} s")
         if plan.total_steps <= p.step:
             self.run.warn(f"schedule.budget_minutes={plan.budget_minutes:g} ({plan.budget_minutes * 60:.0f} s) was spent before the step "
                           f"time was measured ({elapsed:.0f} s, {p.step} steps): the stage stops here, over its budget")  # fmt: skip
@@ -384,9 +380,9 @@ class TrainLoop:
             self.run.log({"step": p.step, "epoch": p.epoch, **extra})
         if p.step % self.run.cfg.run.save_every == 0:
             self.save()
+        (self.ends if self.meter is not None else self.spent.ends).add(time.perf_counter() - start, bool(extra))
         if self.meter is not None:
-            self.epoch_ends.append(time.perf_counter() - start)
-            self.meter.restart()  # the evaluation and the state are not a training step's time (the plan estimates evaluations apart)
+            self.meter.restart()  # the evaluation and the state are not a training step's time (the plan counts ends apart)
 
     def save(self) -> None:
         self.check_finite()  # a state never holds a step past a non-finite loss the run stops at
@@ -420,6 +416,7 @@ class TrainLoop:
             self.graph.close()
         self.count_time()
         p = self.progress
+        self.spent.trained, self.run.budget_spent = (time.perf_counter(), p.step), self.spent
         if not is_complete_state(state_path(self.run.dir, p.step)):
             save_state(self.run, p)
         return p

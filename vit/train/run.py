@@ -65,6 +65,7 @@ class Run:
     gpu_busy: float | None = None  # mean GPU utilisation (%) over the training after the first step (CUDA with NVML)
     lock: RunLock | None = None  # the run folder's, held by the main process until `finish` (or the process's end)
     budget_plan: dict[str, Any] | None = None  # a time budget's plan, once the loop has made it (or resumed it)
+    budget_spent: Any = None  # where that budget's time went after the plan (`vit.train.budget.Spent`), once training ended
     replacing: str | None = None  # run.overwrite: this run's config, written by `ready` when it clears the run it replaces
 
     @classmethod
@@ -226,7 +227,9 @@ class Run:
         schedule = getattr(self.cfg, "schedule", None)
         if schedule is not None and schedule.budget_minutes is not None:
             # The plan beside what the stage took, so an estimate that missed shows.
-            summary["budget"] = {**(self.budget_plan or {}), "stage_seconds": round(time.perf_counter() - self.started, 1)}
+            now = time.perf_counter()
+            spent = self.budget_spent.to_dict(now) if self.budget_spent is not None else {}
+            summary["budget"] = {**(self.budget_plan or {}), "stage_seconds": round(now - self.started, 1)} | ({"spent": spent} if spent else {})
         wrun = self._wandb()
         if wrun is not None:
             summary["wandb_run"] = tracking.wandb_run_dir(wrun)

@@ -61,9 +61,9 @@ class LoopSpec:
                 f"rate never reaches its peak {self.peak_lr:.3g} (its last step's is {self.lr(self.total_steps - 1):.3g})")
 
 
-def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluation: Evaluation = Evaluation()) -> LoopSpec:
+def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations: tuple[Evaluation, ...] = ()) -> LoopSpec:
     """Steps and learning rate from `optim` and `schedule`: lr = base_lr * effective batch / 256 unless `optim.lr` is set.
-    With `schedule.budget_minutes`, `evaluation` says what the stage evaluates along the way and at the end, which the
+    With `schedule.budget_minutes`, `evaluations` say what the stage evaluates along the way and at the end, which the
     budget's plan leaves time for."""
     accum = cfg.optim.grad_accum_steps
     steps_per_epoch = batches_per_epoch // accum
@@ -85,5 +85,5 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluation: 
         min_lr=cfg.optim.min_lr,
         warmup_steps=round(cfg.schedule.warmup_epochs * steps_per_epoch),
         max_steps=cfg.schedule.max_steps,
-        budget=Budget(cfg.schedule.budget_minutes, evaluation) if cfg.schedule.budget_minutes is not None else None,
+        budget=Budget(cfg.schedule.budget_minutes, evaluations) if cfg.schedule.budget_minutes is not None else None,
     )

@@ -33,6 +33,7 @@ stage that fails stops the quickstart with one line and its exit code.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -56,19 +57,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="folder for the three run folders and the report (default runs/quickstart)",
     )
     parser.add_argument("--budget-minutes", type=float, help="wall minutes for pretraining + fine-tuning together (schedule.budget_minutes per stage)")
-    parser.add_argument("--pretrain-share", type=float, default=0.5, help="the share of --budget-minutes that pretraining gets (default 0.5)")
+    parser.add_argument("--pretrain-share", type=float, help="the share of --budget-minutes that pretraining gets (default 0.5)")
     parser.add_argument("--fast", action="store_true", help="a fifth of the training images, 1000 validation images, one epoch (probe: 10)")
     args = parser.parse_args(argv)
-    if args.budget_minutes is not None and args.budget_minutes <= 0:
-        parser.error("--budget-minutes must be positive")
+    # argparse's float takes nan and inf: nan passed `<= 0` and reached the first stage as its budget
+    if args.budget_minutes is not None and not (math.isfinite(args.budget_minutes) and args.budget_minutes > 0):
+        parser.error("--budget-minutes must be a positive number")
+    if args.pretrain_share is not None and args.budget_minutes is None:
+        parser.error("--pretrain-share splits --budget-minutes: give --budget-minutes too")  # else it was unused, unsaid
+    args.pretrain_share = 0.5 if args.pretrain_share is None else args.pretrain_share
     if not 0 < args.pretrain_share < 1:
         parser.error("--pretrain-share must be between 0 and 1")
     for item in extra:
-        key = item.split("=", 1)[0]
+        key = item.split("=", 1)[0].strip()  # as the stages read it: ` run.dir =x` sets run.dir
         if "=" not in item or "." not in key:
             parser.error(f"override {item!r} after -- must look like section.key=value")
         if key in RESERVED:
             parser.error(f"{key} is set by quickstart for each stage; choose the folder with --out")
+        if key == "schedule.budget_minutes" and args.budget_minutes is not None:
+            # given last, it replaced both stages' shares and gave the linear probe a budget too
+            parser.error("schedule.budget_minutes after -- and --budget-minutes both set the stages' budgets: give one")
     return args, extra
 
 

@@ -185,3 +185,33 @@ def test_an_init_file_no_init_reads_is_refused(init):
     load_config(FinetuneConfig, None, ["finetune.init=timm:vit_tiny_patch16_224", "finetune.init_file=weights.safetensors"])
     # eval mode trains nothing: a timm recipe's config (its init_file too) evaluates its finished run as it is
     load_config(FinetuneConfig, None, ["finetune.mode=eval", "finetune.init=runs/baseline", "finetune.init_file=weights.safetensors"])
+
+
+@pytest.mark.parametrize("text, line", [("? [1, 2]\n: 3\n", 1), ("optim:\n  {lr: 1}: 2\n", 2)])
+def test_a_list_or_mapping_as_a_yaml_key_is_one_config_error(tmp_path, text, line):
+    # Read as a key, it reached the check for keys given twice, which raised TypeError (unhashable) as a traceback.
+    path = tmp_path / "keys.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, path)
+    assert str(e.value) == f"{path} is not valid YAML: the key on line {line} is a list or mapping, not a name"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # torch's SGD raised ValueError once the run folder was written; LARS took any momentum, and at >= 1 diverged
+    (["optim.name=sgd", "optim.momentum=-0.5"], r"^optim.momentum must be in \[0, 1\)$"),
+    (["optim.name=lars", "optim.momentum=1"], r"^optim.momentum must be in \[0, 1\)$"),
+    # LARS has no fused kernel: the run trained unfused without a word
+    (["optim.name=lars", "optim.fused=true"], r"^optim.fused is for adamw and sgd: lars has no fused kernel"),
+    # round(inf) raised OverflowError after the run folder was written
+    (["schedule.warmup_epochs=1e308"], r"^schedule.warmup_epochs must be in \[0, 1e\+06\]$"),
+])  # fmt: skip
+def test_optimiser_and_schedule_settings_no_run_can_train_with_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(FinetuneConfig, None, overrides)
+
+
+def test_the_optimiser_settings_at_their_limits_load():
+    for overrides in (["optim.name=lars", "optim.momentum=0", "optim.fused=false"], ["optim.name=lars", "optim.fused=null"],
+                      ["optim.name=sgd", "optim.momentum=0.999", "optim.fused=true"], ["schedule.warmup_epochs=1e6"]):  # fmt: skip
+        load_config(FinetuneConfig, None, overrides)

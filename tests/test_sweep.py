@@ -19,7 +19,7 @@ from vit.config import dump_config, load_config
 from vit.errors import ConfigError
 from vit.store.runs import write_config, write_summary
 from vit.tools import sweep
-from vit.tools.sweep import Job, Stopped, read_sweep, run_sweep
+from vit.tools.sweep import Job, Stopped, check_overrides, read_sweep, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = "configs/pretrain/cpu.yaml"
@@ -273,3 +273,28 @@ def test_a_sweep_file_that_gives_a_key_twice_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         read_sweep(spec)
     assert str(e.value) == f"{spec} is not valid YAML: key 'jobs' is given twice (line 3)"
+
+
+@pytest.mark.parametrize("item", [" run.dir=/elsewhere", "run.name =other", "run.resume\t="])
+def test_a_reserved_key_spelt_with_spaces_is_refused_as_the_stage_reads_it(item):
+    # The stage strips the key (` run.dir=x` sets run.dir): the job wrote its run elsewhere, where the sweep's finished
+    # check and table never looked, and ran again at every sweep.
+    with pytest.raises(ConfigError, match=rf"^overrides after --: {item.split('=')[0].strip()} is set by the sweep for each job$"):
+        check_overrides([item], "overrides after --")
+
+
+FT = "configs/finetune/cpu.yaml"
+
+
+@pytest.mark.parametrize("where", ["common", "overrides", "extra"])
+def test_finetune_init_given_to_a_job_that_has_init_is_refused_before_any_job_starts(tmp_path, started, where):
+    # Given after the job's finetune.init=<out>/<init>, it replaced the run the job had waited for: the job started from
+    # another encoder than its sweep file said.
+    given = {"common": [], "overrides": [], "extra": [], where: ["finetune.init=scratch"]}
+    jobs = [Job("pre", "pretrain", str(ROOT / CPU)), Job("ft", "finetune", str(ROOT / FT), given["overrides"], init="pre")]
+    with pytest.raises(ConfigError, match=r"^finetune.init is given in .*, but job ft starts from its init, job 'pre': drop one"):
+        run_sweep(jobs, tmp_path / "out", given["common"], given["extra"], parallel=1)
+    assert started.calls == []
+    # A job without init may name its own (shipped sweeps start baselines from scratch so).
+    assert run_sweep([Job("base", "finetune", str(ROOT / FT), ["finetune.init=scratch"])], tmp_path / "out", [], [], parallel=1) == {"base": "ok"}
+

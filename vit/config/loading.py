@@ -27,6 +27,11 @@ class UniqueKeyLoader(yaml.SafeLoader):
         seen: set = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:  # a list or mapping as a key (`? [a, b]`): `key in seen` would raise it as a traceback
+                raise yaml.constructor.ConstructorError(None, None, f"the key on line {key_node.start_mark.line + 1} is a list or mapping, "
+                                                        "not a name", key_node.start_mark) from None  # fmt: skip
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice (line {key_node.start_mark.line + 1})",
                                                         key_node.start_mark)  # fmt: skip

@@ -14,6 +14,7 @@ from vit.models.presets import PRESETS
 # --------------------------------------------------------------------------- sections
 
 PIL_MAX_PIXELS = 2 * 89_478_485  # PIL's decompression-bomb error: twice its Image.MAX_IMAGE_PIXELS
+MAX_WARMUP_EPOCHS = 1e6  # far beyond any schedule, and its steps (x steps per epoch) stay a finite number
 
 @dataclass
 class ModelConfig:
@@ -172,6 +173,12 @@ class OptimConfig:
         check(self.min_lr >= 0, "optim.min_lr", "must be >= 0")
         check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         check(all(0.0 <= b < 1.0 for b in self.betas), "optim.betas", "must be in [0, 1)")
+        # torch's SGD refused a negative one with a traceback once the run folder was written, and LARS took any: at 1 or
+        # more its momentum buffer never forgets a gradient and grows without bound.
+        check(0.0 <= self.momentum < 1.0, "optim.momentum", "must be in [0, 1)")
+        # LARS has no fused kernel: fused=true trained unfused, unsaid (it takes the non-finite guard as a device flag anyway).
+        check(not (self.fused and self.name == "lars"), "optim.fused",
+              "is for adamw and sgd: lars has no fused kernel; leave optim.fused unset (null) or false")  # fmt: skip
         check(self.batch_size > 0, "optim.batch_size", "must be positive")
         check(self.grad_accum_steps > 0, "optim.grad_accum_steps", "must be positive")
         check(self.clip_grad is None or self.clip_grad > 0, "optim.clip_grad", "must be positive")
@@ -191,7 +198,9 @@ class ScheduleConfig:
     def validate(self) -> None:
         check(self.epochs > 0, "schedule.epochs", "must be positive")
         check(self.budget_minutes is None or self.budget_minutes > 0, "schedule.budget_minutes", "must be positive")
-        check(self.warmup_epochs >= 0, "schedule.warmup_epochs", "must be >= 0")
+        # Bounded so that its step count is a number: 1e308 epochs of warm-up overflowed to infinity, a traceback after
+        # the run folder was written. A warm-up longer than the run is still only warned about (LoopSpec.long_warmup).
+        check(0 <= self.warmup_epochs <= MAX_WARMUP_EPOCHS, "schedule.warmup_epochs", f"must be in [0, {MAX_WARMUP_EPOCHS:g}]")
         check(self.max_steps is None or self.max_steps > 0, "schedule.max_steps", "must be positive")
 
 

@@ -76,7 +76,9 @@ def budget_overrides(stage: Stage, minutes: float | None, pretrain_share: float)
     if minutes is None or stage.run_name not in ("mae", "finetune"):
         return []
     share = pretrain_share if stage.run_name == "mae" else 1 - pretrain_share
-    return [f"schedule.budget_minutes={round(minutes * share, 3):g}"]
+    # Six significant digits, not three decimals: a stage's share under 0.0005 minutes was rounded to 0, which that stage
+    # refused only once the stages before it had run.
+    return [f"schedule.budget_minutes={minutes * share:.6g}"]
 
 
 def stage_command(stage: Stage, out: Path, data: str | None, fast: bool, extra: list[str]) -> list[str]:

@@ -55,7 +55,7 @@ from vit.train.accelerator import SHARED_BY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's config may be named relative to it; jobs run its packages
 MODULES = ("pretrain", "finetune")
-RESERVED = ("run.dir=", "run.name=", "run.resume=")  # the sweep sets these per job
+RESERVED = ("run.dir", "run.name", "run.resume")  # the sweep sets these per job
 LOG_SUFFIX = ".log"  # <out>/<name>.log: a job's output
 
 
@@ -159,9 +159,27 @@ def check_overrides(items, where: str) -> list[str]:
     if not isinstance(items, list) or not all(isinstance(x, str) and "=" in x for x in items):
         raise ConfigError(f"{where} must be a list of section.key=value strings, got {items!r}")
     for item in items:
-        if item.startswith(RESERVED):
-            raise ConfigError(f"{where}: {item.split('=')[0]} is set by the sweep for each job")
+        key = override_key(item)
+        if key in RESERVED:
+            raise ConfigError(f"{where}: {key} is set by the sweep for each job")
     return list(items)
+
+
+def override_key(item: str) -> str:
+    """The dotted key of `key=value` as the stages read it (`vit.config.apply_override` strips it: ` run.dir =x` is run.dir)."""
+    return item.split("=", 1)[0].strip()
+
+
+def check_inits(jobs: list[Job], common: list[str], extra: list[str]) -> None:
+    """Refuse, in one line, a finetune.init override for a job that has `init`: given after it on the job's command line,
+    it would replace the run the job waited for, and the job would start from another encoder than its sweep file says."""
+    for job in jobs:
+        if job.init is None:
+            continue
+        for where, items in (("common", common), (f"job {job.name}'s overrides", job.overrides), ("the overrides after --", extra)):
+            if any(override_key(item) == "finetune.init" for item in items):
+                raise ConfigError(f"finetune.init is given in {where}, but job {job.name} starts from its init, job {job.init!r}: "
+                                  "drop one of the two")  # fmt: skip
 
 
 def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], parallel: int) -> dict[str, str]:
@@ -174,6 +192,7 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
+    check_inits(jobs, common, extra)
     check_paths(jobs, out)
     check_kept(jobs, out, common, extra)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from finetune.models import classifier_as_vit, load_classifier
 from vit.errors import exit_on_user_error
-from vit.store.export import Export, cli
-from vit.store.runs import run_folder_of
+from vit.store.export import Export, cli, read_run_file
+from vit.store.runs import read_config, run_folder_of
 
 
 def classifier_export(source: str | Path) -> Export:
@@ -24,8 +24,10 @@ def classifier_export(source: str | Path) -> Export:
     model, payload = load_classifier(path)
     data = payload["data"]
     run_dir = run_folder_of(path)
+    init = (read_run_file(run_dir, read_config).get("finetune") or {}).get("init")  # the card says how the weights began
     return Export(classifier_as_vit(model, payload), "classifier", list(data["mean"]), list(data["std"]), data.get("dataset"), run_dir,
-                  label_names=list(payload["classes"]), step=payload.get("step"), parent=payload.get("parent"))  # fmt: skip
+                  label_names=list(payload["classes"]), step=payload.get("step"), parent=payload.get("parent"),
+                  init=str(init) if init is not None else None)  # fmt: skip
 
 
 @exit_on_user_error

@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 
 from vit.store.checkpoint import CLASSIFIER_FORMAT, CheckpointError, load_encoder, load_timm_weights, read_checkpoint, read_encoder
-from vit.store.checkpoint import read_weights_file, wrong_kind
+from vit.store.checkpoint import misfits, read_weights_file, wrong_kind
 from vit.errors import ConfigError
 from vit.store.atomic import atomic_save
-from vit.store.hub import hub_reachable, is_hub_init, load_hub_weights, unreachable
+from vit.store.hub import hub_reachable, is_hub_init, is_model_folder, load_hub_weights, unreachable
 from vit.models.encoder import VisionTransformer, create_model
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, run_folder_of
 from vit.tools.reference import timm_vit
@@ -91,6 +91,8 @@ def read_init_encoder(init: str) -> dict[str, Any] | None:
     path = encoder_init(init)
     if path is None:
         return None
+    if is_model_folder(init):  # an export read as a run folder: "encoder.pt does not exist" named a file nobody wrote
+        raise CheckpointError(f"finetune.init={init} is a timm / Hub model folder, not a run folder: name it finetune.init=local-dir:{init}")
     try:
         return read_encoder(path)
     except CheckpointError as e:
@@ -177,6 +179,9 @@ def build_classifier(cfg, num_classes: int, device=None, say=None) -> Built:
     return Built(encoder, "vit", {"config": encoder.config}, parent, encoder.config)
 
 
+ARCHS = ("vit", "timm_vit", "linear_probe", "resnet18")  # what `rebuild` builds
+
+
 def rebuild(arch: str, build: dict[str, Any]) -> nn.Module:
     """An empty classifier of the saved kind, ready for `load_state_dict(strict=True)`."""
     if arch == "resnet18":
@@ -198,14 +203,70 @@ def save_classifier(path: Path, built: Built, model: nn.Module, classes: list[st
 
 def load_classifier(init: str, key: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """A finished classifier from its run folder or `classifier.pt`, loaded strictly; `key` names the setting that gave
-    the path in the message about a path to something else (a pretraining run, a kNN run, an encoder.pt)."""
+    the path in the message about a path to something else (a pretraining run, a kNN run, an encoder.pt, a timm / Hub
+    model), and a damaged file (a field lost, weights that do not fit its own architecture) is one CheckpointError."""
+    expected = f"a finished classification run folder or its {CLASSIFIER_FILE}"
+    named = f"{key}={init}" if key else str(init)
+    if str(init).startswith("timm:") or is_hub_init(str(init)):
+        raise CheckpointError(f"{named} is a timm / Hub model, not a classifier this project trained: expected {expected}")
+    if is_model_folder(init):
+        raise CheckpointError(f"{named} is a timm / Hub model folder (an export), not a classification run: expected {expected}")
     try:
         payload = read_checkpoint(init, CLASSIFIER_FILE, CLASSIFIER_FORMAT, "classifier")
     except CheckpointError as e:
-        raise (wrong_kind(str(init), CLASSIFIER_FILE, f"a finished classification run folder or its {CLASSIFIER_FILE}", key) or e) from None
-    model = rebuild(payload["arch"], payload["build"])
-    model.load_state_dict(payload["state_dict"], strict=True)
+        raise (wrong_kind(str(init), CLASSIFIER_FILE, expected, key) or e) from None
+    path = resolve_checkpoint_path(init, CLASSIFIER_FILE)
+    check_classifier_fields(path, payload)
+    if payload["arch"] not in ARCHS:
+        raise CheckpointError(f"{path} holds a classifier of an unknown architecture {payload['arch']!r} (expected one of {', '.join(ARCHS)})")
+    try:
+        model = rebuild(payload["arch"], payload["build"])
+    except (KeyError, TypeError, ValueError) as e:  # a field lost from "build", or one the model does not take
+        raise CheckpointError(f"{path} is damaged: its 'build' makes no {payload['arch']} classifier ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160]})") from None  # fmt: skip
+    build, classes = payload["build"], payload["classes"]
+    outputs = build.get("num_classes", (build.get("config") or {}).get("num_classes"))
+    if outputs != len(classes):  # eval would compare the wrong class list with the data's, an export label the logits wrongly
+        raise CheckpointError(f"{path} is damaged: it names {len(classes)} classes, and its {payload['arch']} classifier has {outputs} outputs")
+    state = payload["state_dict"]
+    missing, unexpected = sorted(set(model.state_dict()) - set(state)), sorted(set(state) - set(model.state_dict()))
+    wrong = misfits(state, model)
+    if missing or unexpected or wrong:  # load_state_dict would raise a RuntimeError listing every tensor
+        found = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "", wrong]
+        raise CheckpointError(f"{path} does not match the {payload['arch']} classifier it records (checkpoint != classifier): "
+                              f"{'; '.join(f for f in found if f)}")  # fmt: skip
+    model.load_state_dict(state, strict=True)
     return model, payload
+
+
+def resolve_checkpoint_path(init: str | Path, file_name: str) -> Path:
+    path = Path(init).expanduser()
+    return path / file_name if path.is_dir() else path
+
+
+# What a classifier.pt holds besides its state_dict, and of what type: `rebuild`, the exporter and `finetune.mode=eval` read them.
+CLASSIFIER_FIELDS = {"arch": str, "build": dict, "classes": list, "data": dict}
+DATA_FIELDS = {"image_size": (int, type(None)), "mean": (list, tuple), "std": (list, tuple)}
+SPLIT_FIELDS = {"dataset": str, "val_size": int, "split_seed": int, "train_fraction": (int, float)}  # `vit.data.provenance.SPLIT_KEYS`
+
+
+def check_classifier_fields(path: Path, payload: dict[str, Any]) -> None:
+    """Refuse, naming the field, a classifier.pt with a field lost or of another type (damaged, or edited by hand): a
+    KeyError or TypeError came out later as a traceback. An older classifier without `data.split` is no error."""
+    split = payload["data"].get("split") if isinstance(payload.get("data"), dict) else None
+    checks = [("", payload, CLASSIFIER_FIELDS), ("data.", payload.get("data"), DATA_FIELDS)]
+    if split is not None:
+        checks.append(("data.split.", split, SPLIT_FIELDS))
+    for where, held, fields in checks:
+        for name, kind in fields.items():
+            value = held.get(name) if isinstance(held, dict) else None
+            if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(held, dict) and name not in held):
+                raise CheckpointError(f"{path} is damaged: its '{where}{name}' is missing or not of type {type_names(kind)}")
+
+
+def type_names(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
 
 
 @torch.no_grad()

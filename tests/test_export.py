@@ -314,6 +314,25 @@ def test_a_linear_probe_exports_as_timms_vit_with_the_probes_logits(exported, tm
     assert "pipeline_tag: image-classification" in (tmp_path / "probe" / "README.md").read_text()
 
 
+def test_the_card_of_a_classifier_says_how_its_weights_began(exported, tmp_path):
+    """Every classifier's card said "trained on an MAE-pretrained encoder" and was tagged masked-autoencoder: a ViT
+    trained from scratch (a baseline) was exported with a card claiming a pretraining it never had."""
+    try:
+        assert finetune(small(tmp_path, "scratch", **{"finetune.init": "scratch"})) == 0
+    finally:
+        reset_accelerate()
+    cards = {}
+    for name, run in (("scratch", tmp_path / "runs" / "scratch"), ("probe", exported.runs / "probe")):
+        assert export_classifier([str(run), "--out", str(tmp_path / "hub" / name)]) == 0
+        cards[name] = (tmp_path / "hub" / name / "README.md").read_text()
+    _, header, body = cards["scratch"].split("---\n", 2)
+    assert "trained from a random initialisation (no pretraining)" in body and "MAE" not in body
+    assert "masked-autoencoder" not in yaml.safe_load(header)["tags"] and "| classifier | training from scratch |" in body
+    _, header, body = cards["probe"].split("---\n", 2)
+    assert "trained on an MAE-pretrained encoder" in body and "masked-autoencoder" in yaml.safe_load(header)["tags"]
+    assert f"| classifier | linear probe from {exported.runs / 'mae'} (pretraining run {exported.runs / 'mae'}) |" in body
+
+
 def test_what_cannot_export_is_one_line(exported, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="a resnet18 classifier is not a ViT"):
         classifier_as_vit(None, {"arch": "resnet18", "build": {}})

@@ -32,7 +32,7 @@ from vit.data.provenance import record_to_json
 from vit.data.sources import NORMALIZATION
 from vit.store.checkpoint import encoder_from_checkpoint, read_encoder, wrong_kind
 from vit.errors import CheckpointError, UserError
-from vit.store.hub import check_repo_id, hub_config, push_folder, write_hub_folder
+from vit.store.hub import check_repo_id, hub_config, is_model_folder, push_folder, write_hub_folder
 from vit.models.encoder import VisionTransformer, count_parameters
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, read_config, read_summary, run_folder_of
 
@@ -56,6 +56,7 @@ class Export:
     used_by: list[dict[str, Any]] = field(default_factory=list)  # summaries of the runs that started from an encoder
     pretrained_on: dict[str, Any] | None = None  # an encoder's data split as JSON (`vit.data.provenance.record_to_json`), if recorded
     unfinished: bool = False  # the weights of a run that has not finished (no summary): an intermediate encoder
+    init: str | None = None  # a classifier's `finetune.init` (scratch, timm:..., a run, ...), None where no run folder records it
 
 
 def read_run_file(run_dir: Path | None, reader: Callable[[Path], dict[str, Any] | None]) -> dict[str, Any]:
@@ -90,6 +91,8 @@ def names_run(recorded: str, run_dir: Path) -> bool:
 def encoder_export(path: str | Path) -> Export:
     """An `encoder.pt` (or the pretraining run folder holding one) ready to export."""
     path = Path(path).expanduser()
+    if is_model_folder(path):
+        raise CheckpointError(f"{path} is a timm / Hub model folder, already an export: expected a pretraining run folder or its {ENCODER_FILE}")
     if path.is_dir() and not (path / ENCODER_FILE).exists() and (path / CLASSIFIER_FILE).exists():
         raise CheckpointError(f"{path} holds a classifier; export it with python -m finetune.export {path} --out DIR")
     try:
@@ -121,7 +124,7 @@ def front_matter(exp: Export, name: str) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "library_name": "timm",
         "pipeline_tag": "image-classification" if exp.kind == "classifier" else "image-feature-extraction",
-        "tags": ["timm", "vision-transformer", "masked-autoencoder", "vit-mae"],
+        "tags": ["timm", "vision-transformer", *(["masked-autoencoder"] if from_mae(exp) else []), "vit-mae"],
     }
     hub_dataset = HUB_DATASETS.get(exp.dataset or "")
     if hub_dataset:
@@ -136,6 +139,25 @@ def front_matter(exp: Export, name: str) -> dict[str, Any]:
              "metrics": [{"type": "accuracy", "value": round(100 * top1, 2), "name": f"top-1, {job} ({run})"}]}
             for run, job, split, top1 in results]}]  # fmt: skip
     return meta
+
+
+def from_mae(exp: Export) -> bool:
+    """Whether the weights come from MAE pretraining: an encoder, or a classifier whose init was an MAE encoder (a run
+    folder, encoder.pt or one of our exports) or that records its pretraining run."""
+    init = exp.init or ""
+    return exp.kind == "encoder" or exp.parent is not None or (init != "" and init != "scratch" and not init.startswith(("timm:", "hf-hub:")))
+
+
+def origin(exp: Export) -> str:
+    """How the weights were made, in the card's words: a scratch baseline's card claimed MAE pretraining."""
+    init = exp.init or ""
+    if exp.kind == "encoder":
+        return "pretrained as a masked autoencoder (MAE)"
+    if init == "scratch":
+        return "trained from a random initialisation (no pretraining)"
+    if init.startswith(("timm:", "hf-hub:")):
+        return f"trained from the pretrained weights {init}"
+    return "trained on an MAE-pretrained encoder" if from_mae(exp) else "trained (its initialisation is not recorded)"
 
 
 def accuracy_runs(exp: Export) -> list[dict[str, Any]]:
@@ -183,8 +205,9 @@ def training_rows(exp: Export) -> list[tuple[str, str]]:
         rows.insert(3, ("MAE", f"mask ratio {fmt(mae.get('mask_ratio'))}, normalised-pixel loss {fmt(mae.get('norm_pix_loss'))}"))
     else:
         ft = config.get("finetune") or {}
-        how = "linear probe" if ft.get("mode") == "linear" else "full fine-tuning"
-        rows.insert(3, ("classifier", f"{how} from {fmt(ft.get('init'))} (pretraining run {fmt(exp.parent)})"))
+        how = "linear probe" if ft.get("mode") == "linear" else "training" if ft.get("init") == "scratch" else "full fine-tuning"
+        parent = f" (pretraining run {exp.parent})" if exp.parent else ""
+        rows.insert(3, ("classifier", f"{how} from {fmt(ft.get('init'))}{parent}"))
     if exp.unfinished:
         rows.insert(1, ("status", f"unfinished: the weights of step {exp.step}, saved before the run ended (still training, or stopped)"))
     return [(k, v) for k, v in rows if v is not None]
@@ -194,7 +217,7 @@ def model_card(exp: Export, name: str, load_as: str) -> str:
     """README.md: Hub front matter, what the model is, how to load it, how it was trained, what the runs using it reached."""
     c = exp.model.config
     what = "classifier" if exp.kind == "classifier" else "encoder (no head)"
-    pretrained = "trained on an MAE-pretrained encoder" if exp.kind == "classifier" else "pretrained as a masked autoencoder (MAE)"
+    pretrained = origin(exp)
     tokens = (c["img_size"] // c["patch_size"]) ** 2
     output = (f"logits = model(images)  # (B, {c['num_classes']}): {', '.join((exp.label_names or [])[:4])}{', ...' if len(exp.label_names or []) > 4 else ''}"
               if exp.kind == "classifier" else f"tokens = model.forward_features(images)  # (B, 1 + {tokens}, {c['embed_dim']})")  # fmt: skip
@@ -256,6 +279,8 @@ def cli(argv: list[str] | None, load: Callable[[str], Export], prog: str, what: 
                              "export (other files there are left alone); without it such an --out is refused. An --out at or "
                              "inside a run folder is always refused")  # fmt: skip
     args = parser.parse_args(argv)
+    if not args.out.strip():  # Path("") is the current folder: a project's own README.md would be what --overwrite replaces
+        parser.error("--out is empty: name the folder to write the export into")
     if args.push is not None and args.push.count("/") != 1:
         parser.error(f"--push {args.push!r} must look like USER/NAME")
     if args.push is not None:

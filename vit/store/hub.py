@@ -56,6 +56,12 @@ def is_hub_init(init: str) -> bool:
     return init.startswith(PREFIXES)
 
 
+def is_model_folder(path: str | os.PathLike) -> bool:
+    """Whether `path` is a timm / Hub model folder (a config.json, as the exporters write), not a run folder (no run outputs)."""
+    path = Path(path).expanduser()
+    return path.is_dir() and (path / CONFIG_FILE).is_file() and not holds_run(path)
+
+
 def check_repo_id(repo_id: str, where: str) -> None:
     """Refuse, naming `where`, a Hub repository id the Hub cannot hold (`a/b/c`, `../x`, spaces, ...), before any
     download or cache lookup turns it into the hub client's traceback."""

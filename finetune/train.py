@@ -276,9 +276,12 @@ def run_eval(cfg: FinetuneConfig) -> int:
     note = check_overlap(record, splits, f"the classifier {cfg.finetune.init}", "finetune.allow_overlap", cfg.finetune.allow_overlap)
     if note:
         run.warn(note)
+    evals = eval_loaders(cfg, data)
+    if not evals:  # it printed "eval: " and wrote a summary without a number, exit 0
+        raise DataError(f"nothing to evaluate: the classifier {cfg.finetune.init} was trained with no val split (data.val_size=0, "
+                        f"which eval keeps), and {cfg.data.root or cfg.data.dataset} has no test split")  # fmt: skip
     run.ready()
     model = model.to(acc.device)
-    evals = eval_loaders(cfg, data)
     results = {s: evaluate(model, loader, acc, len(splits.train.classes)) for s, loader in evals.items()}
     flat = report_eval(run, results, splits.train.classes, f"eval {payload['arch']}", cfg.finetune.confusion_matrix)
     summary = run.finish({"mode": "eval", "init": cfg.finetune.init, "model": payload["arch"], "data": splits.describe(), **flat})

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from finetune.config import FinetuneConfig
+from pretrain.config import PretrainConfig
 from vit.cli import split_overrides
 from vit.errors import exit_on_user_error
 from vit.tools.sweep import Stopped, check_overrides, read_sweep, run_sweep, select_jobs
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.expanduser().absolute()  # the jobs' run.dir and the table's run folders: the same folder
     started = time.perf_counter()
     try:
-        outcome = run_sweep(jobs, out, common, extra, args.parallel)
+        outcome = run_sweep(jobs, out, common, extra, args.parallel, configs={"pretrain": PretrainConfig, "finetune": FinetuneConfig})
     except Stopped as e:
         print(e, flush=True)
         return e.code

@@ -127,3 +127,25 @@ def test_an_empty_out_is_refused_and_the_current_folder_keeps_its_files(tmp_path
             export_classifier([str(path), "--out", out, "--overwrite"])
         assert e.value.code == 2 and "--out is empty" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "clf"] and (tmp_path / "README.md").read_text() == "my project\n"
+
+
+def test_an_eval_with_no_split_to_evaluate_is_one_line(tmp_path, capsys):
+    """A classifier trained with data.val_size=0 (which eval keeps) on an image tree without test/: eval printed "eval: "
+    with nothing after it, wrote a summary without a number, and exited 0."""
+    from PIL import Image
+
+    for c in CLASSES:
+        (tmp_path / "tree" / "train" / c).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (32, 32), (40 * i, 0, 0)).save(tmp_path / "tree" / "train" / c / f"{i}.png")
+    path = tiny_classifier(tmp_path / "classifier.pt")
+    payload = torch.load(path, weights_only=True)
+    payload["data"]["split"].update(dataset="imagefolder", val_size=0)
+    payload["classes"] = sorted(CLASSES)  # as an image tree lists its class folders
+    torch.save(payload, path)
+    given = ["data.dataset=imagefolder", f"data.root={tmp_path / 'tree'}", "finetune.mode=eval", f"finetune.init={path}"]
+    assert finetune(tiny_overrides(tmp_path, name="eval") + given) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]  # (a warning before it: the record has no fingerprint)
+    assert len(errors) == 1 and errors[0].startswith(f"error: nothing to evaluate: the classifier {path} was trained with no val split"), err
+    assert not (tmp_path / "runs" / "eval" / "summary.json").exists()

@@ -470,7 +470,8 @@ def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_kee
     spec = write_sweep(tmp_path / "sweep.yaml", [
         {"name": "pre", "module": "pretrain", "config": "configs/pretrain/cpu.yaml", "overrides": ["schedule.epochs=1"]},
         {"name": "ft", "module": "finetune", "config": "configs/finetune/cpu.yaml", "init": "pre", "overrides": ["schedule.epochs=1"]},
-        {"name": "bad", "module": "pretrain", "config": "configs/pretrain/cpu.yaml", "overrides": ["optim.weight_decay=-1"]},
+        # fails when it starts (its settings load, so the sweep starts; test_sweep holds it to refusing those that do not)
+        {"name": "bad", "module": "finetune", "config": "configs/finetune/cpu.yaml", "overrides": [f"finetune.init={tmp_path / 'no_run'}"]},
         {"name": "after_bad", "module": "finetune", "config": "configs/finetune/cpu.yaml", "init": "bad"},
     ])  # fmt: skip
     tiny = [o for o in tiny_overrides(tmp_path) if not o.startswith(("run.dir=", "run.name=", "schedule.epochs="))]
@@ -482,7 +483,7 @@ def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_kee
     assert "sweep: after_bad: skipped (bad failed)" in said and "sweep: 2/4 jobs ok" in said
     summary = json.loads((out / "ft" / "summary.json").read_text())
     assert Path(summary["parent"]).name == "pre" and summary["epochs"] == 1
-    assert "optim.weight_decay must be >= 0" in (out / "bad.log").read_text()
+    assert f"encoder checkpoint {tmp_path / 'no_run'} does not exist" in (out / "bad.log").read_text()
     # The same command again keeps the finished jobs and retries the failed one.
     before = (out / "ft" / "summary.json").stat().st_mtime_ns
     proc = run_script("sweep", spec, "--out", out, "--", *tiny, "schedule.warmup_epochs=0", timeout=900)

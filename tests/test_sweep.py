@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
 from vit.config import dump_config, load_config
 from vit.errors import ConfigError
@@ -298,3 +299,29 @@ def test_finetune_init_given_to_a_job_that_has_init_is_refused_before_any_job_st
     # A job without init may name its own (shipped sweeps start baselines from scratch so).
     assert run_sweep([Job("base", "finetune", str(ROOT / FT), ["finetune.init=scratch"])], tmp_path / "out", [], [], parallel=1) == {"base": "ok"}
 
+
+
+CONFIGS = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
+
+
+@pytest.mark.parametrize("item, message", [
+    ("data.subset=512", r"^job late: unknown config key 'data.subset' \(command line\); nothing was run$"),
+    ("optim.weight_decay=-1", r"^job late: optim.weight_decay must be >= 0.*; nothing was run$"),
+    ("schedule.epochs=two", r"^job late: .*schedule.epochs.*; nothing was run$"),
+], ids=["unknown-key", "out-of-range", "wrong-type"])  # fmt: skip
+def test_a_job_whose_settings_do_not_load_is_refused_before_any_job_starts(tmp_path, started, item, message):
+    # The last job's typo failed only when its turn came, after the jobs before it had run (for hours, in a real sweep).
+    jobs = [Job("pre", "pretrain", str(ROOT / CPU)), Job("ft", "finetune", str(ROOT / FT), init="pre"),
+            Job("late", "finetune", str(ROOT / FT), [item], init="pre")]  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        run_sweep(jobs, tmp_path / "out", ["run.tracker=none"], [], parallel=1, configs=CONFIGS)
+    assert started.calls == [] and not (tmp_path / "out").exists()
+    # The same jobs with settings that load run, their inits not yet trained (a job checks the run it starts from itself).
+    assert run_sweep(jobs[:2], tmp_path / "out", ["run.tracker=none"], [], parallel=1, configs=CONFIGS) == {"pre": "ok", "ft": "ok"}
+
+
+def test_every_shipped_sweep_loads_as_its_header_runs_it(tmp_path, started):
+    """Each of configs/sweeps/*.yaml passes the check, with the overrides their headers give after --."""
+    for path in sorted((ROOT / "configs" / "sweeps").glob("*.yaml")):
+        common, jobs = read_sweep(path)
+        sweep.check_configs(jobs, tmp_path / "out", common, ["data.root=PATH", "run.device=cuda"], CONFIGS)

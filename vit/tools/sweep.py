@@ -47,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from vit.config import flat_keys, read_yaml
+from vit.config import flat_keys, load_config, read_yaml
 from vit.data.provenance import SPLIT_KEYS
 from vit.errors import ConfigError
 from vit.store.runs import is_finished, read_config
@@ -182,17 +182,21 @@ def check_inits(jobs: list[Job], common: list[str], extra: list[str]) -> None:
                                   "drop one of the two")  # fmt: skip
 
 
-def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], parallel: int) -> dict[str, str]:
+def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], parallel: int,
+              configs: dict[str, type] | None = None) -> dict[str, str]:  # fmt: skip
     """Run the jobs, at most `parallel` at once, a job only after its `init` succeeded. Returns name -> outcome.
 
     A relative `out` is the current folder's, and the jobs run in the current folder, so that --out, the finished-earlier
-    check and every relative path of the overrides (data.root=...) name what the caller sees. A kept run that recorded
-    other settings than its job now is a ConfigError before anything starts (`check_kept`). SIGINT / SIGTERM / SIGHUP
-    stop the sweep: the running jobs are told (they save a resume state), and once they ended `Stopped` is raised."""
+    check and every relative path of the overrides (data.root=...) name what the caller sees. A job whose settings do
+    not load (with `configs`, each module's config class: `check_configs`) and a kept run that recorded other settings
+    than its job now (`check_kept`) are a ConfigError before anything starts. SIGINT / SIGTERM / SIGHUP stop the sweep:
+    the running jobs are told (they save a resume state), and once they ended `Stopped` is raised."""
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
     check_inits(jobs, common, extra)
+    if configs is not None:
+        check_configs(jobs, out, common, extra, configs)
     check_paths(jobs, out)
     check_kept(jobs, out, common, extra)
     out.mkdir(parents=True, exist_ok=True)
@@ -357,6 +361,18 @@ def check_kept(jobs: list[Job], out: Path, common: list[str], extra: list[str]) 
     if refused:
         raise ConfigError(f"finished run(s) in {out} ran other settings than the sweep gives now: {'; '.join(refused)}; "
                           "use another --out, or delete those run folders to run them again")  # fmt: skip
+
+
+def check_configs(jobs: list[Job], out: Path, common: list[str], extra: list[str], configs: dict[str, type]) -> None:
+    """Refuse, in one line naming the job, a job whose config file and overrides do not load as its stage loads them (an
+    unknown key, a value of the wrong type or out of range): it would fail only when its turn came, after the jobs
+    before it had run for hours. What needs the data, the device or the run a job starts from, the job checks itself."""
+    for job in jobs:
+        argv = job.argv(out, common, extra)
+        try:
+            load_config(configs[job.module], job.config, argv[argv.index("--config") + 2 :])
+        except ConfigError as e:
+            raise ConfigError(f"job {job.name}: {e}; nothing was run") from None
 
 
 def check_paths(jobs: list[Job], out: Path) -> None:

@@ -15,15 +15,25 @@ from vit.train.run import Run
 from vit.eval.knn import encode, knn_accuracy
 from vit.data.files import ShardSet
 from vit.data.loaders import Data
-from vit.errors import ConfigError
+from vit.errors import ConfigError, DataError
 
 
-def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str | None) -> int:
-    """Classify val and test against the training features; writes summary.json like a probe's (val/test top-1, top-5)."""
-    acc, ft, splits = run.accelerator, cfg.finetune, data.splits
+def check_knn_data(cfg: FinetuneConfig, data: Data) -> None:
+    """Refuse, in one line, data `run_knn` cannot classify; before the run is set up (`Run.ready`), so that a run it
+    would replace (run.overwrite) is left as it is."""
+    splits = data.splits
     if isinstance(splits.train, ShardSet):
         raise ConfigError("finetune.mode=knn encodes every training image once, unaugmented, as its memory bank, and streamed WebDataset "
                           "shards are read for training only: set data.loader=memory where the shards fit in memory")  # fmt: skip
+    if not any(images is not None and len(images) for images in (splits.val, splits.test)):  # as finetune.mode=eval refuses it
+        raise DataError(f"finetune.mode=knn has nothing to classify: no val split (data.val_size=0), and "
+                        f"{cfg.data.root or cfg.data.dataset} has no test split; set data.val_size")  # fmt: skip
+
+
+def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str | None) -> int:
+    """Classify val and test against the training features (`check_knn_data` passed); writes summary.json like a probe's
+    (val/test top-1, top-5)."""
+    acc, ft, splits = run.accelerator, cfg.finetune, data.splits
     encoder = built.model.to(acc.device).encoder  # the LinearProbe's frozen encoder; its head is not used
     started = time.perf_counter()
     bank, bank_labels = encode(encoder, data.loader(splits.train, cfg.optim.batch_size, train=False), acc, ft.probe_pool, gather=True)
@@ -59,7 +69,7 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
         "test_split": splits.test is not None,
         **flat,
     })  # fmt: skip
-    lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()] or ["nothing classified (no val split: data.val_size=0, and no test split in this dataset)"]
+    lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()]
     run.print(f"knn (k {k}, T {ft.knn_temperature}, bank {bank.shape[0]}): " + ", ".join(lines)
               + f" in {wall_time:.1f}s ({feature_time:.1f}s of features) -> {run.dir}")  # fmt: skip
     return 0

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from finetune.config import FinetuneConfig
 from finetune.evaluate import evaluate, save_confusion_matrix, sync_from_main
 from finetune.features import FeatureLoader, extract_features
-from finetune.knn import run_knn
+from finetune.knn import check_knn_data, run_knn
 from finetune.models import Built, build_classifier, encoder_init, load_classifier, read_init_encoder, save_classifier, unfinished_encoder
 from vit.train import tracking
 from vit.store.checkpoint import unwrap
@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     check_pretraining_overlap(cfg, run, splits, parent_payload)  # after the weights load: an init that cannot load is one line
     # Each rank drew its own random init (per-rank seed); a cached probe's encoder is never wrapped in DDP, so make them one.
     sync_from_main(built.model, run.accelerator)
+    if cfg.finetune.mode == "knn":
+        check_knn_data(cfg, data)
     run.ready()
     if cfg.finetune.mode == "knn":
         return run_knn(cfg, run, data, built, parent.get("run"))

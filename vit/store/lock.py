@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ class RunLock:
 
     def __init__(self, path: Path, file):
         self.path, self.file = path, file
+        self.pid = os.getpid()  # the process that took it: a forked child (a data worker) inherits this object too
 
     def release(self) -> None:
         if self.file is None:
@@ -40,6 +42,16 @@ class RunLock:
 _HELD: dict[str, RunLock] = {}  # this process's locks: a later run here (tests, a notebook) takes its folder's over
 
 
+@atexit.register
+def _release_at_exit() -> None:
+    """A run that stopped on an error (bad data, a refused init) never reaches `finish`: the OS frees its lock at exit,
+    and this removes its file, whose PID would name a process that is gone. Not in a forked child (a data worker), whose
+    exit must not remove the file its parent still holds."""
+    for lock in list(_HELD.values()):
+        if lock.pid == os.getpid():
+            lock.release()
+
+
 def lock_run(run_dir: Path) -> RunLock | None:
     """Hold `run_dir`'s lock, or refuse in one line naming the process that holds it (a UserError).
 
@@ -52,7 +64,7 @@ def lock_run(run_dir: Path) -> RunLock | None:
               file=sys.stderr, flush=True)  # fmt: skip
         return None
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_folder(run_dir)
     # The real path: the same folder named another way (relative, through a link, after a chdir) is the same lock, which
     # a second flock by this process would find taken, refusing this process for itself.
     path = Path(os.path.realpath(run_dir / LOCK_FILE))
@@ -86,6 +98,17 @@ def lock_run(run_dir: Path) -> RunLock | None:
     f.flush()
     lock = _HELD[str(path)] = RunLock(path, f)
     return lock
+
+
+def make_run_folder(run_dir: Path) -> None:
+    """Create `run_dir`, or refuse in one line a file where it or a folder above it should be (mkdir's own error,
+    "File exists", names no reason the user can act on)."""
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise UserError(f"run folder {run_dir}: {folder} is a file, not a folder; choose another run.dir or run.name")
+            break
+    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _describe_holder(text: str) -> str:

@@ -133,12 +133,14 @@ def describe_folder(path: Path) -> str | None:
         meta = (read_config(path) or {}).get("meta") or {}
     except UserError:
         meta = {}
+    # Its config alone: a run refused on its data or init after its folder was made (or one starting this instant).
+    unfinished = "it writes it at its end" if holds_run(path) else f"it wrote nothing but its {CONFIG_FILE}: it stopped before training, or is starting"
     if meta.get("stage") == "pretrain":
-        return f"a pretraining run without its {ENCODER_FILE} (unfinished: it writes it at its end)"
+        return f"a pretraining run without its {ENCODER_FILE} (unfinished: {unfinished})"
     if meta.get("job_type") in ("knn", "eval"):
         return f"a finetune.mode={meta['job_type']} run folder, which trains and saves no classifier"
     if meta.get("stage") == "finetune":
-        return f"a classification run without its {CLASSIFIER_FILE} (unfinished: it writes it at its end)"
+        return f"a classification run without its {CLASSIFIER_FILE} (unfinished: {unfinished})"
     runs = sorted(p.name for p in path.iterdir() if (p / CONFIG_FILE).is_file())
     if runs:
         return f"a folder of {len(runs)} run folders ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}), not one run"

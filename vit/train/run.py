@@ -86,7 +86,7 @@ class Run:
         lock = lock_run(run_dir) if accelerator.is_main_process else None
         try:
             replacing = check_run_dir(run_dir, run_cfg, cfg)
-            keep_record = check_resume(run_dir, cfg, stage, accelerator.num_processes, parent)
+            record = check_resume(run_dir, cfg, stage, accelerator.num_processes, parent)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -107,9 +107,9 @@ class Run:
         }
         run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta,
                   lock=lock)  # fmt: skip
-        if replacing:  # the run it replaces stays as it is until the stage is set up (`ready`): input it refuses loses nothing
-            run.replacing = dump_config(cfg, meta)
-        elif accelerator.is_main_process and not keep_record:  # a resumed run keeps the record its first process wrote
+        if replacing or record == "replace":  # the run it replaces stays as it is until the stage is set up (`ready`): input
+            run.replacing = dump_config(cfg, meta)  # it refuses loses nothing
+        elif accelerator.is_main_process and record == "fresh":  # a resumed run keeps the record its first process wrote
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir, dump_config(cfg, meta))
         run.print(
@@ -121,8 +121,9 @@ class Run:
         return run
 
     def ready(self) -> None:
-        """The stage is set up (data, model, init and schedule checked): a run that replaces another (run.overwrite)
-        clears that one's outputs and writes its own config only now. Call it before the stage writes anything."""
+        """The stage is set up (data, model, init and schedule checked): a run that replaces another (run.overwrite, or
+        run.resume=auto over a run that died before its first state) clears that one's outputs and writes its own config
+        only now. Call it before the stage writes anything."""
         if self.replacing is None:
             return
         if self.is_main:
@@ -313,33 +314,35 @@ RESUMABLE_CHANGES = frozenset({
 })  # fmt: skip
 
 
-def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int, parent: str | None = None) -> bool:
+def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int, parent: str | None = None) -> str:
     """Before a resume touches the folder: refuse a finished run with no state to continue from (starting afresh would
-    write over its results) and a run recorded with other settings, by another stage or with another number of
-    processes, naming what differs; a state of another run folder (`run.resume=<run>/states/step_N`) is held to that
-    run's record the same way. True when the folder's record (config.yaml) is the one to keep; False when there is none
-    to keep (a fresh run)."""
+    write over its results), a run recorded with other settings, by another stage or with another number of processes,
+    naming what differs, and a state of another run folder (`run.resume=<run>/states/step_N`) continued in a folder that
+    holds a run of its own; that state is held to its run's record, as `auto` is to this folder's. "keep" when the
+    folder's record (config.yaml) is the one to keep; "fresh" when there is none to keep; "replace" when the folder holds
+    a run that died before its first state, which this one replaces once its stage is set up (`Run.ready`)."""
     run_cfg = cfg.run
     if not run_cfg.resume:
-        return False
+        return "fresh"
     source = state_run_folder(Path(run_cfg.resume).expanduser()) if run_cfg.resume != "auto" else None
     if source is not None and source.resolve() != run_dir.resolve():
         # A state of another run folder continues that run here: it is held to that run's record, as `auto` is to this one's.
         check_recorded(source, cfg, stage, processes, instead="start a fresh run without run.resume", parent=parent)
+        if holds_run(run_dir):  # the other run's steps would write over this run's weights and summary, and mix their metrics
+            raise ConfigError(f"run.resume={run_cfg.resume} continues the run {source}, and run folder {run_dir} holds another run; "
+                              f"continue it under a new run.name, or resume {run_dir} itself with run.resume=auto")  # fmt: skip
     if not holds_run(run_dir):
-        return False
+        return "fresh"
     if run_cfg.resume == "auto" and not state_dirs(run_dir):
         if is_finished(run_dir):  # starting afresh would write over its results
             raise ConfigError(f"run folder {run_dir} holds a finished run and no resume state to continue from; choose another "
                               "run.name, or pass run.overwrite=true (without run.resume) to run it again")  # fmt: skip
-        if int(os.environ.get("RANK", "0")) == 0:
-            clear_outputs(run_dir)  # it died before its first state: its records would mix with this fresh run's
-        return False
+        return "replace"  # it died before its first state: its records would mix with this fresh run's
     if not check_recorded(run_dir, cfg, stage, processes, parent=parent):
-        return False
+        return "fresh"
     if run_cfg.resume == "auto":
         check_not_done(run_dir, cfg)
-    return True
+    return "keep"
 
 
 def check_not_done(run_dir: Path, cfg: Any) -> None:

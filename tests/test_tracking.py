@@ -225,3 +225,31 @@ def test_a_disabled_wandb_run_names_no_wandb_folder(tmp_path):
         assert wandb_run_dir(wrun) is None
     finally:
         wrun.finish()
+
+
+def test_the_encoder_a_replacing_run_starts_from_reaches_wandb_once_its_trackers_start(tmp_path, monkeypatch):
+    """A run that replaces another (run.overwrite, or run.resume=auto over one that died before its first state) starts
+    its trackers only once that one is cleared (`Run.ready`): the lineage edge to its encoder, told before, was lost."""
+    from finetune.config import FinetuneConfig
+    from vit.config import dump_config, load_config
+    from vit.store.runs import write_config, write_summary
+    from vit.train import tracking
+    from vit.train.run import Run
+
+    used = []
+    monkeypatch.setattr(tracking, "wandb_run", lambda accelerator: "the wandb run")
+    monkeypatch.setattr(tracking, "use_encoder", lambda wrun, path: used.append((wrun, path)))
+    cfg = load_config(FinetuneConfig, None, tiny_overrides(tmp_path, **{"run.tracker": "tensorboard", "run.overwrite": True}))
+    (tmp_path / "runs" / "run").mkdir(parents=True)
+    write_config(tmp_path / "runs" / "run", dump_config(cfg, {"stage": "finetune"}))  # the run this one replaces
+    write_summary(tmp_path / "runs" / "run", {"stage": "finetune"})
+    reset_accelerate()
+    run = Run.start(cfg, stage="finetune")
+    try:
+        run.use_encoder(tmp_path / "encoder.pt")
+        assert used == []  # no tracker yet
+        run.ready()
+        assert used == [("the wandb run", tmp_path / "encoder.pt")]
+    finally:
+        run.lock.release()
+        reset_accelerate()

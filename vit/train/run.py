@@ -67,6 +67,7 @@ class Run:
     budget_plan: dict[str, Any] | None = None  # a time budget's plan, once the loop has made it (or resumed it)
     budget_spent: Any = None  # where that budget's time went after the plan (`vit.train.budget.Spent`), once training ended
     replacing: str | None = None  # run.overwrite: this run's config, written by `ready` when it clears the run it replaces
+    used_encoder: Path | None = None  # the encoder.pt it starts from, told to wandb once trackers start (`ready`, replacing)
 
     @classmethod
     def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
@@ -132,6 +133,8 @@ class Run:
         self.replacing = None
         self.accelerator.wait_for_everyone()
         self.start_trackers()
+        if self.used_encoder is not None:
+            self.use_encoder(self.used_encoder)
 
     # ------------------------------------------------------------------ output
 
@@ -214,7 +217,11 @@ class Run:
         self._to_wandb("model artifact", tracking.log_encoder, Path(path))
 
     def use_encoder(self, path: Path) -> None:
-        """Mark the `encoder.pt` this run starts from as its input (the lineage edge from the run that made it)."""
+        """Mark the `encoder.pt` this run starts from as its input (the lineage edge from the run that made it). A run that
+        replaces another starts its trackers once that one is cleared (`ready`): the edge waits for them."""
+        if self.replacing is not None:
+            self.used_encoder = Path(path)
+            return
         self._to_wandb("artifact use", tracking.use_encoder, Path(path))
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:

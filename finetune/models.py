@@ -73,16 +73,17 @@ class Built:
     encoder_config: dict[str, Any] | None = None
 
 
-def resolve_encoder_path(init: str) -> Path:
+def resolve_checkpoint_path(init: str | Path, file_name: str) -> Path:
+    """The checkpoint `init` names: the file itself, or `file_name` inside the run folder it names."""
     path = Path(init).expanduser()
-    return path / ENCODER_FILE if path.is_dir() else path
+    return path / file_name if path.is_dir() else path
 
 
 def encoder_init(init: str) -> Path | None:
     """The MAE `encoder.pt` that `finetune.init` names; None for scratch, `timm:` and Hub folders."""
     if init == "scratch" or init.startswith("timm:") or is_hub_init(init):
         return None
-    return resolve_encoder_path(init)
+    return resolve_checkpoint_path(init, ENCODER_FILE)
 
 
 def read_init_encoder(init: str) -> dict[str, Any] | None:
@@ -237,11 +238,6 @@ def load_classifier(init: str, key: str | None = None) -> tuple[nn.Module, dict[
                               f"{'; '.join(f for f in found if f)}")  # fmt: skip
     model.load_state_dict(state, strict=True)
     return model, payload
-
-
-def resolve_checkpoint_path(init: str | Path, file_name: str) -> Path:
-    path = Path(init).expanduser()
-    return path / file_name if path.is_dir() else path
 
 
 # What a classifier.pt holds besides its state_dict, and of what type: `rebuild`, the exporter and `finetune.mode=eval` read them.

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 
@@ -140,7 +140,7 @@ def make_plan(budget: Budget, seconds_per_step: float, elapsed: float, done_step
     if evaluated is not None and len(evs) == 1:
         eval_s = max(0.0, evaluated - end_s) / max(1, evs[0][0].every)
     final_s = sum(seconds(ev.final_images, ev, t) for ev, t in evs) + end_s
-    steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s, 1, final_s, end_s)
+    steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s + end_s, 1, final_s)
     return BudgetPlan(budget.minutes, steps, round(seconds_per_step, 4), round(eval_s, 3), round(end_s, 3), round(final_s, 1),
                       round(elapsed, 1), measured_steps)  # fmt: skip
 
@@ -176,17 +176,16 @@ def plan_steps(
     eval_seconds: float = 0.0,
     eval_every_epochs: int = 1,
     final_seconds: float = 0.0,
-    epoch_end_seconds: float = 0.0,
 ) -> int:
-    """Total optimiser steps such that the remaining steps, epochs' ends, evaluations and final work fit the budget.
+    """Total optimiser steps such that the remaining steps, evaluations and final work fit the budget.
 
-    Each step costs `seconds_per_step`; each epoch's end (of `steps_per_epoch` steps) `epoch_end_seconds`, and every
-    `eval_every_epochs` epochs an evaluation `eval_seconds` more, both spread here over the steps they follow;
-    `final_seconds` runs once at the end. Never fewer than `done_steps` (a budget already spent stops the run where it is).
+    Each step costs `seconds_per_step`; every `eval_every_epochs` epochs (of `steps_per_epoch` steps) an
+    evaluation costs `eval_seconds`, spread here over the steps it follows; `final_seconds` runs once at the
+    end. Never fewer than `done_steps` (a budget already spent stops the run where it is).
     """
     if seconds_per_step <= 0:
         raise ValueError(f"seconds_per_step must be positive, got {seconds_per_step}")
-    per_step = seconds_per_step + epoch_end_seconds / steps_per_epoch
+    per_step = seconds_per_step
     if eval_seconds > 0 and eval_every_epochs > 0:
         per_step += eval_seconds / (steps_per_epoch * eval_every_epochs)
     left = budget_seconds - elapsed_seconds - final_seconds

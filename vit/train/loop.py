@@ -23,7 +23,7 @@ import torch.nn as nn
 from vit.device import BusySampler, synchronize
 from vit.errors import UserError
 from vit.store.runs import is_complete_state, newest_state, state_path, write_budget
-from vit.train.budget import EpochEnds, Spent, StepMeter, make_plan, measure_seconds
+from vit.train.budget import Spent, StepMeter, make_plan, measure_seconds
 from vit.train.graph import StepGraph, step_autocast
 from vit.train.guard import LossRing
 from vit.train.optim import set_lr
@@ -157,8 +157,9 @@ class TrainLoop:
             if spec.budget is not None and spec.planned_steps is None else None  # fmt: skip
         self.bar = make_bar(run, spec.stop_step if spec.stop_step < sys.maxsize else None, progress.step)
         self.busy = BusySampler(device)
-        self.ends = EpochEnds()  # what the epochs' ends took while the budget was being measured
-        self.spent = Spent(time.perf_counter(), progress.step)  # where the time went after that (or, resumed, from here)
+        # Where the time goes: while the budget is measured (its epochs' ends go into the plan), then after the plan (or,
+        # resumed, from here) for the summary.
+        self.spent = Spent(time.perf_counter(), progress.step)
         self.first = True  # this process's first step: timed apart (compilation), then the GPU's busy share is sampled
         self.prepare = getattr(loss_fn, "prepare", None)
         autocast = step_autocast(device, run.accelerator.mixed_precision)
@@ -291,7 +292,7 @@ class TrainLoop:
         # Every input of the plan is the slowest rank's: the main one writes records and states at its epochs' ends, and
         # ranks that planned different step counts would wait for each other forever at the first state past the shorter.
         timed = [ev.timer() if ev.timer is not None else None for ev in spec.budget.evaluations]  # an evaluation's image, timed now
-        rest = [-1.0 if v is None else v for v in (*self.ends.means(), *timed)]  # -1: not measured (on any rank, after the max)
+        rest = [-1.0 if v is None else v for v in (*self.spent.ends.means(), *timed)]  # -1: not measured (on any rank, after the max)
         measured = torch.tensor([self.meter.seconds_per_step, time.perf_counter() - self.run.started, *rest], device=acc.device)
         seconds_per_step, elapsed, *rest = (acc.reduce(measured, reduction="max") if acc.num_processes > 1 else measured).tolist()
         plain, evaluated, *timed = (None if v < 0 else v for v in rest)
@@ -380,7 +381,7 @@ class TrainLoop:
             self.run.log({"step": p.step, "epoch": p.epoch, **extra})
         if p.step % self.run.cfg.run.save_every == 0:
             self.save()
-        (self.ends if self.meter is not None else self.spent.ends).add(time.perf_counter() - start, bool(extra))
+        self.spent.ends.add(time.perf_counter() - start, bool(extra))
         if self.meter is not None:
             self.meter.restart()  # the evaluation and the state are not a training step's time (the plan counts ends apart)
 

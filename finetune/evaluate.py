@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from vit.tools.plots import pyplot, save
+
+
+class Tally:
+    """An evaluation's running sums on the device: the confusion counts (int64, row = true class), the top-5 hits and
+    the summed loss (float32): exact or close, and on every device (MPS has no float64). Adding a batch never makes the
+    host wait for the device (torch.bincount would: it reads its input's largest value on the host), so a GPU's
+    evaluation queues its batches ahead as training does."""
+
+    def __init__(self, num_classes: int, device: torch.device):
+        self.num_classes = num_classes
+        self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)  # (C * C,)
+        self.top5_hits = torch.zeros((), dtype=torch.long, device=device)
+        self.loss_sum = torch.zeros((), device=device)
+
+    @torch.no_grad()
+    def add(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor, accelerator) -> None:
+        """One batch through `model` (under the run's autocast) into the sums."""
+        with accelerator.autocast():
+            logits = model(images)
+        logits = logits.float()
+        self.loss_sum += nn.functional.cross_entropy(logits, labels, reduction="sum")
+        top = logits.topk(min(5, self.num_classes), dim=1).indices  # (B, k)
+        self.top5_hits += (top == labels.unsqueeze(1)).any(dim=1).sum()
+        cells = labels * self.num_classes + top[:, 0]
+        self.confusion.index_put_((cells,), torch.ones_like(cells), accumulate=True)
+
+
+def scorer(model: nn.Module, num_classes: int, accelerator) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """`(images, labels) -> None`: what `evaluate` does with one batch, into sums of its own (a time budget times it)."""
+    tally = Tally(num_classes, accelerator.device)
+    return lambda images, labels: tally.add(model, images, labels, accelerator)
 
 
 @torch.no_grad()
@@ -19,23 +51,12 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
     was_training = model.training
     model.eval()
     sync_from_main(model, accelerator, buffers_only=True)  # every rank evaluates with rank 0's BatchNorm statistics, the saved ones
-    device = accelerator.device
-    # Counts in int64 and the loss in float32: exact or close, and on every device (MPS has no float64).
-    confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)  # (C * C,) row = true class
-    top5_hits = torch.zeros((), dtype=torch.long, device=device)
-    loss_sum = torch.zeros((), device=device)
+    tally = Tally(num_classes, accelerator.device)
     for images, labels in loader.epoch(0):
-        with accelerator.autocast():
-            logits = model(images)
-        logits = logits.float()
-        loss_sum += nn.functional.cross_entropy(logits, labels, reduction="sum")
-        k = min(5, num_classes)
-        top = logits.topk(k, dim=1).indices  # (B, k)
-        top5_hits += (top == labels.unsqueeze(1)).any(dim=1).sum()
-        confusion += torch.bincount(labels * num_classes + top[:, 0], minlength=num_classes * num_classes)
-    confusion = accelerator.reduce(confusion, reduction="sum").view(num_classes, num_classes)
-    top5_hits = accelerator.reduce(top5_hits, reduction="sum")
-    loss_sum = accelerator.reduce(loss_sum, reduction="sum")
+        tally.add(model, images, labels, accelerator)
+    confusion = accelerator.reduce(tally.confusion, reduction="sum").view(num_classes, num_classes)
+    top5_hits = accelerator.reduce(tally.top5_hits, reduction="sum")
+    loss_sum = accelerator.reduce(tally.loss_sum, reduction="sum")
     model.train(was_training)
     count = int(confusion.sum().item())
     per_class = (confusion.diag() / confusion.sum(1).clamp(min=1)).tolist()

@@ -16,30 +16,31 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from finetune.config import FinetuneConfig
-from finetune.evaluate import evaluate, save_confusion_matrix, sync_from_main
+from finetune.evaluate import evaluate, save_confusion_matrix, scorer, sync_from_main
 from finetune.features import FeatureLoader, extract_features
 from finetune.knn import check_knn_data, run_knn
 from finetune.models import Built, build_classifier, encoder_init, load_classifier, read_init_encoder, save_classifier, unfinished_encoder
-from vit.train import tracking
-from vit.store.checkpoint import unwrap
 from vit.cli import parse
 from vit.config import ModelConfig
+from vit.data.files import ShardSet
+from vit.data.loaders import Data, open_data
+from vit.data.provenance import SPLIT_KEYS, check_overlap, split_record, unrecorded
+from vit.data.randaug import make_ops
 from vit.data.splits import Splits
+from vit.errors import ConfigError, DataError, exit_on_user_error
+from vit.models.encoder import preset_image_size
+from vit.store.checkpoint import unwrap
+from vit.store.hub import hub_provenance, is_hub_init
+from vit.store.runs import CLASSIFIER_FILE, confusion_path
+from vit.train import tracking
 from vit.train.accelerator import compile_for_run, main_first
 from vit.train.budget import Evaluation, evaluation_timer
-from vit.train.loop import Preempted, fit
+from vit.train.loop import fit
 from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
+from vit.train.signals import Preempted
 from vit.train.states import Progress, load_state
-from vit.errors import ConfigError, DataError, exit_on_user_error
-from vit.data.files import ShardSet
-from vit.data.loaders import Data, open_data
-from vit.models.encoder import preset_image_size
-from vit.data.provenance import SPLIT_KEYS, check_overlap, split_record, unrecorded
-from vit.data.randaug import make_ops
-from vit.store.hub import hub_provenance, is_hub_init
-from vit.store.runs import CLASSIFIER_FILE, confusion_path
 
 
 def job_type(cfg: FinetuneConfig) -> str:
@@ -207,13 +208,15 @@ def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> T
     # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
     forward = compile_for_run(run, module, optimizer, compile=not cached)
     # For a time budget: the val split every `finetune.eval_every` epochs, then val and test once at the end.
-    timed = next(iter(task.evals.values()), None)  # an evaluation's images are timed on the val split's (or test's) first batches
+    # An evaluation's images are timed on the val split's (or test's) first batches, each scored as `evaluate` scores it.
+    timed = next(iter(task.evals.values()), None)
+    model, num_classes = unwrap(module), len(splits.train.classes)
+    timer = evaluation_timer(model, timed, acc, scorer(model, num_classes, acc)) if timed is not None else None
     evaluation = Evaluation(images=len(splits.val) if "val" in task.evals else 0, every=cfg.finetune.eval_every,
-                            final_images=sum(len(s) for s in (splits.val, splits.test) if s is not None),
-                            timer=evaluation_timer(unwrap(module), timed, acc) if timed is not None else None)  # fmt: skip
+                            final_images=sum(len(s) for s in (splits.val, splits.test) if s is not None), timer=timer)  # fmt: skip
     spec = loop_spec(cfg, len(task.train), acc.num_processes, (evaluation,))
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
-    return Training(task, module, optimizer, forward, spec, make_loss(cfg, len(splits.train.classes)), cached)
+    return Training(task, module, optimizer, forward, spec, make_loss(cfg, num_classes), cached)
 
 
 def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:

@@ -11,20 +11,21 @@ import torch
 from pretrain.config import PretrainConfig
 from pretrain.figures import save_reconstruction_figure
 from pretrain.model import MaskedAutoencoder, build_mae
-from vit.store.checkpoint import save_encoder, save_mae, unwrap
 from vit.cli import parse
+from vit.data.loaders import Data, open_data
+from vit.data.provenance import split_record
+from vit.errors import exit_on_user_error
+from vit.eval.knn import knn_evaluate, pooled, seeded_subset
+from vit.store.checkpoint import save_encoder, save_mae, unwrap
+from vit.store.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, read_metrics
 from vit.train.accelerator import compile_for_run, main_first
 from vit.train.budget import FORWARD_SHARE, Evaluation, evaluation_timer
-from vit.train.loop import Preempted, fit
+from vit.train.loop import fit
 from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
+from vit.train.signals import Preempted
 from vit.train.states import load_state
-from vit.errors import exit_on_user_error
-from vit.eval.knn import knn_evaluate, pooled, seeded_subset
-from vit.data.loaders import Data, open_data
-from vit.data.provenance import split_record
-from vit.store.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, read_metrics
 
 
 @torch.no_grad()
@@ -132,9 +133,9 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
     return Pretraining(cfg, run, data, mae, model, optimizer, compile_for_run(run, model, optimizer), train_loader, val_loader, spec)
 
 
-def masked_forward(mae: MaskedAutoencoder) -> Callable[[torch.Tensor], Any]:
-    """`mae(images)` with fixed masks, as the val loss runs it: no draw from the run's random streams."""
-    return lambda images: mae(images, noise=torch.rand(images.shape[0], mae.num_patches, generator=torch.Generator().manual_seed(0)))
+def masked_forward(mae: MaskedAutoencoder) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """`(images, labels) -> mae(images)` with fixed masks, as the val loss runs it: no draw from the run's random streams."""
+    return lambda images, _labels: mae(images, noise=torch.rand(images.shape[0], mae.num_patches, generator=torch.Generator().manual_seed(0)))
 
 
 def evaluations(cfg: PretrainConfig, splits, mae: MaskedAutoencoder, val_loader, accelerator) -> tuple[Evaluation, ...]:
@@ -148,7 +149,7 @@ def evaluations(cfg: PretrainConfig, splits, mae: MaskedAutoencoder, val_loader,
     if not (cfg.mae.knn_every and splits.labelled):
         return (val,)
     knn_images = min(cfg.mae.knn_bank_size, len(splits.train)) + min(cfg.mae.knn_val_size or len(splits.val), len(splits.val))
-    timer = evaluation_timer(mae.encoder, val_loader, accelerator, forward=lambda images: pooled(mae.encoder, images, cfg.mae.knn_pool))
+    timer = evaluation_timer(mae.encoder, val_loader, accelerator, forward=lambda images, _: pooled(mae.encoder, images, cfg.mae.knn_pool))
     return val, Evaluation(images=knn_images, every=cfg.mae.knn_every, final_images=knn_images, cost=3 * FORWARD_SHARE, timer=timer)
 
 

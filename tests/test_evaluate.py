@@ -129,3 +129,44 @@ def test_evaluation_knn_and_rank_checksums_make_no_float64_tensor(accelerator):
         checksum = param_checksum(model)
     assert spy.ops == []
     assert r["count"] == 8 and knn["count"] == 5 and checksum.dtype == torch.float32
+
+
+# Ops that make the host wait for a CUDA device: a value read back (`.item()` and the like), or an output whose size
+# depends on the values (bincount sizes its output by its input's largest value, read on the host).
+WAITING_OPS = ("aten._local_scalar_dense", "aten.bincount", "aten.nonzero", "aten.unique", "aten._unique", "aten.masked_select",
+               "aten.repeat_interleave", "aten.equal", "aten.is_nonzero")  # fmt: skip
+
+
+class WaitingOps(TorchDispatchMode):
+    """Records every op that would make the host wait for a CUDA device, whatever device runs it here."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).split(".")[:2] in [op.split(".") for op in WAITING_OPS]:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_host_waits_for_an_evaluation_at_its_end_only(accelerator):
+    """A GPU evaluation queues its batches ahead as training does: the host waits as often for eight batches as for one."""
+    waits = []
+    for batch_sizes in [(8,), (1,) * 8]:
+        model, loader, _, _ = handmade(batch_sizes)
+        with WaitingOps() as spy:
+            r = evaluate(model, loader, accelerator, num_classes=6)
+        waits.append(spy.ops)
+        assert r["count"] == 8
+    assert waits[0] == waits[1] and "aten.bincount.default" not in waits[0], waits
+
+
+def test_the_host_waits_for_a_knn_vote_at_its_end_only():
+    bank, queries = torch.randn(12, 4), torch.randn(5, 4)
+    waits = []
+    for chunk in [512, 1]:
+        with WaitingOps() as spy:
+            r = knn_accuracy(bank, torch.arange(12) % 3, queries, torch.arange(5) % 3, num_classes=3, k=4, chunk=chunk)
+        waits.append((spy.ops, r))
+    assert waits[0] == waits[1], waits  # as often for five chunks as for one

@@ -8,14 +8,14 @@ import json
 
 import pytest
 import torch
+from helpers import finetuning_loop, pretraining_loop, reset_accelerate, tiny_overrides
 
 import vit.train.accelerator as accelerator
 import vit.train.graph as graph
-from helpers import finetuning_loop, pretraining_loop, reset_accelerate, tiny_overrides
 from vit.train.graph import StepGraph, rerun_capture
 from vit.train.lars import LARS
-from vit.train.loop import SignalGuard
 from vit.train.optim import set_lr
+from vit.train.signals import SignalGuard
 
 CPU = torch.device("cpu")
 SIGNALS = SignalGuard()  # never entered

@@ -7,14 +7,14 @@ import math
 
 import pytest
 import torch
-
 from helpers import finetuning_loop, pretraining_loop
-from vit.device import count_host_reads
-from vit.train.loop import SignalGuard
-from vit.train.guard import LossRing, takes_found_inf
+
 from vit.config.sections import OptimConfig
+from vit.device import count_host_reads
+from vit.train.guard import LossRing, takes_found_inf
 from vit.train.lars import LARS
 from vit.train.optim import make_optimizer, set_lr
+from vit.train.signals import SignalGuard
 
 CPU = torch.device("cpu")
 SIGNALS = SignalGuard()  # never entered: no signal arrives

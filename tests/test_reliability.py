@@ -125,6 +125,17 @@ def test_corrupt_newest_state_is_skipped_with_one_warning(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_resume_states_fall_by_time_unless_a_step_count_is_set(tmp_path):
+    # run.save_minutes is measured from the last state: a cadence shorter than a step saves one at every step...
+    assert pretrain(tiny_overrides(tmp_path, name="often", **{"run.save_minutes": 1e-9, "run.keep_states": 20})) == 0
+    assert [p.name for p in state_dirs(tmp_path / "runs" / "often")] == [f"step_{s:08d}" for s in range(1, 13)]
+    reset_accelerate()
+    # ...the default (minutes) none before the end, and run.save_every adds its steps to it
+    assert pretrain(tiny_overrides(tmp_path, name="steps", **{"run.save_every": 5, "run.keep_states": 20})) == 0
+    assert [p.name for p in state_dirs(tmp_path / "runs" / "steps")] == ["step_00000005", "step_00000010", "step_00000012"]
+
+
+@pytest.mark.slow
 def test_states_are_kept_to_the_newest_k_and_no_temporary_folder_is_left(tmp_path):
     assert pretrain(tiny_overrides(tmp_path, **{"run.save_every": 1, "run.keep_states": 2})) == 0
     names = sorted(p.name for p in (tmp_path / "runs" / "run" / "states").iterdir())

@@ -96,19 +96,18 @@ def knn_accuracy(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.T
     With `accelerator`, the queries are this rank's shard and the counts are summed over ranks.
     Returns {"top1", "top5", "count"}.
     """
-    top1 = top5 = 0
+    # [top-1 hits, top-5 hits, queries], int64 (MPS has no float64), summed on the device: the host reads them once
+    hits = torch.tensor([0, 0, queries.shape[0]], dtype=torch.long, device=queries.device)
     for lo in range(0, queries.shape[0], chunk):  # (chunk, M) similarities at a time keeps memory flat
         scores = knn_scores(bank, bank_labels, queries[lo : lo + chunk], num_classes, k, temperature)
         ranked = scores.topk(min(5, num_classes), dim=1)  # (chunk, 5)
         y = labels[lo : lo + chunk].unsqueeze(1)
         hit = (ranked.indices == y) & (ranked.values > 0)  # (chunk, 5)
-        top1 += int(hit[:, 0].sum())
-        top5 += int(hit.any(1).sum())
-    hits = torch.tensor([top1, top5, queries.shape[0]], dtype=torch.long, device=queries.device)  # int64: MPS has no float64
+        hits[:2] += torch.stack([hit[:, 0].sum(), hit.any(1).sum()])
     if accelerator is not None and accelerator.num_processes > 1:
         hits = accelerator.reduce(hits, reduction="sum")
-    count = max(hits[2].item(), 1.0)
-    return {"top1": hits[0].item() / count, "top5": hits[1].item() / count, "count": int(hits[2].item())}
+    top1, top5, count = hits.tolist()
+    return {"top1": top1 / max(count, 1), "top5": top5 / max(count, 1), "count": count}
 
 
 def seeded_subset(n: int, size: int, seed: int, purpose: str) -> torch.Tensor:

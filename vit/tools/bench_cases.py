@@ -25,8 +25,10 @@ from vit.models.encoder import create_model, flops_per_image
 from vit.tools.bench import MODELS, NUM_CLASSES, Case, Settings, Step, classify, compile_note, models, our_defaults, training_step
 from vit.tools.reference import timm_vit
 from vit.train.accelerator import resolve_precision
-from vit.train.loop import SignalGuard, TrainLoop, batches_forever
+from vit.train.loop import TrainLoop, batches_forever
+from vit.train.signals import SignalGuard
 from vit.train.states import Progress
+
 
 def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[Case]:
     """Forward + backward + AdamW step of our `VisionTransformer` against timm's with the same configuration, per model and precision."""
@@ -250,10 +252,10 @@ def stream_cases(s: Settings, device: torch.device) -> list[Case]:
     A step is one whole epoch of `s.stream_images`: a loader's workers prefetch in the background, and a step that left
     batches in flight would hand that work to the other side's timed block.
     """
-    from vit.data.sources import IMAGENET_MEAN, IMAGENET_STD
-    from vit.tools.reference import usual_folder_loader
     from vit.data.files import tree_files
+    from vit.data.sources import IMAGENET_MEAN, IMAGENET_STD
     from vit.data.stream import StreamLoader
+    from vit.tools.reference import usual_folder_loader
 
     cases = []
     per_epoch = (s.stream_images // s.stream_batch) * s.stream_batch

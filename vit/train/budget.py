@@ -43,12 +43,13 @@ class Evaluation:
 
 
 def evaluation_timer(model: torch.nn.Module, loader, accelerator, forward: Callable | None = None, batches: int = 2):
-    """`timer() -> seconds an evaluated image costs now, or None`: `batches` batches of `loader` through `forward(images)`
-    (`model(images)` by default) in eval mode, without gradients, under the run's autocast, after one untimed batch (its
-    kernels' first run; a streamed loader's workers starting), the device drained at both ends. A plan counts that, not
-    the training rate's share: on a GPU an evaluation's forward passes wait on their launches, and a fine-tune that
-    drops half of its patches while training evaluates with all of them."""
-    forward = forward or model
+    """`timer() -> seconds an evaluated image costs now, or None`: `batches` batches of `loader` through
+    `forward(images, labels)` (`model(images)` by default: pass what the evaluation does with a batch) in eval mode,
+    without gradients, under the run's autocast, after one untimed batch (its kernels' first run; a streamed loader's
+    workers starting), the device drained at both ends. A plan counts that, not the training rate's share: on a GPU an
+    evaluation's forward passes wait on their launches, and a fine-tune that drops half of its patches while training
+    evaluates with all of them."""
+    forward = forward or (lambda images, labels: model(images))
 
     def timer() -> float | None:
         was_training = model.training
@@ -59,12 +60,12 @@ def evaluation_timer(model: torch.nn.Module, loader, accelerator, forward: Calla
                 first = next(it, None)
                 if first is None:
                     return None
-                forward(first[0])
+                forward(*first)
                 synchronize(accelerator.device)
                 start, images = time.perf_counter(), 0
-                for images_, _ in [next(it, first) for _ in range(batches)]:  # a loader of one batch: that batch again
-                    forward(images_)
-                    images += images_.shape[0]
+                for batch in [next(it, first) for _ in range(batches)]:  # a loader of one batch: that batch again
+                    forward(*batch)
+                    images += batch[0].shape[0]
                 synchronize(accelerator.device)
                 return (time.perf_counter() - start) / images
         finally:

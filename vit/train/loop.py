@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,40 +28,12 @@ from vit.train.guard import LossRing
 from vit.train.optim import set_lr
 from vit.train.run import Run
 from vit.train.schedule import LoopSpec
+from vit.train.signals import Preempted, SignalGuard
 from vit.train.states import Progress, save_state
 
 
 class NonFiniteLoss(UserError):
     pass
-
-
-class Preempted(Exception):
-    """SIGTERM / SIGINT arrived; a resume state has been saved."""
-
-
-class SignalGuard:
-    """Turns SIGTERM / SIGINT into a flag the loop checks between steps, so it can save and exit cleanly."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self.previous[sig] = signal.signal(sig, self.handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def handle(self, signum, frame) -> None:
-        if self.received is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.received = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 # Steps between the exchanges through which several processes agree on a host fact (a signal, the budget's measurement):
@@ -143,11 +114,12 @@ class TrainLoop:
         self.window = MetricWindow(progress.step)
         # A window closes at every record, resume state and epoch end: it holds at most this many steps. (log_every alone
         # made run.log_every=100000000, 'log only at epoch ends', allocate 400 MB and read it all at every check point.)
-        slots = min(run.cfg.run.log_every, run.cfg.run.save_every, spec.steps_per_epoch)
+        slots = min(run.cfg.run.log_every, run.cfg.run.save_every or sys.maxsize, spec.steps_per_epoch)
         self.losses = LossRing(run.accelerator, optimizer, slots=slots)
         self.checked = progress.step  # steps before this one were checked for non-finite losses
         self.read_at: tuple[int, dict[int, list[float]]] | None = None  # (step, the ring as read then)
         self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here
+        self.saved_at = self.segment_start  # the clock at the last resume state (or this process's start), for run.save_minutes
         spec.planned_steps = progress.planned_steps  # a resumed budget run keeps its plan
         run.budget_plan = progress.plan
         if spec.budget is None and progress.step == 0 and (said := spec.long_warmup()):
@@ -180,16 +152,16 @@ class TrainLoop:
         return True
 
     def advance(self, batches: Iterator, signals: SignalGuard, may_save: bool = True) -> None:
-        """One step of the loop as a run takes it: the optimiser step, its record, and the resume state that
-        `run.save_every` or a signal asks for (`may_save=False`: none but the signal's)."""
+        """One step of the loop as a run takes it: the optimiser step, its record, and the resume state that a signal,
+        `run.save_every` or `run.save_minutes` asks for (`may_save=False`: none but the signal's)."""
         p = self.progress
         if self.first:
             self.first_step(batches)
         else:
             self.step(batches)
         self.log_step()
-        preempted = self.agreed(signals.received is not None)
-        if preempted or (may_save and p.step % self.run.cfg.run.save_every == 0):
+        preempted, late = self.agreed(signals.received is not None, self.state_late())
+        if preempted or (may_save and (late or self.state_step())):
             self.save()
         if preempted:
             self.close_bar()
@@ -209,15 +181,27 @@ class TrainLoop:
         self.first = False
         self.busy.start()
 
-    def agreed(self, flag: bool) -> bool:
-        """`flag` as every process sees it: true on all if true on any. One process: `flag` itself, every step. Several:
-        they exchange it every `AGREE_EVERY` steps (a host read each time), and it reads False in between."""
+    def state_step(self) -> bool:
+        """Whether `run.save_every` asks for a resume state at this step."""
+        every = self.run.cfg.run.save_every
+        return bool(every) and self.progress.step % every == 0
+
+    def state_late(self) -> bool:
+        """Whether `run.save_minutes` have passed since the last resume state (or this process's start): a host fact,
+        which the processes agree on before they act on it."""
+        minutes = self.run.cfg.run.save_minutes
+        return minutes is not None and time.perf_counter() - self.saved_at >= minutes * 60
+
+    def agreed(self, *flags: bool) -> tuple[bool, ...]:
+        """`flags` as every process sees them: each true on all if true on any. One process: the flags themselves,
+        every step. Several: they exchange them every `AGREE_EVERY` steps (one host read each time), and they read
+        False in between."""
         acc = self.run.accelerator
         if acc.num_processes == 1:
-            return flag
+            return flags
         if self.progress.step % AGREE_EVERY:
-            return False
-        return _any_rank(acc, flag)
+            return (False,) * len(flags)
+        return _any_rank(acc, flags)
 
     def step(self, batches: Iterator) -> None:
         """One optimiser step over `grad_accum_steps` micro-batches. A non-finite loss skips the update (see `vit.train.guard`)."""
@@ -237,7 +221,7 @@ class TrainLoop:
             self.bar.update(1)
         if self.meter is not None:
             self.meter.tick()
-            if self.agreed(self.meter.done):
+            if self.agreed(self.meter.done)[0]:
                 self.plan_budget()
 
     def next_batch(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,8 +351,8 @@ class TrainLoop:
 
     def end_epoch(self, on_epoch_end: EpochEnd | None) -> None:
         """Close the epoch: its evaluation, its last record (with the evaluation's metrics), and the resume state of its
-        last step when `run.save_every` falls there (a GPU epoch can take a second: a state per epoch would cost more
-        than the steps it guards)."""
+        last step when `run.save_every` or `run.save_minutes` falls there (a GPU epoch can take a second: a state per
+        epoch would cost more than the steps it guards)."""
         p = self.progress
         p.epoch += 1
         p.batch = 0
@@ -379,7 +363,7 @@ class TrainLoop:
             self.run.log(self.record(extra))
         elif extra:
             self.run.log({"step": p.step, "epoch": p.epoch, **extra})
-        if p.step % self.run.cfg.run.save_every == 0:
+        if self.agreed(self.state_late())[0] or self.state_step():
             self.save()
         self.spent.ends.add(time.perf_counter() - start, bool(extra))
         if self.meter is not None:
@@ -393,6 +377,7 @@ class TrainLoop:
             self.run.log(self.record())
         self.count_time()
         save_state(self.run, self.progress)
+        self.saved_at = time.perf_counter()
 
     def count_time(self) -> None:
         """Add the time since the last call to `progress.train_time` (which resume states carry)."""
@@ -423,12 +408,10 @@ class TrainLoop:
         return p
 
 
-def _any_rank(acc, flag: bool) -> bool:
-    """True on every rank if it is true on any (so all ranks save and stop together)."""
-    if acc.num_processes == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
-    return bool(acc.reduce(t, reduction="sum").item() > 0)
+def _any_rank(acc, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Each flag true on every rank if it is true on any (so all ranks save and stop together)."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=acc.device)
+    return tuple(v > 0 for v in acc.reduce(t, reduction="sum").tolist())
 
 
 def make_bar(run: Run, total: int, initial: int):

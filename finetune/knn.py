@@ -35,12 +35,12 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
     (val/test top-1, top-5)."""
     acc, ft, splits = run.accelerator, cfg.finetune, data.splits
     encoder = built.model.to(acc.device).encoder  # the LinearProbe's frozen encoder; its head is not used
-    started = time.perf_counter()
-    bank, bank_labels = encode(encoder, data.loader(splits.train, cfg.optim.batch_size, train=False), acc, ft.probe_pool, gather=True)
+    started, batch = time.perf_counter(), data.eval_batch(cfg.optim.batch_size)
+    bank, bank_labels = encode(encoder, data.loader(splits.train, batch, train=False), acc, ft.probe_pool, gather=True)
     queries = {}
     for split, images in (("val", splits.val), ("test", splits.test)):
         if images is not None and len(images):
-            queries[split] = encode(encoder, data.loader(images, cfg.optim.batch_size, train=False), acc, ft.probe_pool)
+            queries[split] = encode(encoder, data.loader(images, batch, train=False), acc, ft.probe_pool)
     feature_time = time.perf_counter() - started
     num_classes = len(splits.train.classes)
     k = min(ft.knn_k, bank.shape[0])

@@ -85,9 +85,10 @@ def loaders(cfg: FinetuneConfig, data: Data, augment: bool):
 def eval_loaders(cfg: FinetuneConfig, data: Data) -> dict[str, Any]:
     """The evaluation loaders: val when the split is not empty, test when the dataset has one."""
     splits = data.splits
-    evals = {"val": data.loader(splits.val, cfg.optim.batch_size, train=False)} if len(splits.val) else {}
+    batch = data.eval_batch(cfg.optim.batch_size)
+    evals = {"val": data.loader(splits.val, batch, train=False)} if len(splits.val) else {}
     if splits.test is not None:
-        evals["test"] = data.loader(splits.test, cfg.optim.batch_size, train=False)
+        evals["test"] = data.loader(splits.test, batch, train=False)
     return evals
 
 
@@ -173,7 +174,7 @@ def cached_probe_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -
     for split, images in (("train", splits.train), ("val", splits.val), ("test", splits.test)):
         if images is None or not len(images):
             continue
-        loader = data.loader(images, cfg.optim.batch_size, train=False)
+        loader = data.loader(images, data.eval_batch(cfg.optim.batch_size), train=False)
         feats[split] = extract_features(probe, loader, acc)
     feature_time = time.perf_counter() - started
     feature_rate = sum(f.shape[0] for f, _ in feats.values()) / max(feature_time, 1e-9)
@@ -181,7 +182,8 @@ def cached_probe_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -
     run.print(f"features: {shapes} in {feature_time:.1f}s ({feature_rate:.0f} img/s)")
     shard = dict(rank=acc.process_index, world_size=acc.num_processes)
     train = FeatureLoader(*feats["train"], cfg.optim.batch_size, seed=cfg.run.seed, **shard)
-    evals = {s: FeatureLoader(*feats[s], cfg.optim.batch_size, train=False, **shard) for s in ("val", "test") if s in feats}
+    batch = data.eval_batch(cfg.optim.batch_size)
+    evals = {s: FeatureLoader(*feats[s], batch, train=False, **shard) for s in ("val", "test") if s in feats}
     return Task(probe.head, param_groups(probe.head, cfg.optim.weight_decay), train, evals, feature_time=feature_time)
 
 

@@ -58,8 +58,8 @@ def knn_monitor(cfg: PretrainConfig, run: Run, data: Data):
         return None
     bank = data.subset(splits.train, seeded_subset(len(splits.train), mae_cfg.knn_bank_size, cfg.run.seed, "knn_bank"))
     queries = data.subset(splits.val, seeded_subset(len(splits.val), mae_cfg.knn_val_size or len(splits.val), cfg.run.seed, "knn_val"))
-    bank_loader = data.loader(bank, cfg.optim.batch_size, train=False)
-    query_loader = data.loader(queries, cfg.optim.batch_size, train=False)
+    batch = data.eval_batch(cfg.optim.batch_size)
+    bank_loader, query_loader = data.loader(bank, batch, train=False), data.loader(queries, batch, train=False)
     num_classes = len(splits.train.classes)
     k = min(mae_cfg.knn_k, len(bank))  # the vote takes the whole bank where k is larger: say so, and print the k that votes
     if k < mae_cfg.knn_k:
@@ -126,7 +126,7 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
     optimizer = make_optimizer(param_groups(mae, cfg.optim.weight_decay), cfg.optim, acc.device)
     model, optimizer = acc.prepare(mae, optimizer)
     train_loader = data.loader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed)
-    val_loader = data.loader(splits.val, cfg.optim.batch_size, train=False) if len(splits.val) else None
+    val_loader = data.loader(splits.val, data.eval_batch(cfg.optim.batch_size), train=False) if len(splits.val) else None
     spec = loop_spec(cfg, len(train_loader), acc.num_processes, evaluations(cfg, splits, mae, val_loader, acc))
     run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
               f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")

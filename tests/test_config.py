@@ -63,6 +63,7 @@ def test_bad_file_values_name_the_key_and_file(tmp_path, data, message):
         ("schedule.epochs=-1", r"schedule.epochs must be positive"),
         ("run.save_minutes=0", r"run.save_minutes must be positive, or null"),
         ("run.save_every=0", r"run.save_every must be positive, or null"),
+        ("data.eval_batch_size=0", r"data.eval_batch_size must be positive, or null"),
         ("model.img_size=30", r"model.img_size 30 is not divisible by model.patch_size=4"),
         ("model.num_heads=5", r"model.num_heads 5 does not divide model.embed_dim=128"),
         # wandb refused these once the run had started (the run went on without it); TensorBoard wrote outside the run folder

@@ -135,6 +135,20 @@ def test_random_encoder_probe_is_a_supported_baseline(tmp_path):
     assert s["final_val_top1"] > 0.3 and s["final_test_top1"] > 0.3
 
 
+def test_data_eval_batch_size_sets_every_batch_where_nothing_trains(tmp_path, monkeypatch):
+    from vit.data.loaders import Data
+
+    sizes, loader = [], Data.loader
+    monkeypatch.setattr(Data, "loader", lambda self, images, batch, **kw: sizes.append((kw["train"], batch)) or loader(self, images, batch, **kw))
+    args = tiny_overrides(tmp_path, name="ev", **{"schedule.max_steps": 2, "data.eval_batch_size": 7}) + ["finetune.mode=linear", "finetune.init=scratch"]
+    assert finetune(args) == 0
+    assert sorted(set(sizes)) == [(False, 7)]  # a cached probe: the features of every split, no augmented batch
+    sizes.clear()
+    reset_accelerate()
+    assert finetune(tiny_overrides(tmp_path, name="ev_ft", **{"schedule.max_steps": 2, "data.eval_batch_size": 7})) == 0
+    assert sorted(set(sizes)) == [(False, 7), (True, 32)]
+
+
 def test_local_timm_weights_file_loads_with_resampling_and_gives_timms_outputs(tmp_path):
     torch.manual_seed(0)
     # A "pretrained" timm ViT at another resolution, saved as a local weights file.

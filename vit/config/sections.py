@@ -96,6 +96,10 @@ class DataConfig:
     memory_budget_gb: float | None = None  # auto's limit for the decoded dataset; None: a quarter of the machine's RAM
     workers: int | None = None  # stream: decoding processes per training process; None: the cores training leaves free (at least 1)
     shuffle_buffer: int = 1000  # stream from shards: samples shuffled in each worker's buffer
+    # Images a batch where nothing trains (evaluations, the kNN monitor, a probe's features). null: the training batch,
+    # and at least 1024 on a GPU, where such a batch costs its kernel launches more than its images (an H100 evaluated
+    # 5,000 CIFAR images in 0.042 s at 1024 and 0.148 s at 256).
+    eval_batch_size: int | None = None
     skip_bad_images: bool = False  # an image that does not decode: stop naming it (false), or skip and count it (true)
     # Images with more pixels (width x height, read from the header before decoding) are refused, or skipped with
     # skip_bad_images: a 13000x13000 PNG decodes to 0.5 GB in one data worker. null: PIL's own limit alone.
@@ -125,6 +129,7 @@ class DataConfig:
         check(self.memory_budget_gb is None or self.memory_budget_gb > 0, "data.memory_budget_gb", "must be positive")
         check(self.workers is None or self.workers >= 0, "data.workers", "must be >= 0")
         check(self.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
+        check(self.eval_batch_size is None or self.eval_batch_size > 0, "data.eval_batch_size", "must be positive, or null")
         check(self.max_image_pixels is None or 0 < self.max_image_pixels <= PIL_MAX_PIXELS, "data.max_image_pixels",
                f"must be in [1, {PIL_MAX_PIXELS:,}] (PIL refuses larger images whatever the setting), or null")  # fmt: skip
         check(self.val_root is None or self.dataset == "webdataset", "data.val_root", "is for data.dataset=webdataset")

@@ -92,6 +92,11 @@ def choose_loader(source: Source, out_size: int, listed: dict[str, Any] | None =
     return "stream", f"auto: {what} > memory budget {budget / GB:.2f} GB ({how})"
 
 
+# The smallest batch where nothing trains on a GPU (`Data.eval_batch`): there, a batch's kernel launches cost more than
+# its images; on a CPU they do not, and a batch larger than the training one only takes more memory.
+GPU_EVAL_BATCH = 1024
+
+
 @dataclass
 class Data:
     """The splits of a run's data and how to serve them: `loader(...)` makes the right batch loader for a split."""
@@ -117,6 +122,12 @@ class Data:
             return BatchLoader(images, batch_size, **kwargs)
         return StreamLoader(images, batch_size, workers=self.workers, skip_bad=c.skip_bad_images, bad_log=self.bad,
                             shuffle_buffer=c.shuffle_buffer, max_pixels=c.max_image_pixels, **kwargs)  # fmt: skip
+
+    def eval_batch(self, train_batch: int) -> int:
+        """Images a batch where nothing trains: `data.eval_batch_size`, else the training batch, at least 1024 on a GPU."""
+        if self.cfg.eval_batch_size is not None:
+            return self.cfg.eval_batch_size
+        return max(train_batch, GPU_EVAL_BATCH) if self.device.type == "cuda" else train_batch
 
     def subset(self, images: Any, index: torch.Tensor) -> Any:
         """The images at `index` of an ImageSet or FileSet (shards are not indexable: their first len(index) samples, decoded)."""

@@ -166,6 +166,12 @@ class TrainLoop:
         if preempted:
             self.close_bar()
             raise Preempted(f"stopped by signal at step {p.step}; resume with run.resume=auto")
+        if self.meter is not None:
+            # A step's time runs to here: its record's host read waits for the steps queued on a GPU, and at an epoch's
+            # last step the time from here to the epoch's end is not measured (the end is counted apart).
+            self.meter.tick()
+            if self.agreed(self.meter.done)[0]:
+                self.plan_budget()
 
     def first_step(self, batches: Iterator) -> None:
         """The first step of this process, timed with the device drained on both sides: it holds torch.compile's
@@ -219,10 +225,6 @@ class TrainLoop:
         self.window.add_step(extras, bad, self.images_per_step)
         if self.bar is not None:
             self.bar.update(1)
-        if self.meter is not None:
-            self.meter.tick()
-            if self.agreed(self.meter.done)[0]:
-                self.plan_budget()
 
     def next_batch(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (images, targets): the loader's batch, mixed by the loss function's `prepare` where it has one."""

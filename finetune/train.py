@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from finetune.config import FinetuneConfig
+from finetune.config import FinetuneConfig, FinetuneSection
 from finetune.evaluate import evaluate, save_confusion_matrix, scorer, sync_from_main
 from finetune.features import FeatureLoader, extract_features
 from finetune.knn import check_knn_data, run_knn
@@ -257,6 +257,13 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
     return Trained(built.model if t.cached else unwrap(module), results, progress, task.feature_time)
 
 
+def unused_in_eval(cfg: FinetuneConfig) -> list[str]:
+    """The settings given that `finetune.mode=eval` does not use: the classifier says its model and its pooling."""
+    model = [(f"model.{k}", v, getattr(ModelConfig(), k)) for k, v in vars(cfg.model).items() if k != "attn_impl"]
+    fixed = [(f"finetune.{k}", getattr(cfg.finetune, k), getattr(FinetuneSection(), k)) for k in ("arch", "probe_pool")]
+    return [f"{key}={value}" for key, value, default in [*model, *fixed] if value != default]
+
+
 def run_eval(cfg: FinetuneConfig) -> int:
     """`finetune.mode=eval`: evaluate a finished classifier on the val (and test) split, no training."""
     model, payload = load_classifier(cfg.finetune.init, "finetune.init")
@@ -270,7 +277,7 @@ def run_eval(cfg: FinetuneConfig) -> int:
     run = Run.start(cfg, stage="finetune", job_type="eval", parent=payload.get("parent"))
     if replaced:
         run.print(f"eval: the classifier's data split: {', '.join(replaced)}")
-    if given := [f"model.{k}={v}" for k, v in vars(cfg.model).items() if v != getattr(ModelConfig(), k) and k != "attn_impl"]:
+    if given := unused_in_eval(cfg):
         run.print(f"eval: the classifier is rebuilt as it was saved ({payload['arch']}); {', '.join(given)} not used")
     acc = run.accelerator
     size = payload["data"]["image_size"]

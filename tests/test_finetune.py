@@ -85,8 +85,11 @@ def test_short_finetune_beats_chance_and_eval_mode_reproduces_it(mae_run, tmp_pa
     bare = [a for a in tiny_overrides(tmp_path, name="ft_eval2") if not a.startswith("data.synthetic_size")]
     # model settings on the command line: the classifier is rebuilt as saved, and a line says they go unused
     capsys.readouterr()
-    assert finetune(bare + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'ft'}", "model.name=vit_cifar_small"]) == 0
-    assert "eval: the classifier is rebuilt as it was saved (vit); model.name=vit_cifar_small" in capsys.readouterr().out
+    assert finetune(bare + ["finetune.mode=eval", f"finetune.init={tmp_path / 'runs' / 'ft'}", "model.name=vit_cifar_small",
+                            "finetune.probe_pool=avg"]) == 0
+    said = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("eval: the classifier is rebuilt"))
+    assert said.startswith("eval: the classifier is rebuilt as it was saved (vit); model.name=vit_cifar_small, ")
+    assert said.endswith(", finetune.probe_pool=avg not used")
     e = summary(tmp_path, "ft_eval2")
     assert e["data"]["test"] == 64 and e["val_top1"] == s["final_val_top1"] and e["test_top1"] == s["final_test_top1"]
 

@@ -336,7 +336,7 @@ def test_a_floor_above_the_peak_learning_rate_is_refused_and_a_warmup_past_the_e
 def test_a_budget_measures_a_step_with_its_record_even_where_the_record_closes_an_epoch(tmp_path, monkeypatch):
     """A record's host read waits for the steps a GPU has queued. Where it fell at an epoch's last step, the meter left
     it out (its clock stopped before the record and restarted after the epoch's end), while the run paid it: the plan
-    was 2-3% short on an H100. Here each record, one an epoch at its last step, takes 60 ms."""
+    was 2-3% short on an H100. Here each record, one an epoch at its last step, takes 200 ms: most of a step's time."""
     import json
     import time
 
@@ -349,16 +349,16 @@ def test_a_budget_measures_a_step_with_its_record_even_where_the_record_closes_a
 
     def slow_record(self):
         if self.progress.step % self.run.cfg.run.log_every == 0:
-            time.sleep(0.06)
+            time.sleep(0.2)
         log_step(self)
 
     monkeypatch.setattr(loop.TrainLoop, "log_step", slow_record)
     monkeypatch.setattr(loop, "measure_seconds", lambda minutes: 1.0)
     reset_accelerate()
-    overrides = {"schedule.budget_minutes": 0.15, "run.log_every": 6, "mae.knn_every": 0, "mae.val_every": 1000}  # 6 steps an epoch
+    overrides = {"schedule.budget_minutes": 0.1, "run.log_every": 6, "mae.knn_every": 0, "mae.val_every": 1000}  # 6 steps an epoch
     assert train.main(tiny_overrides(tmp_path, **overrides)) == 0
     budget = json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())["budget"]
-    assert budget["seconds_per_step"] >= 0.8 * budget["spent"]["seconds_per_step"], budget  # 10 ms of a step's time is its record's
+    assert budget["seconds_per_step"] >= 0.7 * budget["spent"]["seconds_per_step"], budget  # without the records: about 0.3-0.4x
 
 
 def test_a_budget_run_whose_epochs_are_one_step_is_planned_and_ends(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from vit.device import host_label
 from vit.errors import UserError
-from vit.store.runs import CLASSIFICATION, CONFIG_FILE, SUMMARY_FILE, RunFolder, is_run_folder
+from vit.store.runs import CLASSIFICATION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder, is_run_folder
 from vit.tools import plots
 from vit.tools.reading import Series, last_value, load_runs, series
 
@@ -96,6 +96,11 @@ def drop_mistyped(run: RunFolder) -> None:
     bad += drop(run.meta, dict.fromkeys(TEXT_KEYS, str), f"{CONFIG_FILE} meta.")
     kinds = {"host": dict, "data": dict, **dict.fromkeys(NUMBER_KEYS, (int, float)), **dict.fromkeys(TEXT_KEYS, str)}
     bad += drop(run.summary or {}, kinds, f"{SUMMARY_FILE} ")
+    host = (run.summary or {}).get("host")
+    if host and not (all(fits(host.get(k), str) for k in ("gpu", "cpu")) and fits(host.get("cores"), (int, float))
+                     and fits(host.get("cpu_flags"), list) and all(isinstance(f, str) for f in host.get("cpu_flags") or [])):  # fmt: skip
+        del run.summary["host"]  # a machine made up from parts that are not what was recorded ("a v x 2") would be another host
+        bad.append(f"{SUMMARY_FILE} host")
     if bad:
         run.problems.append(f"not of the expected type, left out: {', '.join(bad)}")
 
@@ -221,7 +226,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             cells.append(cell(text))
         lines.append("| " + " | ".join(cells) + " |")
     legend = [f"host {k}: {h}" for h, k in keys.items()]
-    return "\n".join(lines + ([""] + legend if legend else []))
+    # "unfinished" alone would hide a run whose summary (or config) does not read: one that crashed while writing it, or
+    # was damaged after it finished. A cut-off last line of metrics.jsonl is what a run being written looks like.
+    damaged = [f"{r['name']} (unfinished): {'; '.join(why)}" for r in rows if not r["status"].startswith("finished")
+               and (why := [p for p in r["status"].split("; ")[1:] if not p.endswith(f"line(s) in {METRICS_FILE}")])]  # fmt: skip
+    return "\n".join(lines + ([""] + legend if legend else []) + ([""] + damaged if damaged else []))
 
 
 def check_outputs(out: Path | None, csv_path: Path | None) -> None:

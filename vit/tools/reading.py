@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vit.errors import UserError
-from vit.store.runs import RUN_MARKERS, RunFolder, is_run_folder, read_run
+from vit.store.runs import METRICS_FILE, RUN_MARKERS, RunFolder, is_run_folder, read_run
 
 
 def find_runs(paths: list[str]) -> list[Path]:
@@ -43,9 +43,16 @@ def find_runs(paths: list[str]) -> list[Path]:
 
 
 def run_names(paths: list[Path]) -> list[str]:
-    """Folder names, with the parent folder prepended where two runs share a name."""
-    names = [p.name for p in paths]
-    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
+    """Folder names, with as many parent folders prepended as it takes to tell apart runs that share a name (`a/mae`,
+    `b/mae`; `a/x/run`, `b/x/run`): the table, the CSV and the figures' legends key runs by these names."""
+    names = []
+    for path in paths:
+        twins = [q.absolute().parts for q in paths if q.name == path.name]
+        parts, depth = path.absolute().parts, 1
+        while sum(t[-depth:] == parts[-depth:] for t in twins) > 1 and depth < len(parts):
+            depth += 1
+        names.append(str(Path(*parts[-depth:])))
+    return names
 
 
 def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFolder]:
@@ -54,6 +61,8 @@ def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFo
     if not folders:
         raise UserError(f"no run folders (with {', '.join(RUN_MARKERS)}) under {' '.join(paths)}")
     runs = [read_run(p, n) for p, n in zip(folders, run_names(folders))]
+    for run in runs:
+        drop_stepless(run)
     if patterns:
 
         def matches(run: RunFolder, pattern: str) -> bool:  # the folder's name, or the table's (`x/mae` where two share one)
@@ -64,6 +73,19 @@ def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFo
                 raise UserError(f"--runs {pattern!r} matches none of the runs: {', '.join(r.name for r in runs)}")
         runs = [r for r in runs if any(matches(r, p) for p in patterns)]
     return runs
+
+
+def is_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def drop_stepless(run: RunFolder) -> None:
+    """Drop the metric records whose step is not a finite number (NaN, Infinity, true: a hand edit, another tool's file),
+    named in `run.problems`: sorted among the others, such a step would pass its loss or time off as the run's last."""
+    kept = [rec for rec in run.metrics if is_finite(rec["step"])]
+    if len(kept) < len(run.metrics):
+        run.problems.append(f"{len(run.metrics) - len(kept)} line(s) of {METRICS_FILE} without a finite step")
+        run.metrics = kept
 
 
 # --------------------------------------------------------------------------- curves
@@ -86,10 +108,10 @@ def series(run: RunFolder, key: str) -> Series:
     values: dict[float, float] = {}
     for rec in run.metrics:
         step = rec["step"]
-        if isinstance(rec.get("time"), (int, float)):
+        if is_finite(rec.get("time")):
             clock[step] = rec["time"]
         value = rec.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if is_finite(value):
             values[step] = float(value)
     timed = sorted(clock)
     steps = sorted(values)

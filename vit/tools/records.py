@@ -80,8 +80,10 @@ def absolute_paths(tree: Any, key: str = "") -> Iterable[tuple[str, str]]:
 
 
 def archivable(run: RunFolder) -> bool:
-    """Whether a run's record can be archived: finished, with a config and summary that read (a damaged one is left out)."""
-    return run.finished and not any(p.startswith((CONFIG_FILE, SUMMARY_FILE)) for p in run.problems)
+    """Whether a run's record can be archived: finished, with a config and summary that read and hold the types their
+    readers expect (a damaged one is left out: a host that does not read would file it under another machine).
+    `run.problems` names the mistyped values once `vit.tools.compare.row` has read the run."""
+    return run.finished and not any(CONFIG_FILE in p or SUMMARY_FILE in p for p in run.problems)
 
 
 def archive(hosts: dict[str, dict[str, RunFolder]], dest: Path, metrics: bool = False) -> list[Path]:
@@ -98,5 +100,7 @@ def archive(hosts: dict[str, dict[str, RunFolder]], dest: Path, metrics: bool = 
                     written.append(target)
             except OSError as e:
                 raise UserError(f"cannot write {e.filename or target}: {e.strerror} ({len(written)} record(s) written before)") from None
+            except UserError as e:  # a different record there: kept; say what this archive wrote before it
+                raise UserError(f"{e} ({len(written)} record(s) written before)") from None
     return written
 

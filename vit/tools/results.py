@@ -31,15 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from vit.errors import UserError
-from vit.store.runs import SUMMARY_FILE, RunFolder, is_run_folder, read_run
+from vit.store.runs import CONFIG_FILE, SUMMARY_FILE, RunFolder, is_run_folder, read_run
 from vit.tools.records import by_host
 
-MINUTES = r"(\d+(?:\.\d+)?)"  # a budget or a pretraining's minutes: 5, 2.5
-SCRATCH = re.compile(rf"^scratch_m{MINUTES}(?:_([a-z]+))?_s(\d+)$")
-FINETUNE = re.compile(rf"^ft_m{MINUTES}_f(\d+)(?:_([a-z]+))?_s(\d+)$")
-PRETRAIN = re.compile(rf"^mae_{MINUTES}min_s(\d+)$")
-PROBE = re.compile(rf"^(mae_{MINUTES[1:-1]}min_s\d+)_probe$")
-RANDOM = re.compile(r"^random_probe(?:_([a-z0-9]+))?_s(\d+)$")  # random_probe_s0, random_probe_small_s0: one per model
+# Numbers as the sweep writes them, ASCII digits without leading zeros or trailing fraction zeros: one number has one
+# spelling, so two folders (scratch_m30_s0, scratch_m30_s00) can never fill one seed of one recipe, one silently
+MINUTES = r"((?:0|[1-9][0-9]*)(?:\.[0-9]*[1-9])?)"  # a budget or a pretraining's minutes: 5, 2.5
+NUMBER = r"(0|[1-9][0-9]*)"  # a seed or a share
+SCRATCH = re.compile(rf"^scratch_m{MINUTES}(?:_([a-z]+))?_s{NUMBER}$")
+FINETUNE = re.compile(rf"^ft_m{MINUTES}_f{NUMBER}(?:_([a-z]+))?_s{NUMBER}$")
+PRETRAIN = re.compile(rf"^mae_{MINUTES}min_s{NUMBER}$")
+PROBE = re.compile(rf"^(mae_{MINUTES[1:-1]}min_s(?:{NUMBER[1:-1]}))_probe$")
+RANDOM = re.compile(rf"^random_probe(?:_([a-z0-9]+))?_s{NUMBER}$")  # random_probe_s0, random_probe_small_s0: one per model
 PATTERNS = (SCRATCH, FINETUNE, PRETRAIN, PROBE, RANDOM)
 SWEEP_PREFIXES = ("scratch_m", "ft_m", "mae_", "random_probe")  # a run folder named so that matches no pattern is named as such
 VARIANTS = {None: "light augmentation", "aug": "strong augmentation", "crop": "crop 0.35-1 and drop path 0.1"}  # the sweeps' recipe variants
@@ -56,6 +59,7 @@ class Arm:
     variant: str | None = None  # the recipe variant chosen on val (a key of VARIANTS)
     unfinished: set[int] = field(default_factory=set)  # seeds of the chosen recipe whose runs have no readable summary
     model: str | None = None  # what the chosen recipe trains (a table may choose another model at each budget)
+    unchosen: str | None = None  # why nothing was chosen though finished candidates ran (none has a val top-1 on seed 0)
 
     def add(self, seed: int, run: RunFolder, minutes: float) -> None:
         """A finished seed; one without a test top-1 (a dataset without a test split) counts, but not in the test numbers."""
@@ -107,15 +111,69 @@ def read_budget_runs(folder: Path) -> dict[str, dict[str, RunFolder]]:
 
 def read_budget_sweep(folder: Path) -> tuple[dict[str, dict[str, RunFolder]], dict[str, str]]:
     """`read_budget_runs(folder)`, and {name: why} of the sweep's run folders left out: those without a readable summary
-    (unfinished, crashed or damaged), the fine-tunes of such pretrainings (whose minutes are not known), and run folders
-    named like the sweep's that follow none of its patterns (`scratch_m5-crop_s0`): a table must say they are missing."""
+    (unfinished, crashed or damaged) or with a config or summary the table cannot read (`damage`), the fine-tunes of such
+    pretrainings (whose minutes are not known), and run folders named like the sweep's that follow none of its patterns
+    (`scratch_m5-crop_s0`, `scratch_m30_s00`): a table must say they are missing."""
     folders = sorted(p for p in Path(folder).rglob("*") if p.name.startswith(SWEEP_PREFIXES) and is_run_folder(p))
     misnamed = {p.name: "a name that follows none of the sweep's patterns" for p in folders if not is_sweep_name(p.name)}
     runs = [read_run(p) for p in folders if is_sweep_name(p.name)]
     unfinished = {r.name: next((p for p in r.problems if p.startswith(SUMMARY_FILE)), f"no {SUMMARY_FILE}") for r in runs if not r.finished}
-    waiting = {r.name: f"its pretraining {parent} has no readable summary" for r in runs if r.finished and FINETUNE.match(r.name)
+    unfinished |= {r.name: why for r in runs if r.finished and (why := damage(r))}
+    waiting = {r.name: f"its pretraining {parent} has no readable summary" for r in runs if r.name not in unfinished and FINETUNE.match(r.name)
                and (parent := Path(str((r.config.get("finetune") or {}).get("init"))).name) in unfinished}  # fmt: skip
-    return by_host(r for r in runs if r.name not in waiting), {**misnamed, **unfinished, **waiting}
+    return by_host(r for r in runs if r.name not in unfinished and r.name not in waiting), {**misnamed, **unfinished, **waiting}
+
+
+def damage(run: RunFolder) -> str | None:
+    """Why a finished run cannot be read into the table, else None: a config.yaml that does not read, or a value the table
+    reads that is not of its type (a hand edit, another tool's file), named with its file and key. Such a run is listed
+    beside the table as one without a summary is: read as it is, it would stop the table with a traceback, file its
+    minutes under a made-up host, or drop out of a choice unsaid."""
+    if problem := next((p for p in run.problems if p.startswith(CONFIG_FILE)), None):
+        return problem
+    config, summary = run.config, run.summary or {}
+    sections = {f"{CONFIG_FILE} {k}": config.get(k) for k in ("schedule", "finetune", "data", "run")}
+    sections |= {f"{SUMMARY_FILE} {k}": summary.get(k) for k in ("budget", "host")}
+    for label, value in sections.items():
+        if value is not None and not isinstance(value, dict):
+            return f"{label} is {brief(value)}, not a mapping"
+    host = summary.get("host") or {}
+    expected = {  # label: (value, what it must be, whether it is); None (absent) always reads
+        f"{CONFIG_FILE} schedule.budget_minutes": ((config.get("schedule") or {}).get("budget_minutes"), "a finite number", is_finite),
+        f"{CONFIG_FILE} finetune.init": ((config.get("finetune") or {}).get("init"), "a path", is_text),
+        f"{SUMMARY_FILE} budget.stage_seconds": ((summary.get("budget") or {}).get("stage_seconds"), "seconds (a number >= 0)", is_seconds),
+        f"{SUMMARY_FILE} wall_time_sec": (summary.get("wall_time_sec"), "seconds (a number >= 0)", is_seconds),
+        **{f"{SUMMARY_FILE} {k}": (summary.get(k), "a number", is_number) for k in ("val_top1", "test_top1", "final_knn_top1", "epochs")},
+        **{f"{SUMMARY_FILE} {k}": (summary.get(k), "text", is_text) for k in ("model", "precision")},
+        **{f"{SUMMARY_FILE} host.{k}": (host.get(k), "text", is_text) for k in ("gpu", "cpu")},
+        f"{SUMMARY_FILE} host.cores": (host.get("cores"), "a number", is_number),
+        f"{SUMMARY_FILE} host.cpu_flags": (host.get("cpu_flags"), "a list of text", lambda v: isinstance(v, list) and all(map(is_text, v))),
+    }  # fmt: skip
+    for label, (value, what, fits) in expected.items():
+        if value is not None and not fits(value):
+            return f"{label} is {brief(value)}, not {what}"
+    return None
+
+
+def is_number(value: Any) -> bool:  # NaN is one: a top-1 of an older summary, read as none (`top1`)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite(value: Any) -> bool:
+    return is_number(value) and math.isfinite(value)
+
+
+def is_seconds(value: Any) -> bool:
+    return is_finite(value) and value >= 0
+
+
+def is_text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def stage_minutes(run: RunFolder) -> float:
@@ -253,6 +311,9 @@ def budget_row(runs: dict[str, RunFolder], budget: float, unfinished: set[str] =
                 scratch.add(seed, run, stage_minutes(run))
     if best := choose([c for c in search if c["arm"] == "mae"], "finetune_val"):
         add_finetunes(mae, best, runs, ft_runs, budget, ft_gone, unfinished)
+    for arm, kind in ((scratch, "scratch"), (mae, "mae")):  # finished runs and nothing chosen: said, not a bare "-" (no run)
+        if not arm.val and not arm.unfinished and any(c["arm"] == kind and "unfinished" not in c for c in search):
+            arm.unchosen = "nothing chosen: no candidate has a val top-1 on seed 0"
     # One probe per pretraining: the (share, variant) candidates of one share share it
     pretrainings = {c["pretraining"]: c for c in search if c["arm"] == "mae" and "unfinished" not in c}.values()
     fits = [c for c in pretrainings if c["probe_val"] is not None and c["pretrain_min"] + c["probe_min"] <= budget]
@@ -306,7 +367,7 @@ def cell(arm: Arm, with_variant: bool = True, with_model: bool = False) -> str:
     """'74.1% (73.5-74.6, 3 seeds); pretraining 0.50 of the budget, light augmentation', '70.2% (2 of 3 seeds: s1 unfinished); ...',
     'no test top-1 (1 seed: s0 without test top-1); ...' (a dataset without a test split) or '-' (no run of the column)."""
     if not arm.val and not arm.unfinished:
-        return "-"
+        return arm.unchosen or "-"
     if not arm.test:
         text = f"no test top-1 ({arm.seeds()})"
     elif len(arm.test) > 1:

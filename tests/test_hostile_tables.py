@@ -180,3 +180,13 @@ def test_a_host_of_mistyped_parts_is_no_host_and_its_run_is_not_archived_under_a
     kept = [r for r in result["runs"] if archivable(r)]
     assert [r.name for r in kept] == ["good"]
     assert [p.parent.name + "/" + p.name for p in archive(by_host(kept), tmp_path / "records")] == ["epyc-avx2-2-cores/good"]
+
+
+def test_json_nested_deeper_than_the_parser_goes_is_a_damaged_file(tmp_path):
+    from vit.store.runs import read_metrics, read_summary
+
+    (tmp_path / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(UserError, match="summary.json is not valid JSON"):
+        read_summary(tmp_path)
+    assert read_metrics(tmp_path) == ([{"step": 1, "loss": 1.0}], 1)

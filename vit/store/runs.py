@@ -198,7 +198,7 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         summary = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise UserError(f"{path} is not valid JSON") from None
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text") from None
@@ -222,7 +222,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
             continue
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             bad += 1
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
@@ -250,7 +250,7 @@ def trim_metrics(path: Path, step: int) -> int:
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             dropped += 1
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:

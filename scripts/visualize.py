@@ -22,39 +22,14 @@ Writes into `--out`:
 - sincos_table.png: the fixed 2-D sin-cos positional table for this encoder's size (and the
   encoder's own table beside it when it is learned).
 
-The loading and the figures are `pretrain.visualize`.
+The command line, the loading and the figures are `pretrain.visualize` (also `python -m pretrain.visualize`).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-from pretrain.visualize import visualize
-from vit.errors import exit_on_user_error
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="visualize.py", description="Reconstructions, attention maps and positional-embedding figures")
-    parser.add_argument("--checkpoint", required=True, help="encoder.pt, classifier.pt, or the run folder holding one")
-    parser.add_argument("--images", nargs="*", default=[], metavar="FOLDER | data.key=value",
-                        help="a folder of images, or overrides of the run's data config; default: the run's data config")  # fmt: skip
-    parser.add_argument("--out", type=Path, required=True, help="folder for the PNG figures")
-    parser.add_argument("--num-images", type=int, default=8, help="images to show (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the MAE masks in the reconstruction figure")
-    args = parser.parse_args(argv)
-    if args.num_images < 1:
-        parser.error("--num-images must be at least 1")
-    return args
-
-
-@exit_on_user_error
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    visualize(args.checkpoint, args.images, args.out, args.num_images, args.seed)
-    return 0
-
+from pretrain.visualize import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -225,7 +225,7 @@ def test_the_measuring_window_grows_with_the_budget_within_bounds():
 
 
 @pytest.mark.slow
-def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(tmp_path):
+def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(tmp_path, monkeypatch):
     """Pretraining with `schedule.budget_minutes`: the plan is written, the schedule spans it, the stage fits the budget."""
     import json
     import shutil
@@ -234,8 +234,10 @@ def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(
 
     from pretrain.train import main
     from vit.store.runs import read_budget, read_state_progress, state_dirs
+    from vit.train import loop
 
-    budget_minutes = 0.2  # 12 s: long enough to measure (StepMeter needs 5 s), short for a test
+    monkeypatch.setattr(loop, "measure_seconds", lambda minutes: 1.5)  # a run measures 5 s at the least: short for a test
+    budget_minutes = 0.1  # 6 s
     reset_accelerate()
     code = main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": budget_minutes, "optim.min_lr": 0.0, "run.save_every": 10}))
     assert code == 0
@@ -284,6 +286,7 @@ def test_a_budget_plan_counts_what_the_epochs_ends_took_before_it(tmp_path, monk
 
     from pretrain import train
     from vit.store.runs import read_budget
+    from vit.train import loop
 
     original = train.validation_loss
 
@@ -292,7 +295,8 @@ def test_a_budget_plan_counts_what_the_epochs_ends_took_before_it(tmp_path, monk
         return original(*args, **kwargs)
 
     monkeypatch.setattr(train, "validation_loss", slow_validation)
-    budget_minutes = 0.2  # 12 s, of which the measurement takes about 8 (5 s of steps between the epochs' ends)
+    monkeypatch.setattr(loop, "measure_seconds", lambda minutes: 1.5)  # a run measures 5 s at the least: short for a test
+    budget_minutes = 0.1  # 6 s, of which the measurement takes about 2.5 (1.5 s of steps between the epochs' ends)
     reset_accelerate()
     assert train.main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": budget_minutes, "mae.knn_every": 0})) == 0
     plan = read_budget(tmp_path / "runs" / "run")

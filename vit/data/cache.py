@@ -54,6 +54,7 @@ def cached(cfg: DataConfig, source: Path | str, decode: Callable[[list], dict[st
     path = cache_path(cfg, source, extra)
     if isinstance(source, Path):
         _refuse_next_to(path.parent, source)
+    _refuse_non_folder(path.parent)
     if path.is_file():
         loaded = _read_cache(path)
         if loaded is not None:
@@ -148,6 +149,16 @@ def _refuse_next_to(cache_dir: Path, source: Path) -> None:
     cache_dir, source = cache_dir.resolve(), source.resolve()
     if cache_dir == source.parent or cache_dir == source or source in cache_dir.parents:
         raise DataError(f"data.cache_dir {cache_dir} would put the cache next to the input {source}; choose another folder")
+
+
+def _refuse_non_folder(folder: Path) -> None:
+    """Before any decoding (hours, for a large tree): a cache_dir that is a file, or lies under one, could not take the
+    result."""
+    for p in (folder, *folder.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise DataError(f"data.cache_dir {folder} cannot be a folder: {p} is a file; set data.cache_dir to a folder")
+            return
 
 
 def cache_dir(cfg: DataConfig) -> Path:

@@ -43,10 +43,11 @@ class Shards(Source):
 
     def read(self, skipped: list) -> dict[str, ImageSet]:
         cfg = self.cfg
-        urls = expand_shards(cfg.root)
-        stats = [os.stat(u) for u in urls]
-        identity = repr([(os.path.abspath(u), st.st_size, st.st_mtime_ns) for u, st in zip(urls, stats)])
-        return cached(cfg, identity, lambda bad: read_shards(urls, cfg, bad), skipped, where=cfg.root)
+        # The scan checks the layout the sample reader cannot see (a damaged tar, a key split in two, two images in one
+        # sample, labels on some samples only), as it does for the stream loader, and names the classes both loaders use.
+        shards = open_shards(cfg.root, Path(cfg.cache_dir).expanduser())
+        identity = repr(shards_identity(shards.urls))
+        return cached(cfg, identity, lambda bad: read_shards(shards.urls, cfg, bad, shards.classes), skipped, where=cfg.root)
 
     def stream_splits(self, out_size: int, bad: Any, listed=None) -> Splits:
         return shard_splits(self.cfg, out_size, bad, self.normalization)
@@ -57,10 +58,33 @@ class Shards(Source):
         return len(shards), f"{side}x{side}", len(shards) * 3 * side * side
 
 
-def read_shards(urls: list[str], cfg: DataConfig, bad: list) -> dict[str, ImageSet]:
-    """Every sample of the shards, in order, decoded (`data.loader=memory` for shards small enough)."""
+def read_shards(urls: list[str], cfg: DataConfig, bad: list, classes: list[str] | None = None) -> dict[str, ImageSet]:
+    """Every sample of the shards, in order, decoded (`data.loader=memory` for shards small enough); `classes`: those
+    the scan of their headers found (`open_shards`), else those the decoded samples name."""
     check = SizeCheck()
     arrays, labels = [], []
+    try:
+        samples = list(decoded_samples(urls, cfg, bad, check))
+    except (tarfile.TarError, EOFError, OSError) as e:  # webdataset's reader raises tarfile's errors as they come
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise DataError(f"the shards {cfg.root} are not readable tar files ({type(e).__name__}: {first})") from None
+    for arr, label in samples:
+        arrays.append(arr)
+        labels.append(label)
+    if not arrays:
+        raise DataError(f"the shards {cfg.root} hold no images")
+    labelled = [v != UNLABELLED for v in labels]
+    if any(labelled) and not all(labelled):
+        raise DataError(f"some samples of {cfg.root} have .cls labels and some do not: label all of them or none")
+    if classes is None:
+        classes = [str(i) for i in range(max(labels) + 1)] if all(labelled) else []
+    stacked = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+    return {"train": ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), list(classes))}
+
+
+def decoded_samples(urls: list[str], cfg: DataConfig, bad: list, check: SizeCheck):
+    """(image (H, W, 3) uint8, label) of every sample of `urls` that decodes, in order; the others appended to `bad`
+    (`data.skip_bad_images`) or raised."""
     for sample in shard_samples(urls):
         found = sample_image(sample)
         name = f"{sample.get('__url__')}:{sample['__key__']}"
@@ -74,16 +98,7 @@ def read_shards(urls: list[str], cfg: DataConfig, bad: list) -> dict[str, ImageS
             bad.append((name, str(e)))
             continue
         check(name, arr)
-        arrays.append(arr)
-        labels.append(sample_label(sample))
-    if not arrays:
-        raise DataError(f"the shards {cfg.root} hold no images")
-    labelled = [v != UNLABELLED for v in labels]
-    if any(labelled) and not all(labelled):
-        raise DataError(f"some samples of {cfg.root} have .cls labels and some do not: label all of them or none")
-    classes = [str(i) for i in range(max(labels) + 1)] if all(labelled) else []
-    stacked = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
-    return {"train": ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), classes)}
+        yield arr, sample_label(sample)
 
 
 def shard_head(shards: ShardSet, count: int, out_size: int, skip_bad: bool, bad: Any,
@@ -154,6 +169,10 @@ def shard_splits(cfg: DataConfig, out_size: int, bad: Any, normalization: tuple)
 
 
 SHARD_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")  # a sample's image member
+# The largest class index a .cls may hold: the classes are 0..max, so a stray huge number would make a list (and a
+# classifier head) of that many classes, filling the memory before anything says why. ImageNet-21k has 21,841.
+MAX_CLASS_INDEX = 999_999
+SCAN_VERSION = 2  # bump when `scan_shard` checks more, so indexes cached by an older scan are scanned again
 
 
 def expand_shards(pattern: str) -> list[str]:
@@ -180,13 +199,26 @@ def split_key(name: str) -> tuple[str, str]:
 def scan_shard(path: str) -> dict[str, Any]:
     """One pass over a shard's tar headers (no image data is read): {"samples": int, "labels": [distinct .cls values]}."""
     keys, labelled, labels = set(), set(), set()
+    images: dict[str, str] = {}  # key -> its image member's extension
+    seen, last = set(), None  # every key met, and the key of the member before
     try:
         with tarfile.open(path, "r:*") as tar:
             for member in tar:
                 if not member.isfile():
                     continue
                 key, ext = split_key(member.name)
+                # WebDataset makes one sample of each run of members with the same key: a key met again after another
+                # would be a second sample of that key, which the count here (and the val split's keys) would merge.
+                if key != last and key in seen:
+                    raise DataError(f"shard {path}: the members of sample {key} are not together (another sample's come "
+                                    f"between them); write each sample's files one after another")  # fmt: skip
+                seen.add(key)
+                last = key
                 if ext in SHARD_IMAGE_EXTENSIONS:
+                    if key in images:  # the reader would take one and drop the other without a word
+                        raise DataError(f"shard {path}: sample {key} has two images ({key}.{images[key]}, {key}.{ext}); "
+                                        "write one image per sample")  # fmt: skip
+                    images[key] = ext
                     keys.add(key)
                 elif ext == "cls":
                     labels.add(parse_label(tar.extractfile(member).read(), f"{path}:{member.name}"))
@@ -202,7 +234,8 @@ def scan_shard(path: str) -> dict[str, Any]:
         raise DataError(f"shard {path} is not a readable tar file ({type(e).__name__}: {first})") from None
     unlabelled = sorted(keys - labelled) if labelled else []
     if unlabelled:
-        raise DataError(f"shard {path}: sample {unlabelled[0]} has no .cls label but other samples have one: label all samples or none")
+        raise DataError(f"shard {path}: some samples have .cls labels and some do not (sample {unlabelled[0]} has no .cls label): "
+                        "label all samples or none")  # fmt: skip
     return {"samples": len(keys), "labels": sorted(labels)}
 
 
@@ -210,7 +243,7 @@ def open_shards(pattern: str, cache_dir: Path) -> ShardSet:
     """The shards `pattern` names, with their sample counts and classes (from a cached scan of their headers)."""
     urls = expand_shards(pattern)
     stats = [os.stat(u) for u in urls]
-    key = hashlib.sha256(repr([(os.path.abspath(u), s.st_size, s.st_mtime_ns) for u, s in zip(urls, stats)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(repr((SCAN_VERSION, shards_identity(urls))).encode()).hexdigest()[:16]
     index_file = Path(cache_dir).expanduser() / f"shards-{key}.json"
     scans = None
     if index_file.is_file():
@@ -240,6 +273,14 @@ def open_shards(pattern: str, cache_dir: Path) -> ShardSet:
     return ShardSet(urls, [s["samples"] for s in scans], classes, frozenset(), digest)
 
 
+def shards_identity(urls: list[str]) -> list[tuple[str, int, int]]:
+    """(path, size, newest change in ns) of each shard: what keys the cached scan and the decoded cache. The change time
+    (ctime) counts besides the mtime: a shard rewritten by `cp -p` or `rsync -a` keeps its old mtime, and tar's 512-byte
+    blocks often keep its size (a .cls changed from 1 to 0), so both numbers would say the shard is the one cached."""
+    stats = [os.stat(u) for u in urls]
+    return [(os.path.abspath(u), st.st_size, max(st.st_mtime_ns, st.st_ctime_ns)) for u, st in zip(urls, stats)]
+
+
 def shard_samples(urls: list[str]):
     """The samples of `urls`, in order, as WebDataset dicts ({"__key__", "__url__", "<ext>": bytes}), read by `webdataset`."""
     from webdataset.tariterators import tarfile_samples
@@ -249,10 +290,13 @@ def shard_samples(urls: list[str]):
 
 def sample_image(sample: dict[str, Any]) -> tuple[bytes, str] | None:
     """The image bytes of a WebDataset sample and its name (`shard:key.ext`), or None when it holds no image."""
-    for ext in SHARD_IMAGE_EXTENSIONS:
-        if ext in sample:
-            return sample[ext], f"{sample.get('__url__')}:{sample['__key__']}.{ext}"
-    return None
+    found = [ext for ext in SHARD_IMAGE_EXTENSIONS if ext in sample]
+    if len(found) > 1:  # taking one would drop the other without a word
+        key = f"{sample.get('__url__')}:{sample['__key__']}"
+        raise DataError(f"sample {key} has two images ({', '.join('.' + e for e in found)}); write one image per sample")
+    if not found:
+        return None
+    return sample[found[0]], f"{sample.get('__url__')}:{sample['__key__']}.{found[0]}"
 
 
 def sample_label(sample: dict[str, Any]) -> int:
@@ -269,4 +313,7 @@ def parse_label(raw: bytes, name: str) -> int:
         label = UNLABELLED
     if label < 0:
         raise DataError(f"{name} holds {text[:20]!r}, not a class index (an integer >= 0)")
+    if label > MAX_CLASS_INDEX:
+        raise DataError(f"{name} holds the class index {text[:20]}, over the {MAX_CLASS_INDEX + 1:,} classes this reader takes: "
+                        "number the classes from 0")  # fmt: skip
     return label

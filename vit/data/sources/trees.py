@@ -112,20 +112,32 @@ def read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: lis
     check = SizeCheck()
     entries: dict[tuple[str, str], list[tuple[str, int, np.ndarray]]] = {}
     class_dirs: set[tuple[str, str]] = set()
+    members: dict[tuple[str, ...], str] = {}  # split/class/**/file -> the member read as it, so a second one is refused
     try:
         with tarfile.open(archive, "r|gz") as tar:
             for member in tar:
                 parts = PurePosixPath(member.name).parts  # "./train/x" -> ("train", "x")
+                if PurePosixPath(member.name).is_absolute() or ".." in parts:
+                    # Unpacked, it would land outside the tree (or, `tar` stripping the '/' or '..', onto another image).
+                    raise DataError(f"{archive} holds the member {member.name!r}, a path outside the archive's folder; "
+                                    "pack the tree with paths relative to it (tar -C <root> -czf ...)")  # fmt: skip
                 if any(p.startswith(".") for p in parts):
                     continue  # hidden files and folders (macOS ._* twins, .ipynb_checkpoints) are not images or classes
                 if len(parts) >= 3 and parts[0] not in SPLIT_NAMES and parts[1] in SPLIT_NAMES:
                     parts = parts[1:]  # one wrapping folder, e.g. cifar10/train/cat/0001.png
                 if not parts or parts[0] not in SPLIT_NAMES:
                     continue
+                if member.issym() or member.islnk():  # a stream has no way back to the target: left out, it would be lost unsaid
+                    raise DataError(f"{archive}: {member.name} is a link to {member.linkname}; an archive's images and class "
+                                    "folders must be plain files and folders (tar -h packs what links point to)")  # fmt: skip
                 if member.isdir() and len(parts) == 2:
                     class_dirs.add((parts[0], parts[1]))
                 if not member.isfile() or len(parts) < 3 or not is_image_name(parts[-1]):
                     continue
+                if parts in members:  # appended twice, or under two wrapping folders: unpacked, one would overwrite the other
+                    raise DataError(f"{archive} holds {'/'.join(parts)} twice ({members[parts]} and {member.name}); "
+                                    "each image must be one member")  # fmt: skip
+                members[parts] = member.name
                 name = f"{archive}:{member.name}"
                 data = tar.extractfile(member).read()
                 try:

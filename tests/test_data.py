@@ -671,7 +671,7 @@ def test_a_cifar_pickle_that_calls_a_function_is_refused_without_running_it(tmp_
         assert s.train.labels[:10].tolist() == [1] * 10
 
 
-def test_the_eval_batch_is_the_training_one_on_a_cpu_and_at_least_1024_on_a_gpu():
+def test_the_eval_batch_is_the_training_one_on_a_cpu_and_at_least_1024_cifar_images_of_pixels_on_a_gpu():
     from dataclasses import replace
 
     from vit.data.loaders import Data
@@ -679,4 +679,5 @@ def test_the_eval_batch_is_the_training_one_on_a_cpu_and_at_least_1024_on_a_gpu(
     data = Data(DataConfig(), splits=None, kind="memory", out_size=32, device=torch.device("cpu"))
     gpu = replace(data, device=torch.device("cuda"))  # no GPU is touched: the choice reads the device's type
     assert data.eval_batch(256) == 256 and gpu.eval_batch(256) == 1024 and gpu.eval_batch(4096) == 4096
+    assert replace(gpu, out_size=64).eval_batch(128) == 256 and replace(gpu, out_size=224).eval_batch(256) == 256
     assert replace(gpu, cfg=DataConfig(eval_batch_size=64)).eval_batch(256) == 64  # set: what it says, on any device

@@ -97,8 +97,8 @@ class DataConfig:
     workers: int | None = None  # stream: decoding processes per training process; None: the cores training leaves free (at least 1)
     shuffle_buffer: int = 1000  # stream from shards: samples shuffled in each worker's buffer
     # Images a batch where nothing trains (evaluations, the kNN monitor, a probe's features). null: the training batch,
-    # and at least 1024 on a GPU, where such a batch costs its kernel launches more than its images (an H100 evaluated
-    # 5,000 CIFAR images in 0.042 s at 1024 and 0.148 s at 256).
+    # and on a GPU at least 1024 images of 32x32 or as many pixels (256 at 64 px): small images' batches cost it their
+    # kernel launches more than their pixels (an H100 evaluated 5,000 CIFAR images in 0.042 s at 1024, 0.148 s at 256).
     eval_batch_size: int | None = None
     skip_bad_images: bool = False  # an image that does not decode: stop naming it (false), or skip and count it (true)
     # Images with more pixels (width x height, read from the header before decoding) are refused, or skipped with

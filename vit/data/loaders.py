@@ -92,9 +92,11 @@ def choose_loader(source: Source, out_size: int, listed: dict[str, Any] | None =
     return "stream", f"auto: {what} > memory budget {budget / GB:.2f} GB ({how})"
 
 
-# The smallest batch where nothing trains on a GPU (`Data.eval_batch`): there, a batch's kernel launches cost more than
-# its images; on a CPU they do not, and a batch larger than the training one only takes more memory.
-GPU_EVAL_BATCH = 1024
+# The fewest pixels a batch where nothing trains holds on a GPU (`Data.eval_batch`): 1024 CIFAR images. Small images'
+# batches cost the GPU their kernel launches more than their pixels; at 224 px the training batch already holds more,
+# and a larger one would only take memory (a streamed loader's workers hold several batches each). On a CPU no batch
+# costs its launches.
+GPU_EVAL_PIXELS = 1024 * 32 * 32
 
 
 @dataclass
@@ -124,10 +126,11 @@ class Data:
                             shuffle_buffer=c.shuffle_buffer, max_pixels=c.max_image_pixels, **kwargs)  # fmt: skip
 
     def eval_batch(self, train_batch: int) -> int:
-        """Images a batch where nothing trains: `data.eval_batch_size`, else the training batch, at least 1024 on a GPU."""
+        """Images a batch where nothing trains: `data.eval_batch_size`, else the training batch, on a GPU at least
+        `GPU_EVAL_PIXELS` worth of images of the loaders' size (1024 at 32 px, 256 at 64 px)."""
         if self.cfg.eval_batch_size is not None:
             return self.cfg.eval_batch_size
-        return max(train_batch, GPU_EVAL_BATCH) if self.device.type == "cuda" else train_batch
+        return max(train_batch, GPU_EVAL_PIXELS // self.out_size**2) if self.device.type == "cuda" else train_batch
 
     def subset(self, images: Any, index: torch.Tensor) -> Any:
         """The images at `index` of an ImageSet or FileSet (shards are not indexable: their first len(index) samples, decoded)."""

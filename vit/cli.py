@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from vit.config import load_config
+from vit.errors import ConfigError
+
+# An override's value that holds another override after a space: two settings quoted into one argument ("a=1 b=2").
+SECOND_OVERRIDE = re.compile(r"\s[A-Za-z_]\w*(\.\w+)+=")
 
 
 def parse(cls: type, argv: list[str] | None, prog: str, description: str):
-    """Parse `--config FILE key.sub=value ...` into a validated config of type `cls`."""
+    """Parse `--config FILE key.sub=value ...` (overrides before or after `--config`) into a validated config of type `cls`."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", help="YAML config file; omitted: the defaults")
+    parser.add_argument("--config", action="append", help="YAML config file; omitted: the defaults")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides applied on top of the file, e.g. optim.lr=1e-3")
-    args = parser.parse_args(argv)
-    return load_config(cls, args.config, args.overrides)
+    # intermixed: `key=value --config FILE key=value` takes both overrides (plain parsing called the second 'unrecognized')
+    args = parser.parse_intermixed_args(argv)
+    configs = args.config or [None]
+    if len(configs) > 1:  # argparse keeps the last one, unsaid
+        raise ConfigError(f"--config is given {len(configs)} times ({', '.join(configs)}): give one file, and the changes to it as key.sub=value")
+    if configs[0] is not None and not configs[0].strip():
+        raise ConfigError("--config is empty: name a YAML file, or leave --config out for the defaults")
+    for item in args.overrides:
+        if SECOND_OVERRIDE.search(item.partition("=")[2]):
+            raise ConfigError(f"override {item!r} holds a second one after a space: give each key.sub=value as its own argument")
+    return load_config(cls, configs[0], args.overrides)
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

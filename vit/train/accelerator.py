@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -63,6 +64,46 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return requested
 
 
+# Set by `vit.tools.sweep` for the jobs it runs side by side: how many share the machine (its --parallel).
+SHARED_BY_ENV = "VIT_JOBS_SHARING_HOST"
+# Whole numbers a launcher sets, which Accelerate and `set_threads` read with int(): anything else was a traceback.
+LAUNCH_NUMBERS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# Accelerate's truth values (accelerate.utils.str_to_bool), which it reads ACCELERATE_USE_CPU with: anything else was a traceback.
+TRUTH_VALUES = ("y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0")
+
+
+def check_launch_env(env=os.environ) -> None:
+    """A ConfigError naming the environment variable a launcher reads that holds what it cannot read."""
+    for name in LAUNCH_NUMBERS:
+        if name in env and not env[name].strip().isdigit():
+            raise ConfigError(f"environment variable {name}={env[name]!r} must be a whole number (it is a launcher's; unset it)")
+    if env.get("ACCELERATE_USE_CPU", "").lower() not in ("",) + TRUTH_VALUES:
+        raise ConfigError(f"environment variable ACCELERATE_USE_CPU={env['ACCELERATE_USE_CPU']!r} must be 1 or 0 (true or false)")
+
+
+def ignored_launch_settings(precision: str, env=os.environ) -> list[str]:
+    """Warnings for what `accelerate launch` (its flags, or `accelerate config`) asked for in the environment that the run
+    does not use: run.precision and run.compile decide."""
+    said = []
+    # `accelerate launch` without --multi_gpu (with --cpu, or on a machine without GPUs) starts one process however many
+    # --num_processes asks for; it still sets MASTER_ADDR for them, and each process started by a launcher of several
+    # has WORLD_SIZE. One process trains with 1/N of the batch asked for. A warning, not a refusal: a cluster's job script
+    # may export MASTER_ADDR itself around a launch of one process.
+    if "ACCELERATE_DYNAMO_BACKEND" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env:
+        said.append("warning: accelerate launch set MASTER_ADDR, as for several processes, and started this one alone: without "
+                    "--multi_gpu it starts one however many --num_processes asks for. On CPUs: ACCELERATE_USE_CPU=1 accelerate "
+                    "launch --multi_gpu --num_processes N")  # fmt: skip
+    asked = env.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
+    if asked not in ("", "no") and asked != precision:
+        said.append(f"warning: ACCELERATE_MIXED_PRECISION={asked} (accelerate launch --mixed_precision, or accelerate config) is "
+                    f"not used: run.precision decides, and {'fp32' if precision == 'no' else precision} runs")  # fmt: skip
+    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").strip().lower()
+    if backend not in ("", "no"):
+        said.append(f"warning: ACCELERATE_DYNAMO_BACKEND={backend} (accelerate launch --dynamo_backend, or accelerate config) is not "
+                    "used: run.compile decides whether the model is compiled")  # fmt: skip
+    return said
+
+
 def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     """An Accelerator on the requested device; refuses a device that is not there and a broken launch.
 
@@ -73,9 +114,12 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     from accelerate import Accelerator, PartialState
     from accelerate.utils import ProjectConfiguration, parse_flag_from_env
 
+    check_launch_env()
+    check_compile_cache()
     device = run_cfg.device
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device=cuda was requested but no CUDA device is available")
+        hidden = " (CUDA_VISIBLE_DEVICES is empty)" if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "" else ""
+        raise ConfigError(f"run.device=cuda was requested but no CUDA device is available{hidden}")
     if device == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise ConfigError("run.device=mps was requested but MPS is not available")
     # Accelerate's own choice of device decides the precision. The Accelerator reads ACCELERATE_USE_CPU
@@ -90,8 +134,12 @@ def make_accelerator(run_cfg: RunConfig, log_with: str | None = None):
     if requested == "bf16" and not native_bf16(state.device) and state.is_main_process:
         print(f"warning: run.precision=bf16 on a {state.device.type} without native bf16 is emulated and can be many times slower "
               "than fp32; run.precision=auto chooses for the device", file=sys.stderr)  # fmt: skip
+    if state.is_main_process:
+        for line in ignored_launch_settings(precision):
+            print(line, file=sys.stderr)
     project = ProjectConfiguration(project_dir=str(run_cfg.path), logging_dir=str(run_cfg.path / TENSORBOARD_DIR))
-    kwargs = dict(cpu=cpu, mixed_precision=precision, project_config=project)
+    # dynamo_backend "no": else `prepare` compiles the model as ACCELERATE_DYNAMO_BACKEND says, whatever run.compile says
+    kwargs = dict(cpu=cpu, mixed_precision=precision, project_config=project, dynamo_backend="no")
     try:
         accelerator = Accelerator(log_with=log_with, **kwargs)
     except (ValueError, ImportError) as e:
@@ -122,6 +170,8 @@ def compile_mode(requested: str, device: torch.device, num_processes: int = 1, g
         if device.type != "cuda":
             return None
         return "default" if graphed or num_processes > 1 else "reduce-overhead"
+    if requested == "reduce-overhead" and device.type != "cuda":
+        return "default"  # its CUDA graphs are CUDA's: torch.compile drops them elsewhere, unsaid (compile_for_run says it)
     return {"off": None, "on": "default"}.get(requested, requested)
 
 
@@ -138,6 +188,21 @@ def step_graph_for(run: "Run", optimizer) -> bool:
     return unfit is None
 
 
+def check_compile_cache() -> None:
+    """A ConfigError where TORCHINDUCTOR_CACHE_DIR cannot be torch's compile cache folder. Every run imports the compiler
+    (an optimiser does), compiled or not, which made the folder or failed, after the run folder was written, with
+    '<path>: File exists' and no word of the variable."""
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not cache:
+        return
+    try:
+        Path(cache).expanduser().mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file, not a folder" if Path(cache).expanduser().is_file() else e.strerror
+        raise ConfigError(f"environment variable TORCHINDUCTOR_CACHE_DIR={cache} cannot be torch.compile's cache folder ({why}): "
+                          "point it at a folder, or unset it") from None  # fmt: skip
+
+
 def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = True) -> nn.Module:
     """`module` compiled as `run.compile` asks (the training forward only: evaluation runs the plain module), and
     whether the loop captures its whole step (`run.cuda_graph`), which the compile mode depends on. `compile=False`:
@@ -146,6 +211,8 @@ def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = Tr
     run.cuda_graph = step_graph_for(run, optimizer)
     mode = compile_mode(run.cfg.run.compile, acc.device, acc.num_processes, run.cuda_graph) if compile else None
     run.compile_mode = mode
+    if mode == "default" and run.cfg.run.compile == "reduce-overhead":
+        run.print(f"compile: run.compile=reduce-overhead adds CUDA graphs, which a {acc.device.type} run has none of: torch.compile's default mode")
     graph = "; the whole step is captured as one CUDA graph after its first steps (run.cuda_graph)" if run.cuda_graph else ""
     if mode is None:
         if graph:
@@ -162,8 +229,6 @@ def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = Tr
 GPU_HOST_THREADS = 4
 
 
-# Set by `vit.tools.sweep` for the jobs it runs side by side: how many share the machine (its --parallel).
-SHARED_BY_ENV = "VIT_JOBS_SHARING_HOST"
 
 
 def set_threads(run_cfg: RunConfig, accelerator) -> int:
@@ -177,7 +242,10 @@ def set_threads(run_cfg: RunConfig, accelerator) -> int:
                               "leave it unset (the cores shared among the processes) or name at most as many as the cores")  # fmt: skip
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes if accelerator.num_processes > 1 else 1))
-        jobs = max(1, int(os.environ.get(SHARED_BY_ENV, "1") or 1))
+        shared = os.environ.get(SHARED_BY_ENV, "").strip()
+        if shared and not shared.isdigit():
+            raise ConfigError(f"environment variable {SHARED_BY_ENV}={shared!r} must be a whole number (the jobs a sweep runs side by side)")
+        jobs = max(1, int(shared or 1))
         threads = max(1, (os.cpu_count() or 1) // (local * jobs))
         if accelerator.device.type != "cpu":
             threads = min(threads, GPU_HOST_THREADS)

@@ -36,8 +36,8 @@ class NonFiniteLoss(UserError):
     pass
 
 
-# Steps between the exchanges through which several processes agree on a host fact (a signal, the budget's measurement):
-# each exchange is a host read, which a step otherwise never makes.
+# Steps between the exchanges through which several processes agree on a host fact (a signal, a resume state's time, the
+# budget's measurement): each exchange is a host read, which a step otherwise never makes.
 AGREE_EVERY = 10
 
 # `loss_fn(model, images, targets) -> (loss, extras)`. One that draws randomness on the host (mixup's) does it in its

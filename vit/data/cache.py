@@ -24,7 +24,7 @@ from vit.data.decode import BadImage
 from vit.data.files import loops
 from vit.data.splits import ImageSet
 from vit.errors import DataError
-from vit.store.atomic import atomic_save
+from vit.store.atomic import atomic_save, nearest_existing
 
 FORMAT_VERSION = 3  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs;
 #   3: each split's CRC-32 and the names and sizes of its files)
@@ -154,11 +154,8 @@ def _refuse_next_to(cache_dir: Path, source: Path) -> None:
 def _refuse_non_folder(folder: Path) -> None:
     """Before any decoding (hours, for a large tree): a cache_dir that is a file, or lies under one, could not take the
     result."""
-    for p in (folder, *folder.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise DataError(f"data.cache_dir {folder} cannot be a folder: {p} is a file; set data.cache_dir to a folder")
-            return
+    if not (p := nearest_existing(folder)).is_dir():
+        raise DataError(f"data.cache_dir {folder} cannot be a folder: {p} is a file; set data.cache_dir to a folder")
 
 
 def cache_dir(cfg: DataConfig) -> Path:

@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never a torn one.
+"""Atomic file writes: a reader sees the old file or the whole new one, never a torn one; and where a folder can be made.
 
 No model import here, so loading data or writing a summary does not import the ViT.
 """
@@ -17,6 +17,12 @@ import torch
 from vit.errors import STORAGE_ERRNOS, StorageError
 
 LOW_SPACE = 64 * 2**20  # bytes: less free space than this after a failed write means the disk is what refused it
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest folder above it that exists: where making `path` as a folder starts. Where that is a file,
+    no folder can be made there (mkdir's own error, "File exists" or "Not a directory", names no reason to act on)."""
+    return next((p for p in (path, *path.absolute().parents) if p.exists()), path)  # the root always exists
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from vit.errors import UserError
+from vit.store.atomic import nearest_existing
 from vit.store.runs import LOCK_FILE
 
 
@@ -103,11 +104,8 @@ def lock_run(run_dir: Path) -> RunLock | None:
 def make_run_folder(run_dir: Path) -> None:
     """Create `run_dir`, or refuse in one line a file where it or a folder above it should be (mkdir's own error,
     "File exists", names no reason the user can act on)."""
-    for folder in (run_dir, *run_dir.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                raise UserError(f"run folder {run_dir}: {folder} is a file, not a folder; choose another run.dir or run.name")
-            break
+    if not (folder := nearest_existing(run_dir)).is_dir():
+        raise UserError(f"run folder {run_dir}: {folder} is a file, not a folder; choose another run.dir or run.name")
     run_dir.mkdir(parents=True, exist_ok=True)
 
 

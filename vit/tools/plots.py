@@ -32,6 +32,7 @@ from vit.eval.attention import (
     upsample_maps,
 )
 from vit.models.pos_embed import sincos_2d
+from vit.store.atomic import nearest_existing
 
 FIGSIZE = (10.0, 4.0)  # inches, of the curve and bar figures: FIGSIZE * DPI pixels
 DPI = 100
@@ -63,13 +64,11 @@ def save(fig, path: Path) -> Path:
 
 def check_output_folder(path: Path, what: str) -> None:
     """A UserError (one line) unless `path` is a folder, or one that can be made: no file on the way, a folder to write in."""
-    for p in [Path(path), *Path(path).absolute().parents]:
-        if p.exists():
-            if not p.is_dir():
-                raise UserError(f"{what} {path}: {p} is a file, not a folder")
-            if not os.access(p, os.W_OK | os.X_OK):
-                raise UserError(f"{what} {path}: cannot write in {p}")
-            return
+    p = nearest_existing(Path(path))
+    if not p.is_dir():
+        raise UserError(f"{what} {path}: {p} is a file, not a folder")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path}: cannot write in {p}")
 
 
 def png_path(path: Path, what: str = "--plot") -> Path:

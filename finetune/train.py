@@ -169,12 +169,12 @@ def cached_probe_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -
                           "shards are read for training only: set finetune.probe_cache=false (the head then trains on streamed images), "
                           "or data.loader=memory where the shards fit in memory")  # fmt: skip
     probe = built.model.to(acc.device)
-    feats = {}
+    feats, batch = {}, data.eval_batch(cfg.optim.batch_size)  # the features' batches, and the head's evaluation's
     started = time.perf_counter()
     for split, images in (("train", splits.train), ("val", splits.val), ("test", splits.test)):
         if images is None or not len(images):
             continue
-        loader = data.loader(images, data.eval_batch(cfg.optim.batch_size), train=False)
+        loader = data.loader(images, batch, train=False)
         feats[split] = extract_features(probe, loader, acc)
     feature_time = time.perf_counter() - started
     feature_rate = sum(f.shape[0] for f, _ in feats.values()) / max(feature_time, 1e-9)
@@ -182,7 +182,6 @@ def cached_probe_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -
     run.print(f"features: {shapes} in {feature_time:.1f}s ({feature_rate:.0f} img/s)")
     shard = dict(rank=acc.process_index, world_size=acc.num_processes)
     train = FeatureLoader(*feats["train"], cfg.optim.batch_size, seed=cfg.run.seed, **shard)
-    batch = data.eval_batch(cfg.optim.batch_size)
     evals = {s: FeatureLoader(*feats[s], batch, train=False, **shard) for s in ("val", "test") if s in feats}
     return Task(probe.head, param_groups(probe.head, cfg.optim.weight_decay), train, evals, feature_time=feature_time)
 

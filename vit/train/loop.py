@@ -160,18 +160,19 @@ class TrainLoop:
         else:
             self.step(batches)
         self.log_step()
-        preempted, late = self.agreed(signals.received is not None, self.state_late())
+        if self.meter is not None:
+            # A step's time runs to here: its record's host read waits for the steps queued on a GPU, and at an epoch's
+            # last step the time from here to the epoch's end is not measured (the end is counted apart).
+            self.meter.tick()
+        measured = self.meter is not None and self.meter.done
+        preempted, late, measured = self.agreed(signals.received is not None, self.state_late(), measured)  # one exchange
         if preempted or (may_save and (late or self.state_step())):
             self.save()
         if preempted:
             self.close_bar()
             raise Preempted(f"stopped by signal at step {p.step}; resume with run.resume=auto")
-        if self.meter is not None:
-            # A step's time runs to here: its record's host read waits for the steps queued on a GPU, and at an epoch's
-            # last step the time from here to the epoch's end is not measured (the end is counted apart).
-            self.meter.tick()
-            if self.agreed(self.meter.done)[0]:
-                self.plan_budget()
+        if measured:
+            self.plan_budget()
 
     def first_step(self, batches: Iterator) -> None:
         """The first step of this process, timed with the device drained on both sides: it holds torch.compile's

@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 from vit.cli import split_overrides
+from vit.config import override_key
 from vit.tools.quickstart import DATA_ENV, RESERVED, quickstart
 
 REPORT_SCRIPT = Path(__file__).resolve().with_name("compare_runs.py")
@@ -69,7 +70,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not 0 < args.pretrain_share < 1:
         parser.error("--pretrain-share must be between 0 and 1")
     for item in extra:
-        key = item.split("=", 1)[0].strip()  # as the stages read it: ` run.dir =x` sets run.dir
+        key = override_key(item)  # as the stages read it: ` run.dir =x` sets run.dir
         if "=" not in item or "." not in key:
             parser.error(f"override {item!r} after -- must look like section.key=value")
         if key in RESERVED:

@@ -72,6 +72,11 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: lis
     return cfg
 
 
+def override_key(item: str) -> str:
+    """The dotted key of `section.key=value` as `apply_override` reads it: ` run.dir =x` sets run.dir."""
+    return item.split("=", 1)[0].strip()
+
+
 def apply_override(cfg: Any, item: str) -> None:
     """Set `a.b=value` on a config; the value is parsed as YAML and type-checked."""
     if "=" not in item:

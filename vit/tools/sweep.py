@@ -47,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from vit.config import flat_keys, load_config, read_yaml
+from vit.config import flat_keys, load_config, override_key, read_yaml
 from vit.data.provenance import SPLIT_KEYS
 from vit.errors import ConfigError
 from vit.store.runs import is_finished, read_config
@@ -163,11 +163,6 @@ def check_overrides(items, where: str) -> list[str]:
         if key in RESERVED:
             raise ConfigError(f"{where}: {key} is set by the sweep for each job")
     return list(items)
-
-
-def override_key(item: str) -> str:
-    """The dotted key of `key=value` as the stages read it (`vit.config.apply_override` strips it: ` run.dir =x` is run.dir)."""
-    return item.split("=", 1)[0].strip()
 
 
 def check_inits(jobs: list[Job], common: list[str], extra: list[str]) -> None:

@@ -20,7 +20,7 @@ from vit.device import host_label
 from vit.errors import UserError
 from vit.store.runs import CLASSIFICATION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder, is_run_folder
 from vit.tools import plots
-from vit.tools.reading import Series, last_value, load_runs, series
+from vit.tools.reading import Series, last_value, load_runs, mistyped_host_field, series
 
 REPORT_FILE = "report.md"  # in the report folder, beside the figures
 REPORT_TITLE = "# Run comparison\n"  # how the report.md this module writes begins: the only one --out may replace
@@ -97,8 +97,7 @@ def drop_mistyped(run: RunFolder) -> None:
     kinds = {"host": dict, "data": dict, **dict.fromkeys(NUMBER_KEYS, (int, float)), **dict.fromkeys(TEXT_KEYS, str)}
     bad += drop(run.summary or {}, kinds, f"{SUMMARY_FILE} ")
     host = (run.summary or {}).get("host")
-    if host and not (all(fits(host.get(k), str) for k in ("gpu", "cpu")) and fits(host.get("cores"), (int, float))
-                     and fits(host.get("cpu_flags"), list) and all(isinstance(f, str) for f in host.get("cpu_flags") or [])):  # fmt: skip
+    if host and mistyped_host_field(host):
         del run.summary["host"]  # a machine made up from parts that are not what was recorded ("a v x 2") would be another host
         bad.append(f"{SUMMARY_FILE} host")
     if bad:

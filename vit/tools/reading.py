@@ -75,8 +75,27 @@ def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFo
     return runs
 
 
+def is_number(value: object) -> bool:  # NaN is one: a top-1 of an older summary, read as none
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def is_finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
+
+
+def is_text(value: object) -> bool:
+    return isinstance(value, str)
+
+
+# A summary's `host` (`vit.device.host`): field -> (what it must be, whether it is). A host made up of values that are
+# not what was recorded (flags written as text read as "a v x 2") would file a run under another machine.
+HOST_FIELDS = {"gpu": ("text", is_text), "cpu": ("text", is_text), "cores": ("a number", is_number),
+               "cpu_flags": ("a list of text", lambda v: isinstance(v, list) and all(map(is_text, v)))}  # fmt: skip
+
+
+def mistyped_host_field(host: dict) -> str | None:
+    """The first field of a summary's `host` that is there and not of its type (`HOST_FIELDS`), else None."""
+    return next((k for k, (_, fits) in HOST_FIELDS.items() if host.get(k) is not None and not fits(host[k])), None)
 
 
 def drop_stepless(run: RunFolder) -> None:

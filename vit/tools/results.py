@@ -32,6 +32,7 @@ from typing import Any
 
 from vit.errors import UserError
 from vit.store.runs import CONFIG_FILE, SUMMARY_FILE, RunFolder, is_run_folder, read_run
+from vit.tools.reading import HOST_FIELDS, is_finite, is_number, is_text
 from vit.tools.records import by_host
 
 # Numbers as the sweep writes them, ASCII digits without leading zeros or trailing fraction zeros: one number has one
@@ -145,9 +146,7 @@ def damage(run: RunFolder) -> str | None:
         f"{SUMMARY_FILE} wall_time_sec": (summary.get("wall_time_sec"), "seconds (a number >= 0)", is_seconds),
         **{f"{SUMMARY_FILE} {k}": (summary.get(k), "a number", is_number) for k in ("val_top1", "test_top1", "final_knn_top1", "epochs")},
         **{f"{SUMMARY_FILE} {k}": (summary.get(k), "text", is_text) for k in ("model", "precision")},
-        **{f"{SUMMARY_FILE} host.{k}": (host.get(k), "text", is_text) for k in ("gpu", "cpu")},
-        f"{SUMMARY_FILE} host.cores": (host.get("cores"), "a number", is_number),
-        f"{SUMMARY_FILE} host.cpu_flags": (host.get("cpu_flags"), "a list of text", lambda v: isinstance(v, list) and all(map(is_text, v))),
+        **{f"{SUMMARY_FILE} host.{k}": (host.get(k), what, fits) for k, (what, fits) in HOST_FIELDS.items()},
     }  # fmt: skip
     for label, (value, what, fits) in expected.items():
         if value is not None and not fits(value):
@@ -155,20 +154,8 @@ def damage(run: RunFolder) -> str | None:
     return None
 
 
-def is_number(value: Any) -> bool:  # NaN is one: a top-1 of an older summary, read as none (`top1`)
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def is_finite(value: Any) -> bool:
-    return is_number(value) and math.isfinite(value)
-
-
 def is_seconds(value: Any) -> bool:
     return is_finite(value) and value >= 0
-
-
-def is_text(value: Any) -> bool:
-    return isinstance(value, str)
 
 
 def brief(value: Any) -> str:

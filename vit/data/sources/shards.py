@@ -58,9 +58,9 @@ class Shards(Source):
         return len(shards), f"{side}x{side}", len(shards) * 3 * side * side
 
 
-def read_shards(urls: list[str], cfg: DataConfig, bad: list, classes: list[str] | None = None) -> dict[str, ImageSet]:
+def read_shards(urls: list[str], cfg: DataConfig, bad: list, classes: list[str]) -> dict[str, ImageSet]:
     """Every sample of the shards, in order, decoded (`data.loader=memory` for shards small enough); `classes`: those
-    the scan of their headers found (`open_shards`), else those the decoded samples name."""
+    the scan of their headers found (`open_shards`)."""
     check = SizeCheck()
     arrays, labels = [], []
     try:
@@ -76,8 +76,6 @@ def read_shards(urls: list[str], cfg: DataConfig, bad: list, classes: list[str] 
     labelled = [v != UNLABELLED for v in labels]
     if any(labelled) and not all(labelled):
         raise DataError(f"some samples of {cfg.root} have .cls labels and some do not: label all of them or none")
-    if classes is None:
-        classes = [str(i) for i in range(max(labels) + 1)] if all(labelled) else []
     stacked = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
     return {"train": ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), list(classes))}
 

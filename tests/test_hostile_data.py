@@ -13,18 +13,12 @@ import numpy as np
 import pytest
 from helpers import ROOT, tiny_overrides
 from PIL import Image
+from test_stream import assert_one_line_naming, write_samples
 
 from vit.config import DataConfig
 from vit.data.loaders import open_data
 from vit.data.sources import load_splits
 from vit.errors import DataError
-
-
-def assert_one_line_naming(excinfo, *parts) -> None:
-    msg = str(excinfo.value)
-    assert "\n" not in msg, msg
-    for part in parts:
-        assert str(part) in msg, f"{part!r} not in {msg!r}"
 
 
 def cfg_for(tmp_path, **kw) -> DataConfig:
@@ -77,16 +71,6 @@ def test_archive_members_that_would_unpack_elsewhere_twice_or_as_links_are_one_l
 # --------------------------------------------------------------------------- WebDataset shards
 
 
-def write_shard(path: Path, samples: list[dict]) -> str:
-    import webdataset as wds
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with wds.TarWriter(str(path)) as sink:
-        for sample in samples:
-            sink.write(sample)
-    return str(path)
-
-
 def labelled(n: int = 4) -> list[dict]:
     return [{"__key__": f"k{i}", "png": png(i), "cls": str(i % 2).encode()} for i in range(n)]
 
@@ -101,7 +85,7 @@ def labelled(n: int = 4) -> list[dict]:
     ({"__key__": "big", "png": png(8), "cls": b"2000000"}, "big.cls holds the class index 2000000"),
 ])  # fmt: skip
 def test_shard_layouts_that_would_be_read_wrong_are_one_line(tmp_path, loader, extra, says):
-    shard = write_shard(tmp_path / "s" / "train-000000.tar", labelled() + [extra])
+    shard = write_samples(tmp_path / "s" / "train-000000.tar", labelled() + [extra])
     with pytest.raises(DataError) as excinfo:
         open_data(cfg_for(tmp_path, dataset="webdataset", root=shard, loader=loader, image_size=8), out_size=8, say=lambda s: None)
     assert_one_line_naming(excinfo, shard, says)
@@ -123,14 +107,14 @@ def test_a_file_that_is_no_tar_is_one_line_for_the_memory_loader_from_the_comman
 @pytest.mark.parametrize("loader", ["memory", "stream"])
 def test_a_shard_rewritten_with_its_size_and_mtime_is_read_again_not_from_the_cache(tmp_path, loader):
     path = tmp_path / "s" / "train-000000.tar"
-    write_shard(path, labelled())
+    write_samples(path, labelled())
     cfg = cfg_for(tmp_path, dataset="webdataset", root=str(path), loader=loader, image_size=8)
     first = open_data(cfg, out_size=8, say=lambda s: None).splits.train
     assert first.classes == ["0", "1"]
     st = path.stat()
     relabelled = labelled()
     relabelled[3]["cls"] = b"2"  # one byte of the same length: tar's 512-byte blocks keep the shard's size
-    write_shard(path, relabelled)
+    write_samples(path, relabelled)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # as `cp -p` or `rsync -a` leave it
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
     again = open_data(cfg, out_size=8, say=lambda s: None).splits.train

@@ -608,7 +608,7 @@ def test_the_stages_do_not_import_each_other():
 def test_each_script_runs_from_its_file_and_prints_its_help():
     """The scripts import the installed packages (no sys.path edits): run as files, each answers --help (side by side:
     each one's time is its imports)."""
-    scripts = ["bench", "compare_runs", "visualize", "quickstart", "sweep"]
+    scripts = ["bench", "compare_runs", "visualize", "quickstart", "sweep", "eval_speed"]
     procs = {s: subprocess.Popen([sys.executable, str(ROOT / "scripts" / f"{s}.py"), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True) for s in scripts}  # fmt: skip
     for script, proc in procs.items():
@@ -654,3 +654,22 @@ def test_a_reader_that_goes_away_stops_a_tool_quietly_not_with_a_traceback():
     proc.stdout.close()  # the reader is gone before the first line is written
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 1 and err == "", err
+
+
+def test_eval_speed_times_each_batch_size_and_a_reference_on_the_same_numbers(tmp_path, capsys):
+    """The evaluation benchmark: every variant scores the same images alike (top-1, loss), each is timed, and a copy of
+    finetune/evaluate.py given as --reference runs beside this one's."""
+    import importlib.util
+
+    reference = tmp_path / "evaluate_copy.py"
+    reference.write_text((ROOT / "finetune" / "evaluate.py").read_text())
+    spec = importlib.util.spec_from_file_location("eval_speed", ROOT / "scripts" / "eval_speed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--device", "cpu", "--model", "vit_cifar_tiny", "--images", "24", "--batches", "8", "24", "--rounds", "2", "--reference", str(reference)]
+    assert script.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)["variants"]
+    assert list(report) == ["b8", "b24", "reference_b8"]
+    assert len({(r["top1"], r["loss"]) for r in report.values()}) == 1
+    assert all(len(r["seconds"]) == 2 and r["median_seconds"] > 0 for r in report.values()) and report["b8"]["over_first"] == 1.0
+    assert script.main(["--device", "cpu", "--reference", str(tmp_path / "none.py")]) == 2

@@ -608,7 +608,7 @@ def test_the_stages_do_not_import_each_other():
 def test_each_script_runs_from_its_file_and_prints_its_help():
     """The scripts import the installed packages (no sys.path edits): run as files, each answers --help (side by side:
     each one's time is its imports)."""
-    scripts = ["bench", "compare_runs", "visualize", "quickstart", "sweep", "eval_speed"]
+    scripts = ["bench", "compare_runs", "visualize", "quickstart", "sweep", "eval_speed", "slow_windows"]
     procs = {s: subprocess.Popen([sys.executable, str(ROOT / "scripts" / f"{s}.py"), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True) for s in scripts}  # fmt: skip
     for script, proc in procs.items():
@@ -673,3 +673,29 @@ def test_eval_speed_times_each_batch_size_and_a_reference_on_the_same_numbers(tm
     assert len({(r["top1"], r["loss"]) for r in report.values()}) == 1
     assert all(len(r["seconds"]) == 2 and r["median_seconds"] > 0 for r in report.values()) and report["b8"]["over_first"] == 1.0
     assert script.main(["--device", "cpu", "--reference", str(tmp_path / "none.py")]) == 2
+
+
+def test_slow_windows_finds_the_windows_a_state_slowed_and_the_epochs_around_a_plan(tmp_path, capsys):
+    """50-step windows of 0.3 s, but those that begin at a multiple of 500 (where a state was written) take 0.5 s; an
+    epoch is 175 steps, and the plan came after 900 measured steps."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("slow_windows", ROOT / "scripts" / "slow_windows.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    steps = sorted(set(range(0, 3501, 50)) | set(range(0, 3501, 175)))
+    clock, records = 0.0, []
+    for before, step in zip([0, *steps], steps):
+        clock += (step - before) * 0.006 + (0.2 if before % 500 == 0 and step - before == 50 and before else 0.0)
+        records.append({"step": step, "time": round(clock, 4), "loss": 1.0})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "budget.json").write_text(json.dumps({"measured_steps": 900}))
+    assert script.main([str(run), "--every", "500", "--epoch", "175"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    slowed = [s for s in range(500, 3500, 500) if steps[steps.index(s) + 1] == s + 50]  # where a 50-step window begins
+    assert out["slow_from_steps"] == slowed and out["slow_from_a_multiple_of_500"] == out["slow"] == len(slowed) > 0
+    assert out["excess_seconds"] == pytest.approx(0.2 * out["slow"], abs=0.01)
+    assert len(out["epoch_seconds_before_and_after_the_plan"]) == 2
+    assert script.main([str(tmp_path / "none")]) == 2  # no metrics: one line

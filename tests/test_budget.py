@@ -13,19 +13,13 @@ from vit.train.budget import (Budget, EpochEnds, Evaluation, Spent, StepMeter, e
 def test_plan_fills_the_budget_with_steps_and_evaluations():
     # 600 s budget, 60 s gone, 1 s/step, 100 steps/epoch, 10 s per evaluation, 20 s at the end:
     # each step costs 1 + 10/100 = 1.1 s; (600 - 60 - 20) / 1.1 = 472.7 -> 472 more steps.
-    total = plan_steps(600, 60, done_steps=10, seconds_per_step=1.0, steps_per_epoch=100, eval_seconds=10, final_seconds=20)
+    total = plan_steps(600, 60, done_steps=10, seconds_per_step=1.0, steps_per_epoch=100, epoch_seconds=10, final_seconds=20)
     assert total == 10 + 472
     # The plan's own estimate of the stage time stays within the budget, and one more step would not.
     def cost(n):
         steps = n - 10
         return 60 + steps * 1.0 + steps / 100 * 10 + 20
     assert cost(total) <= 600 < cost(total + 1)
-
-
-def test_plan_spreads_evaluations_over_eval_every():
-    every_epoch = plan_steps(1000, 0, 0, 1.0, steps_per_epoch=10, eval_seconds=10, eval_every_epochs=1)
-    every_5 = plan_steps(1000, 0, 0, 1.0, steps_per_epoch=10, eval_seconds=10, eval_every_epochs=5)
-    assert every_epoch == 500 and every_5 == int(1000 // 1.2)
 
 
 def stage_seconds(steps: int, seconds_per_step: float, steps_per_epoch: int, end: float, evaluation: float, every: int, final: float) -> float:

@@ -141,7 +141,7 @@ def make_plan(budget: Budget, seconds_per_step: float, elapsed: float, done_step
     if evaluated is not None and len(evs) == 1:
         eval_s = max(0.0, evaluated - end_s) / max(1, evs[0][0].every)
     final_s = sum(seconds(ev.final_images, ev, t) for ev, t in evs) + end_s
-    steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s + end_s, 1, final_s)
+    steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s + end_s, final_s)
     return BudgetPlan(budget.minutes, steps, round(seconds_per_step, 4), round(eval_s, 3), round(end_s, 3), round(final_s, 1),
                       round(elapsed, 1), measured_steps)  # fmt: skip
 
@@ -174,21 +174,18 @@ def plan_steps(
     done_steps: int,
     seconds_per_step: float,
     steps_per_epoch: int,
-    eval_seconds: float = 0.0,
-    eval_every_epochs: int = 1,
+    epoch_seconds: float = 0.0,
     final_seconds: float = 0.0,
 ) -> int:
-    """Total optimiser steps such that the remaining steps, evaluations and final work fit the budget.
+    """Total optimiser steps such that the remaining steps, epochs' ends and final work fit the budget.
 
-    Each step costs `seconds_per_step`; every `eval_every_epochs` epochs (of `steps_per_epoch` steps) an
-    evaluation costs `eval_seconds`, spread here over the steps it follows; `final_seconds` runs once at the
-    end. Never fewer than `done_steps` (a budget already spent stops the run where it is).
+    Each step costs `seconds_per_step`; each epoch (of `steps_per_epoch` steps) `epoch_seconds` more, spread here
+    over its steps (its end, and its share of the evaluations that fall every few epochs); `final_seconds` runs once
+    at the end. Never fewer than `done_steps` (a budget already spent stops the run where it is).
     """
     if seconds_per_step <= 0:
         raise ValueError(f"seconds_per_step must be positive, got {seconds_per_step}")
-    per_step = seconds_per_step
-    if eval_seconds > 0 and eval_every_epochs > 0:
-        per_step += eval_seconds / (steps_per_epoch * eval_every_epochs)
+    per_step = seconds_per_step + max(0.0, epoch_seconds) / steps_per_epoch
     left = budget_seconds - elapsed_seconds - final_seconds
     return done_steps + max(0, int(left // per_step))
 

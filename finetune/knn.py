@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from finetune.config import FinetuneConfig
 from finetune.models import Built
-from vit.train.run import Run
-from vit.eval.knn import encode, knn_accuracy
 from vit.data.files import ShardSet
 from vit.data.loaders import Data
-from vit.errors import ConfigError, DataError
+from vit.errors import CheckpointError, ConfigError, DataError
+from vit.eval.knn import encode, knn_accuracy
+from vit.train.run import Run
 
 
 def check_knn_data(cfg: FinetuneConfig, data: Data) -> None:
-    """Refuse, in one line, data `run_knn` cannot classify; before the run is set up (`Run.ready`), so that a run it
-    would replace (run.overwrite) is left as it is."""
-    splits = data.splits
+    """Refuse, in one line, data `run_knn` cannot classify and a temperature its vote cannot divide by; before the run
+    is set up (`Run.ready`), so that a run it would replace (run.overwrite) is left as it is."""
+    splits, ft = data.splits, cfg.finetune
+    # The vote divides float32 similarities by it: 1e-300 passed `> 0` and is 0 in float32, every nearest neighbour's
+    # weight was 0/0 = NaN and counted for no class, and the run reported 0% top-1.
+    tiny = torch.finfo(torch.float32).tiny
+    if ft.knn_temperature < tiny:
+        raise ConfigError(f"finetune.knn_temperature={ft.knn_temperature:g} is below float32's smallest normal number, in which "
+                          f"the vote divides by it: give at least {tiny:.2g}")  # fmt: skip
     if isinstance(splits.train, ShardSet):
         raise ConfigError("finetune.mode=knn encodes every training image once, unaugmented, as its memory bank, and streamed WebDataset "
                           "shards are read for training only: set data.loader=memory where the shards fit in memory")  # fmt: skip
@@ -42,6 +50,7 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
         if images is not None and len(images):
             queries[split] = encode(encoder, data.loader(images, batch, train=False), acc, ft.probe_pool)
     feature_time = time.perf_counter() - started
+    check_finite(ft.init, {"train": bank, **{split: f for split, (f, _) in queries.items()}})
     num_classes = len(splits.train.classes)
     k = min(ft.knn_k, bank.shape[0])
     if k < ft.knn_k:
@@ -73,3 +82,13 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
     run.print(f"knn (k {k}, T {ft.knn_temperature}, bank {bank.shape[0]}): " + ", ".join(lines)
               + f" in {wall_time:.1f}s ({feature_time:.1f}s of features) -> {run.dir}")  # fmt: skip
     return 0
+
+
+def check_finite(init: str, features: dict[str, torch.Tensor]) -> None:
+    """Refuse features that are not finite (an encoder with NaN or inf weights): each vote of a NaN similarity counted
+    for no class, and the run reported 0% top-1 as its result. features: {split: (N, D)}."""
+    bad = {split: int((~f.isfinite()).any(1).sum()) for split, f in features.items()}
+    if any(bad.values()):
+        counts = ", ".join(f"{n} of {features[split].shape[0]} {split}" for split, n in bad.items() if n)
+        raise CheckpointError(f"finetune.init={init}: the encoder's features are not finite (NaN or inf) for {counts} images: its "
+                              "weights are damaged or diverged; nothing was classified")  # fmt: skip

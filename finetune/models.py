@@ -102,6 +102,16 @@ def read_init_encoder(init: str) -> dict[str, Any] | None:
         raise (better or e) from None
 
 
+def check_finite_weights(init: str, payload: dict[str, Any]) -> None:
+    """Refuse an MAE encoder whose weights are not all finite, before any run is set up: a fine-tune stopped at its first
+    step's non-finite loss only after `Run.ready` had cleared a run it replaced (run.overwrite), and kNN mode reported 0%
+    top-1 (every NaN vote counted for no class). payload: `read_init_encoder`'s ({} for other inits)."""
+    weights = payload.get("state_dict", {})
+    if bad := [key for key, w in weights.items() if torch.is_tensor(w) and w.is_floating_point() and not w.isfinite().all()]:
+        raise CheckpointError(f"finetune.init={init} holds weights that are not finite (NaN or inf): {', '.join(bad[:4])}"
+                              f"{', ...' if len(bad) > 4 else ''}: the pretraining diverged or the file is damaged")  # fmt: skip
+
+
 def unfinished_encoder(path: Path, payload: dict[str, Any]) -> str | None:
     """A warning when the `encoder.pt` at `path` lies in a pretraining run that has not finished: a run refreshes its
     encoder.pt every minute or so while it trains (or was stopped), so this one is an intermediate encoder."""

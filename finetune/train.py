@@ -19,7 +19,7 @@ from finetune.config import FinetuneConfig, FinetuneSection
 from finetune.evaluate import evaluate, save_confusion_matrix, scorer, sync_from_main
 from finetune.features import FeatureLoader, extract_features
 from finetune.knn import check_knn_data, run_knn
-from finetune.models import Built, build_classifier, encoder_init, load_classifier, read_init_encoder, save_classifier, unfinished_encoder
+from finetune.models import Built, build_classifier, check_finite_weights, encoder_init, load_classifier, read_init_encoder, save_classifier, unfinished_encoder
 from vit.cli import parse
 from vit.config import ModelConfig
 from vit.data.files import ShardSet
@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.finetune.mode == "eval":
         return run_eval(cfg)
     parent_payload = parent_encoder(cfg)
+    check_finite_weights(cfg.finetune.init, parent_payload)
     parent = parent_payload.get("meta", {})
     tracking.inherit_group(cfg.run, parent)
     run = Run.start(cfg, stage="finetune", job_type=job_type(cfg), parent=parent.get("run"))

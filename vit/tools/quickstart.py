@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from vit.errors import EXIT_USER_ERROR, ConfigError
-from vit.store.runs import is_finished
-from vit.tools.compare import REPORT_FILE
+from vit.config import load_config
+from vit.errors import EXIT_USER_ERROR, ConfigError, UserError
+from vit.store.runs import holds_run, is_finished
+from vit.tools.compare import REPORT_FILE, check_outputs
+from vit.tools.plots import check_output_folder
 from vit.tools.sweep import Job, job_differences, job_inputs
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: the stages' configs are named relative to it
@@ -113,15 +116,44 @@ def plan(out: Path, data: str | None, extra: list[str], report_script: Path, fas
 def run_command(argv: list[str]) -> int:
     """Run one stage in the foreground and return its exit code.
 
-    Ctrl-C reaches the stage too (same process group): the stage saves a resume state and
-    exits, and we wait for it instead of killing it halfway through the save.
+    Ctrl-C reaches the stage too (same process group): the stage saves a resume state and exits, and we wait for it
+    instead of killing it halfway through the save. A SIGTERM sent to quickstart alone (`kill PID`) is passed on to the
+    stage, which does the same: before, the stage went on training with no quickstart waiting for it, and no report came.
     """
     process = subprocess.Popen(argv)
-    while True:
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))
+    try:
+        while True:
+            try:
+                return process.wait()
+            except KeyboardInterrupt:
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def check_plan(out: Path, commands: list[tuple[str, list[str]]], configs: dict[str, type]) -> None:
+    """Refuse, before any stage runs, what would stop a later stage only once the ones before it had trained (an hour
+    on CPU): its settings (`-- mae.mask_ratio=0.6` reached the linear probe, which has no `mae` section), its run folder
+    (a file), the report's folder (a report.md compare_runs.py did not write), and a probe or fine-tune of an encoder
+    that is trained again (quickstart kept them as finished, and the report paired them with the new encoder).
+    configs: {stage module: the config class it parses} (the stages import this package, not it them)."""
+    for (title, argv), folder in zip(commands, [out / s.run_name for s in STAGES] + [None]):
         try:
-            return process.wait()
-        except KeyboardInterrupt:
-            continue
+            if folder is not None:  # python -m STAGE --config YAML overrides...
+                load_config(configs[argv[2]], argv[4], argv[5:])
+                check_output_folder(folder, "run folder")
+            else:
+                check_outputs(Path(argv[argv.index("--out") + 1]), Path(argv[argv.index("--csv") + 1]))
+        except UserError as e:
+            raise ConfigError(f"the {title} stage would stop: {e}; nothing was run") from None
+    encoder = out / STAGES[0].run_name
+    started = [str(out / s.run_name) for s in STAGES if s.needs_encoder and holds_run(out / s.run_name)]
+    if started and not is_finished(encoder):
+        one = len(started) == 1
+        raise ConfigError(f"{' and '.join(started)} {'holds a run' if one else 'hold runs'} from an encoder of {encoder}, which holds no "
+                          f"finished run and is trained again now: delete {'that run folder' if one else 'those run folders'} too, or "
+                          "choose another --out")  # fmt: skip
 
 
 def finished_earlier(command: list[str]) -> Path | None:

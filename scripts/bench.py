@@ -59,6 +59,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -67,9 +68,14 @@ import torch
 
 from finetune import bench as finetune_bench
 from pretrain import bench as pretrain_bench
-from vit.tools import bench, bench_cases
 from vit.device import pick_device
-from vit.errors import exit_on_user_error
+from vit.errors import UserError, exit_on_user_error
+from vit.tools import bench, bench_cases, plots
+
+# The least value of each count option (None, not given: its default). Below it a run stopped late with a traceback
+# (ZeroDivisionError, no median of no rounds), or measured something else unsaid (--threads 0: every core).
+LEAST = {"threads": 1, "batch": 1, "warmup": 1, "rounds": 1, "steps": 1, "gemm": 1, "workers": 0, "e2e_batch": 1, "probe_images": 1,
+         "probe_epochs": 1, "stream_images": 1, "stream_batch": 1}  # fmt: skip
 
 
 def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
@@ -117,9 +123,42 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
                    help="torch.compile of the references, as run.compile (default off: as their users run them)")
     p.add_argument("--memory-of", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)  # internal: one side's CPU memory, in a child
     args = p.parse_args(argv)
+    check_args(p, args)
     s = bench.settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(bench.Settings)})
     vars(args).update(dataclasses.asdict(s))
     return args, s
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any measuring, values that would stop the run late or measure something else than asked."""
+    for name, least in LEAST.items():
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}, not {getattr(args, name)}")
+    if not (math.isfinite(args.min_time) and args.min_time > 0):
+        p.error(f"--min-time must be a number of seconds > 0, not {args.min_time}")
+    for option, value in (("--data", args.data), ("--stream-dir", args.stream_dir)):
+        if value == "":  # read as not given: synthetic images, a temporary folder
+            p.error(f"{option} is empty: name a path, or leave the option out")
+    if args.data is not None and not Path(args.data).expanduser().exists():  # else found only when its section begins
+        raise UserError(f"--data {args.data} does not exist (a CIFAR-10 folder or .tar.gz)")
+    if args.stream_dir is not None:
+        plots.check_output_folder(Path(args.stream_dir).expanduser(), "--stream-dir")
+    if args.json is not None:
+        check_report_path(args.json)
+
+
+def check_report_path(path: Path) -> None:
+    """--json can be written once the run is over: no folder there, a folder to write in, and no file but an earlier report."""
+    if path.is_dir():
+        raise UserError(f"--json {path} is a folder; name a file, e.g. {path / 'bench.json'}")
+    plots.check_output_folder(path.parent, "--json")
+    if path.exists():
+        try:
+            ours = {"machine", "cases"} <= json.loads(path.read_bytes()).keys()
+        except (ValueError, AttributeError, RecursionError):  # not JSON, not UTF-8, not an object
+            ours = False
+        if not ours:
+            raise UserError(f"--json {path} exists and is not a report of scripts/bench.py; it is left as it is")
 
 
 @exit_on_user_error
@@ -155,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + finetune_bench.probe_markdown(probe))
     print(f"\nwall time {wall:.1f} s | command: python scripts/bench.py {' '.join(argv)}")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # checked before the run: a folder can be made there
         report = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                   "wall_s": wall, "gemm": measured["gemm"], "cases": measured["cases"], "probe": probe}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -13,6 +13,7 @@ its time over the first's as a ratio. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import json
 import statistics
@@ -25,7 +26,7 @@ from accelerate import Accelerator
 from finetune.evaluate import evaluate
 from vit.device import count_host_reads, pick_device, synchronize
 from vit.errors import UserError, exit_on_user_error
-from vit.models.encoder import create_model
+from vit.models.encoder import PRESETS, create_model
 
 
 class Batches:
@@ -39,36 +40,78 @@ class Batches:
 
 
 def reference_evaluate(path: Path):
-    """The `evaluate` function of another copy of finetune/evaluate.py."""
+    """The `evaluate` function of another copy of finetune/evaluate.py, under a check that names the file when it fails."""
     if not path.is_file():
         raise UserError(f"--reference {path} is not a file (write one with git show REV:finetune/evaluate.py > FILE)")
-    spec = importlib.util.spec_from_file_location("reference_evaluate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.evaluate
+    loader = importlib.machinery.SourceFileLoader("reference_evaluate", str(path))  # any suffix: a copy may be evaluate_REV.txt
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    try:
+        loader.exec_module(module)
+    except (Exception, SystemExit) as e:  # noqa: BLE001  the user's file: a syntax error, a moved module's import, a sys.exit
+        raise UserError(f"--reference {path}: importing it failed: {one_line(e)}") from None
+    evaluate = getattr(module, "evaluate", None)
+    if not callable(evaluate):
+        raise UserError(f"--reference {path} has no function evaluate (a copy of finetune/evaluate.py has one)")
+
+    def checked(*args) -> dict:
+        try:
+            result = evaluate(*args)
+        except Exception as e:  # noqa: BLE001  another version's code on this version's model, loader protocol, accelerator
+            raise UserError(f"--reference {path}: its evaluate(model, loader, accelerator, num_classes) failed: {one_line(e)}") from None
+        if not isinstance(result, dict) or not {"top1", "loss"} <= result.keys():
+            raise UserError(f"--reference {path}: its evaluate returned no dict with top1 and loss")
+        return result
+
+    return checked
+
+
+def one_line(e: BaseException) -> str:
+    """`e` as 'TypeError: first line of its message', for a message of one line."""
+    message = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {message[0]}" if message else type(e).__name__
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Values that would measure something else than asked stop at the command line."""
+    if args.images < 1 or args.rounds < 1 or min(args.batches) < 1:
+        p.error("--images, --rounds and --batches must be positive")
+    if len(set(args.batches)) < len(args.batches):  # one report entry per batch size: a repeated one was measured once
+        p.error(f"--batches {' '.join(map(str, args.batches))} repeats a batch size")
+    if max(args.batches) > args.images:  # every batch would hold all --images, fewer than its size
+        p.error(f"--batches {max(args.batches)} is more than --images {args.images}: no batch would be of that size")
+
+
+def random_images(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """n random 32x32 images (n, 3, 32, 32) and labels (n,) of 10 classes on `device`; --images too many to hold is a UserError."""
+    g = torch.Generator().manual_seed(0)
+    try:
+        images = torch.randn(n, 3, 32, 32, generator=g).to(device)
+    except (RuntimeError, MemoryError) as e:  # torch's out-of-memory errors on the CPU and CUDA are RuntimeErrors
+        if "memory" not in str(e).lower():
+            raise
+        raise UserError(f"--images {n}: {n * 3 * 32 * 32 * 4 / 2**30:.1f} GiB of images do not fit on {device}") from None
+    return images, torch.randint(0, 10, (n,), generator=g).to(device)
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--model", default="vit_cifar_small")
+    p.add_argument("--model", default="vit_cifar_small", choices=list(PRESETS))
     p.add_argument("--images", type=int, default=5000)
     p.add_argument("--batches", type=int, nargs="+", default=[256, 1024], help="evaluation batch sizes (default 256 1024)")
     p.add_argument("--reference", type=Path, help="another finetune/evaluate.py, run at the first batch size too")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
-    if args.images < 1 or args.rounds < 1 or min(args.batches) < 1:
-        p.error("--images, --rounds and --batches must be positive")
+    check_args(p, args)
+    reference = None if args.reference is None else reference_evaluate(args.reference)  # a bad file stops before any work
     device = pick_device(args.device)
     acc = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16")
     model = create_model(args.model, num_classes=10, img_size=32).to(acc.device)
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(args.images, 3, 32, 32, generator=g).to(acc.device)
-    labels = torch.randint(0, 10, (args.images,), generator=g).to(acc.device)
+    images, labels = random_images(args.images, acc.device)
     variants = {f"b{b}": (evaluate, b) for b in args.batches}
-    if args.reference is not None:
-        variants[f"reference_b{args.batches[0]}"] = (reference_evaluate(args.reference), args.batches[0])
+    if reference is not None:
+        variants[f"reference_b{args.batches[0]}"] = (reference, args.batches[0])
     report = {}
     for name, (fn, batch) in variants.items():  # a first, untimed call each; its numbers and its host waits
         r = fn(model, Batches(images, labels, batch), acc, 10)

@@ -13,7 +13,10 @@ from vit.tools.gpu_report import report
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_report.py", description="The table of scripts/gpu_check.sh's figures")
     parser.add_argument("folder", help="the OUT folder of scripts/gpu_check.sh")
-    print(report(parser.parse_args(argv).folder))
+    folder = parser.parse_args(argv).folder
+    if folder == "":  # Path("") is the current folder: its runs would be read, and curves.json written there
+        parser.error("the folder is empty: name the OUT folder of scripts/gpu_check.sh")
+    print(report(folder))
     return 0
 
 

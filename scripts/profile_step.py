@@ -17,9 +17,25 @@ import torch
 
 from finetune import bench as finetune_bench
 from pretrain import bench as pretrain_bench
-from vit.tools import bench, bench_cases
 from vit.device import pick_device
-from vit.errors import exit_on_user_error
+from vit.errors import UserError, exit_on_user_error
+from vit.tools import bench, bench_cases, plots
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before the profiling, values that would stop it with a traceback, profile something else than asked, or
+    lose its tables at the end (an --out that cannot be written)."""
+    for option, value, least in (("--batch", args.batch, 1), ("--warmup", args.warmup, 0), ("--steps", args.steps, 1)):
+        if value < least:
+            p.error(f"{option} must be >= {least}, not {value}")
+    if args.data == "":  # read as not given: synthetic images
+        p.error("--data is empty: name a CIFAR-10 folder or .tar.gz, or leave it out")
+    if args.out is not None:
+        if args.out.is_dir():
+            raise UserError(f"--out {args.out} is a folder; name a file, e.g. {args.out / 'profile.txt'}")
+        plots.check_output_folder(args.out.parent, "--out")
+        if args.out.exists() and not args.out.read_bytes().startswith((b"pretrain, batch ", b"finetune, batch ")):
+            raise UserError(f"--out {args.out} exists and is not a profile this script wrote; it is left as it is")
 
 
 @exit_on_user_error
@@ -35,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", type=Path, help="write the tables here too")
     args = p.parse_args(argv)
+    check_args(p, args)
     device = pick_device(args.device)
     s = bench.settings(data=args.data, e2e_batch=args.batch, compile=args.compile, cuda_graph=args.cuda_graph)
     pipeline = (pretrain_bench if args.stage == "pretrain" else finetune_bench).pipeline(s, device)
@@ -46,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline.loop.busy.stop()
     print(text)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)  # checked before the profiling: a folder can be made there
         args.out.write_text(text + "\n")
     return 0
 

@@ -12,29 +12,70 @@ line per run folder.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import statistics
 from pathlib import Path
 
 from vit.errors import UserError, exit_on_user_error
-from vit.store.runs import read_metrics
+from vit.store.runs import BUDGET_FILE, METRICS_FILE, read_budget, read_metrics
+
+
+def timed_records(run_dir: Path) -> tuple[list[dict], int]:
+    """The records of `run_dir`'s metrics.jsonl that carry the training clock (`time`), and how many lines could not be read.
+
+    A folder without metrics.jsonl, a step that is not a whole number, a clock that is not a number of seconds >= 0 or
+    that runs back is a UserError naming the file: each would make windows up or leave them out unsaid.
+    """
+    path = run_dir / METRICS_FILE
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a folder (a run folder holding {METRICS_FILE})")
+    if not path.is_file():
+        raise UserError(f"{run_dir} holds no {METRICS_FILE}")
+    records, unreadable = read_metrics(run_dir)
+    timed = [r for r in records if "time" in r]  # a record without the clock (a final test's) is no window's end
+    for r in timed:
+        step, seconds = r["step"], r["time"]
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise UserError(f"{path}: step {step!r} is not a whole number")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (math.isfinite(seconds) and seconds >= 0):
+            raise UserError(f"{path}: the record of step {step} has time {seconds!r}, not a number of seconds >= 0")
+    for p, q in itertools.pairwise(timed):
+        if q["time"] < p["time"]:
+            raise UserError(f"{path}: the clock runs back from {p['time']} s at step {p['step']} to {q['time']} s at step {q['step']}")
+    return timed, unreadable
+
+
+def measured_steps(run_dir: Path) -> int | None:
+    """budget.json's measured_steps (the steps a time budget timed before its plan), None without a budget."""
+    try:
+        budget = read_budget(run_dir)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8
+        raise UserError(f"{run_dir / BUDGET_FILE} is not valid JSON") from None
+    steps = budget.get("measured_steps") if isinstance(budget, dict) else None
+    if budget is not None and not (steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0)):
+        raise UserError(f"{run_dir / BUDGET_FILE}: measured_steps is {steps!r}, not a step count")
+    return steps
 
 
 def slow_windows(run_dir: Path, steps: int, factor: float, every: int | None, epoch: int | None = None) -> dict:
-    records = [r for r in read_metrics(run_dir)[0] if isinstance(r.get("time"), (int, float))]
-    windows = [(p["step"], q["time"] - p["time"]) for p, q in zip(records, records[1:]) if q["step"] - p["step"] == steps]
+    records, unreadable = timed_records(run_dir)
+    windows = [(p["step"], q["time"] - p["time"]) for p, q in itertools.pairwise(records) if q["step"] - p["step"] == steps]
     if not windows:
-        raise UserError(f"{run_dir}: no window of {steps} steps between two records of its metrics.jsonl")
+        raise UserError(f"{run_dir}: no window of {steps} steps between two records of its {METRICS_FILE}")
     median = statistics.median(seconds for _, seconds in windows)
     slow = [(step, seconds) for step, seconds in windows if seconds > factor * median]
     out = {"run": run_dir.name, "windows": len(windows), "median_seconds": round(median, 4), "slow": len(slow),
            "excess_seconds": round(sum(seconds - median for _, seconds in slow), 2), "slow_from_steps": [s for s, _ in slow]}  # fmt: skip
+    if unreadable:  # a damaged line drops the windows on either side of it: say so
+        out["unreadable_lines"] = unreadable
     if every:
         out[f"slow_from_a_multiple_of_{every}"] = sum(step % every == 0 for step, _ in slow)
     if epoch:  # the median epoch, its evaluation and end included, ending by or after the budget's measured steps
         ends = [r for r in records if r["step"] % epoch == 0]
-        epochs = [(q["step"], q["time"] - p["time"]) for p, q in zip(ends, ends[1:]) if q["step"] - p["step"] == epoch]
-        planned = (json.loads((run_dir / "budget.json").read_text()).get("measured_steps") if (run_dir / "budget.json").is_file() else None)
+        epochs = [(q["step"], q["time"] - p["time"]) for p, q in itertools.pairwise(ends) if q["step"] - p["step"] == epoch]
+        planned = measured_steps(run_dir)
         if epochs and planned:
             before, after = [t for s, t in epochs if s <= planned], [t for s, t in epochs if s > planned]
             out["epoch_seconds_before_and_after_the_plan"] = [round(statistics.median(x), 3) if x else None for x in (before, after)]
@@ -51,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epoch", type=int, help="an epoch's steps: also the median epoch ending by, and after, the step count a "
                    "budget measured before its plan (budget.json's measured_steps)")
     args = p.parse_args(argv)
+    for option in ("steps", "every", "epoch"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            p.error(f"--{option} must be a step count >= 1, not {getattr(args, option)}")
+    if not (math.isfinite(args.factor) and args.factor >= 1):  # below 1, windows faster than the median would count as slow
+        p.error(f"--factor must be a number >= 1, not {args.factor}")
     for run_dir in args.runs:
         print(json.dumps(slow_windows(run_dir, args.steps, args.factor, args.every, args.epoch)))
     return 0

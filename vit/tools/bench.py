@@ -112,11 +112,12 @@ class Case:
 def models(s: Settings, device: torch.device) -> list[str]:
     """The MODELS the encoder and MAE sections run: `s.models`, else the small ones (the quick run: vit_cifar_tiny alone),
     with ViT-B/16 on CUDA."""
-    if s.models:
+    if s.models is not None:
         names = [m.strip() for m in s.models.split(",") if m.strip()]
         unknown = [m for m in names if m not in MODELS]
-        if unknown:
-            raise ConfigError(f"--models {','.join(unknown)}: unknown; choose from {', '.join(MODELS)}")
+        if unknown or not names:  # "" or "," named no model: the encoder and MAE sections were left out unsaid
+            what = f"{','.join(unknown)}: unknown" if unknown else f"{s.models!r} names no model"
+            raise ConfigError(f"--models {what}; choose from {', '.join(MODELS)}")
         return names
     if s.quick:
         return ["vit_cifar_tiny"]

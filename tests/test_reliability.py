@@ -21,6 +21,7 @@ import torch
 from finetune.train import main as finetune
 from helpers import reset_accelerate, tiny_overrides
 from pretrain.train import main as pretrain
+from vit.errors import UserError
 from vit.store.lock import lock_run
 from vit.store.runs import holds_run, state_dirs
 
@@ -318,6 +319,29 @@ def test_two_runs_of_one_folder_started_together_one_trains_and_the_other_refuse
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
     assert steps[0] == 1 and steps == sorted(steps), steps  # one process's records (an epoch's end repeats its last step)
     lock_run(run_dir).release()  # a killed run holds nothing: the OS released its lock
+
+
+def test_a_run_that_finds_the_lock_taken_this_instant_names_the_process_once_it_has_written_itself(tmp_path):
+    """The holder writes its PID just after taking the lock: read in between, the message said "another process"."""
+    import fcntl
+    import threading
+
+    run_dir = tmp_path / "runs" / "race"
+    run_dir.mkdir(parents=True)
+    holder = open(run_dir / "run.lock", "w")  # noqa: SIM115  held across the thread below
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def write_later():
+        time.sleep(0.2)
+        holder.write(json.dumps({"pid": 4242, "host": "elsewhere", "since": "now"}) + "\n")
+        holder.flush()
+
+    writer = threading.Thread(target=write_later)
+    writer.start()
+    with pytest.raises(UserError, match="is in use by process 4242 on elsewhere"):
+        lock_run(run_dir)
+    writer.join()
+    holder.close()
 
 
 # --------------------------------------------------------------------------- bad input: one line, exit 2, nothing touched

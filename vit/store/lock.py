@@ -76,8 +76,7 @@ def lock_run(run_dir: Path) -> RunLock | None:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read()
+            holder = _read_holder(f)
             f.close()
             raise UserError(f"run folder {run_dir} is in use by {_describe_holder(holder)}: two runs would write the same "
                             "states and metrics; wait for it to end (or stop it), or choose another run.name") from None  # fmt: skip
@@ -107,6 +106,18 @@ def make_run_folder(run_dir: Path) -> None:
     if not (folder := nearest_existing(run_dir)).is_dir():
         raise UserError(f"run folder {run_dir}: {folder} is a file, not a folder; choose another run.dir or run.name")
     run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _read_holder(f, wait: float = 1.0) -> str:
+    """What the lock's holder wrote in it: a holder that took the lock this instant writes its PID just after, so an empty
+    or half-written file is read again for up to `wait` seconds (the message then names the process, not "another")."""
+    deadline = time.monotonic() + wait
+    while True:
+        f.seek(0)
+        text = f.read()
+        if text.endswith("\n") or time.monotonic() > deadline:
+            return text
+        time.sleep(0.01)
 
 
 def _describe_holder(text: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from vit.config import AugmentConfig, StageConfig, check, section
+from vit.config import AugmentConfig, StageConfig, check, check_temperature, section
 
 
 @dataclass
@@ -60,7 +60,7 @@ class FinetuneSection:
                 check(len(self.init) > len(prefix), "finetune.init", f"must look like {prefix}<{what}>")
         check(self.arch == "vit" or self.mode not in ("linear", "knn"), "finetune.arch", f"must be vit for finetune.mode={self.mode}")
         check(self.knn_k > 0, "finetune.knn_k", "must be positive")
-        check(self.knn_temperature > 0, "finetune.knn_temperature", "must be positive")
+        check_temperature(self.knn_temperature, "finetune.knn_temperature")
         # eval mode rebuilds the classifier as it was saved: a baseline's own config (arch resnet18) evaluates its finished run
         check(self.arch != "resnet18" or self.init == "scratch" or self.mode == "eval", "finetune.init",
               "must be scratch for the resnet18 baseline")  # fmt: skip

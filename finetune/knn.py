@@ -21,15 +21,9 @@ from vit.train.run import Run
 
 
 def check_knn_data(cfg: FinetuneConfig, data: Data) -> None:
-    """Refuse, in one line, data `run_knn` cannot classify and a temperature its vote cannot divide by; before the run
-    is set up (`Run.ready`), so that a run it would replace (run.overwrite) is left as it is."""
-    splits, ft = data.splits, cfg.finetune
-    # The vote divides float32 similarities by it: 1e-300 passed `> 0` and is 0 in float32, every nearest neighbour's
-    # weight was 0/0 = NaN and counted for no class, and the run reported 0% top-1.
-    tiny = torch.finfo(torch.float32).tiny
-    if ft.knn_temperature < tiny:
-        raise ConfigError(f"finetune.knn_temperature={ft.knn_temperature:g} is below float32's smallest normal number, in which "
-                          f"the vote divides by it: give at least {tiny:.2g}")  # fmt: skip
+    """Refuse, in one line, data `run_knn` cannot classify; before the run is set up (`Run.ready`), so that a run it
+    would replace (run.overwrite) is left as it is."""
+    splits = data.splits
     if isinstance(splits.train, ShardSet):
         raise ConfigError("finetune.mode=knn encodes every training image once, unaugmented, as its memory bank, and streamed WebDataset "
                           "shards are read for training only: set data.loader=memory where the shards fit in memory")  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from vit.config import StageConfig, check, section
+from vit.config import StageConfig, check, check_temperature, section
 
 # The decoder each encoder preset pretrains with where the config leaves `mae.decoder_*` unset (others: vit_cifar_tiny's).
 PRESET_DECODERS: dict[str, dict] = {
@@ -52,7 +52,7 @@ class MAEConfig:
         check(self.knn_bank_size > 0, "mae.knn_bank_size", "must be positive")
         check(self.knn_val_size >= 0, "mae.knn_val_size", "must be >= 0")
         check(self.knn_k > 0, "mae.knn_k", "must be positive")
-        check(self.knn_temperature > 0, "mae.knn_temperature", "must be positive")
+        check_temperature(self.knn_temperature, "mae.knn_temperature")
 
 
 @dataclass

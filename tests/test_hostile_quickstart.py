@@ -15,6 +15,9 @@ import torch
 from helpers import ROOT, tiny_overrides
 
 from finetune.train import main as finetune
+from pretrain.config import PretrainConfig
+from vit.config import load_config
+from vit.errors import ConfigError
 from vit.models.encoder import create_model
 from vit.store.checkpoint import save_encoder
 
@@ -168,12 +171,12 @@ def knn_refused(tmp_path, capsys, extra: list[str], name: str = "knn") -> str:
 
 def test_knn_refuses_a_temperature_that_is_0_in_float32(tmp_path, capsys):
     """1e-300 passed `> 0`: the vote divided by float32 zero, every nearest neighbour's weight was NaN, and the run
-    reported top-1 0% with exit 0."""
+    reported top-1 0% with exit 0 (kNN mode), or the pretraining's kNN monitor read 0% at every epoch."""
     line = knn_refused(tmp_path, capsys, ["finetune.knn_temperature=1e-300"])
-    assert (
-        line
-        == "error: finetune.knn_temperature=1e-300 is below float32's smallest normal number, in which the vote divides by it: give at least 1.2e-38"
-    )
+    assert line == "error: finetune.knn_temperature must be at least 1.2e-38 (float32's smallest normal number), not 1e-300"
+    with pytest.raises(ConfigError, match=r"^mae.knn_temperature must be at least 1.2e-38 \(float32's smallest normal number\), not 1e-300$"):
+        load_config(PretrainConfig, None, ["mae.knn_temperature=1e-300"])
+    assert load_config(PretrainConfig, None, ["mae.knn_temperature=1e-30"]).mae.knn_temperature == 1e-30  # a vote's shift keeps it finite
 
 
 def test_knn_refuses_an_encoder_whose_weights_or_features_are_not_finite(tmp_path, capsys):
@@ -207,6 +210,6 @@ def test_a_fine_tune_or_probe_of_an_encoder_with_non_finite_weights_is_refused_b
     nan = encoder_file(tmp_path / "nan" / "encoder.pt", **{"blocks.0.attn.qkv.weight": float("inf")})
     assert finetune(base + [f"finetune.mode={mode}", f"finetune.init={nan}", "run.overwrite=true"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert err == [f"error: finetune.init={nan} holds weights that are not finite (NaN or inf): blocks.0.attn.qkv.weight: the pretraining "
-                   "diverged or the file is damaged"]  # fmt: skip
+    assert err == [(f"error: finetune.init={nan} holds weights that are not finite (NaN or inf): blocks.0.attn.qkv.weight: the pretraining "
+                    "diverged or the file is damaged")]  # fmt: skip
     assert (tmp_path / "runs" / "ft" / "summary.json").read_bytes() == summary

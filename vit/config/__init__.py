@@ -13,7 +13,7 @@ the key and the file (or the command line). Range checks live in each section's
 
 from vit.config.loading import apply_override, dump_config, flat_keys, load_config, override_key, read_yaml, to_dict, validate
 from vit.config.sections import (PIL_MAX_PIXELS, AugmentConfig, DataConfig, DataOnly, ModelConfig, OptimConfig, RunConfig, ScheduleConfig,
-                                 StageConfig, check, section)  # fmt: skip
+                                 StageConfig, check, check_temperature, section)  # fmt: skip
 
 __all__ = ["PIL_MAX_PIXELS", "AugmentConfig", "DataConfig", "DataOnly", "ModelConfig", "OptimConfig", "RunConfig", "ScheduleConfig",
-           "StageConfig", "apply_override", "check", "dump_config", "flat_keys", "load_config", "override_key", "read_yaml", "section", "to_dict", "validate"]  # fmt: skip
+           "StageConfig", "apply_override", "check", "check_temperature", "dump_config", "flat_keys", "load_config", "override_key", "read_yaml", "section", "to_dict", "validate"]  # fmt: skip

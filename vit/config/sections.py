@@ -267,6 +267,16 @@ class RunConfig:
         return Path(self.dir).expanduser() / self.name
 
 
+# float32's smallest normal number: a kNN vote divides float32 similarities by its temperature, and a smaller one (1e-300
+# passes `> 0`) is 0 there, so every vote was NaN, counted for no class, and the accuracy read 0%.
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
+def check_temperature(temperature: float, key: str) -> None:
+    """A kNN vote's temperature: positive, and not 0 in float32."""
+    check(temperature >= FLOAT32_TINY, key, f"must be at least {FLOAT32_TINY:.2g} (float32's smallest normal number), not {temperature:g}")
+
+
 def check(ok: bool, key: str, what: str) -> None:
     """A range check of a section's `validate()`: a ConfigError naming the key unless `ok`."""
     if not ok:

@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             run.warn(note)
     data = open_run_data(cfg, run, input_size(cfg))
     splits = data.splits
+    if len(splits.train.classes) < 2:  # every image of its one class: 100% top-1 whatever the model, reported as a result
+        raise DataError(f"the training split of {cfg.data.root or cfg.data.dataset} has {len(splits.train.classes)} class "
+                        f"({', '.join(map(str, splits.train.classes)) or 'none'}): a classifier needs at least 2")  # fmt: skip
     built = build_classifier(cfg, len(splits.train.classes), run.accelerator.device, say=run.print)
     check_pretraining_overlap(cfg, run, splits, parent_payload)  # after the weights load: an init that cannot load is one line
     # Each rank drew its own random init (per-rank seed); a cached probe's encoder is never wrapped in DDP, so make them one.

@@ -143,3 +143,20 @@ def test_a_cache_dir_that_is_a_file_is_one_line_before_any_decoding(tmp_path, mo
             load_splits(cfg_for(tmp_path, dataset="imagefolder", root=str(tmp_path / "tree"), cache_dir=str(tmp_path / where)))
         assert_one_line_naming(excinfo, "data.cache_dir", f"{tmp_path / 'cachefile'} is a file")
     assert (tmp_path / "cachefile").read_text() == "not a folder"
+
+
+def test_a_fine_tune_of_a_training_split_of_one_class_is_refused_in_one_line(tmp_path, imagefolder_tree, capsys):
+    """Every image of its one class: each mode reported 100% top-1 whatever the model, with no word."""
+    import shutil
+
+    from finetune.train import main as finetune
+
+    for split in ("train", "test"):
+        for name in ("dog", "emu"):
+            shutil.rmtree(imagefolder_tree.root / split / name)
+    args = tiny_overrides(tmp_path, **{"data.dataset": "imagefolder", "data.root": imagefolder_tree.root, "data.val_size": 0,
+                                       "model.img_size": 16, "optim.batch_size": 2, "finetune.init": "scratch"})  # fmt: skip
+    for mode in ("full", "knn"):
+        assert finetune([*args, f"finetune.mode={mode}"]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: the training split of {imagefolder_tree.root} has 1 class (cat): a classifier needs at least 2"]

@@ -842,19 +842,22 @@ def imagenet_like_tree(root: Path, per_class: int = 4) -> None:
 @pytest.mark.slow
 def test_the_paper_config_starts_and_trains_on_an_imagenet_shaped_tree(tmp_path):
     """configs/pretrain/gpu_vit_base_paper.yaml (ViT-B/16, 224 px, the 8x512 decoder), on CPU for one step of 2 images
-    (without the kNN monitor, which small models test)."""
+    (without the kNN monitor, which small models test), at its widths with 2 encoder blocks and 1 decoder block: the run
+    writes its weights and a resume state with AdamW's moments, 2 GB at full depth (test_model holds vit_base's 12 blocks
+    to timm's)."""
     imagenet_like_tree(tmp_path / "imagenet")
     overrides = [f"data.root={tmp_path / 'imagenet'}", f"data.cache_dir={tmp_path / 'cache'}", "data.val_size=3",
                  "optim.batch_size=2", "optim.grad_accum_steps=1", "schedule.max_steps=1", "run.precision=no", "run.device=cpu",
                  f"run.dir={tmp_path / 'runs'}", "run.tracker=none", "run.progress=false", "run.log_every=1",
-                 "mae.knn_every=0", "mae.figure_images=2"]  # fmt: skip
+                 "mae.knn_every=0", "mae.figure_images=2", "model.depth=2", "mae.decoder_depth=1"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "pretrain", "--config", "configs/pretrain/gpu_vit_base_paper.yaml", *overrides],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stream loader (data.loader=stream)" in proc.stdout
     summary = json.loads((tmp_path / "runs" / "mae_gpu_vit_base" / "summary.json").read_text())
-    assert summary["steps"] == 1 and summary["encoder"]["embed_dim"] == 768 and summary["data"]["image_size"] == 224
+    assert summary["steps"] == 1 and summary["data"]["image_size"] == 224
+    assert {k: summary["encoder"][k] for k in ("embed_dim", "depth", "num_heads", "patch_size")} == {"embed_dim": 768, "depth": 2, "num_heads": 12, "patch_size": 16}
     assert np.isfinite(summary["final_loss"])
 
 

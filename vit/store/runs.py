@@ -107,9 +107,19 @@ def write_budget(run_dir: Path, plan: dict[str, Any]) -> None:
     atomic_write_text(Path(run_dir) / BUDGET_FILE, to_json(plan, indent=2) + "\n")
 
 
-def read_budget(run_dir: Path) -> dict[str, Any] | None:
-    path = Path(run_dir) / BUDGET_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+def read_budget(run_dir: Path) -> Any:  # None without one; a damaged one is a UserError (`read_json`)
+    return read_json(path) if (path := Path(run_dir) / BUDGET_FILE).is_file() else None
+
+
+def read_json(path: Path) -> Any:
+    """What the JSON file `path` holds; not valid JSON or not UTF-8 is a UserError naming it (unreadable: the OSError)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise UserError(f"{path} is not valid JSON{where}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text") from None
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -196,12 +206,7 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     path = Path(run_dir) / SUMMARY_FILE
     if not path.is_file():
         return None
-    try:
-        summary = json.loads(path.read_text())
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than the parser goes
-        raise UserError(f"{path} is not valid JSON") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text") from None
+    summary = read_json(path)
     if not isinstance(summary, dict):
         raise UserError(f"{path} does not hold a JSON object")
     return summary

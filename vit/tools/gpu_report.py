@@ -13,15 +13,13 @@ lengths are compared over the steps both have, and the row says how many of each
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from vit.errors import UserError
-from vit.store.runs import METRICS_FILE, SUMMARY_FILE, read_metrics, read_summary, to_json
-from vit.tools.reading import is_finite, is_number, is_text
-from vit.tools.results import brief
+from vit.store.runs import METRICS_FILE, SUMMARY_FILE, read_json, read_metrics, read_summary, to_json
+from vit.tools.reading import brief, is_count, is_finite, is_number, is_text
 
 NOT_MEASURED = "not measured"
 DAMAGED = "damaged (named below)"  # a row whose input is damaged: the input and what is wrong are listed under the table
@@ -144,22 +142,9 @@ class Table:
         return "\n".join(lines)
 
 
-def read_json(path: Path) -> tuple[Any, str | None]:
-    """What the JSON file `path` holds, or None and why it cannot be read (its path and what is wrong)."""
-    try:
-        return json.loads(path.read_bytes()), None
-    except OSError as e:
-        return None, f"{path} cannot be read ({e.strerror or e})"
-    except UnicodeDecodeError:
-        return None, f"{path} is not UTF-8 text"
-    except json.JSONDecodeError as e:
-        return None, f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
-    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
-        return None, f"{path} is not valid JSON"
-
-
-def is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def unreadable(path: Path, e: UserError | OSError) -> str:
+    """Why the file `path` could not be read (`read_json`'s or `read_summary`'s UserError, or the OSError), with its path."""
+    return str(e) if isinstance(e, UserError) else f"{path} cannot be read ({e.strerror or e})"
 
 
 # A bench case's fields that the table reads (`vit.tools.bench`'s JSON): field -> (what it must be, whether it is, whether
@@ -194,9 +179,10 @@ def bench_cases(t: Table, path: Path) -> tuple[list[dict], str | None]:
     or DAMAGED where the file, or one of its cases, is (each named in `t`). A missing file has no cases."""
     if not path.exists():
         return [], None
-    report, why = read_json(path)
-    if why:
-        return [], t.damage(why)
+    try:
+        report = read_json(path)
+    except (UserError, OSError) as e:
+        return [], t.damage(unreadable(path, e))
     if not isinstance(report, dict):
         return [], t.damage(f"{path} holds {brief(report)}, not a report of scripts/bench.py (a mapping with its cases)")
     if not isinstance(report.get("cases"), list):
@@ -268,7 +254,7 @@ def read_stage(t: Table, run: Path) -> dict[str, Any]:
     try:
         summary = read_summary(run) or {}
     except (UserError, OSError) as e:
-        return dict.fromkeys(SUMMARY_FIELDS, t.damage(str(e) if isinstance(e, UserError) else f"{path} cannot be read ({e.strerror or e})"))
+        return dict.fromkeys(SUMMARY_FIELDS, t.damage(unreadable(path, e)))
     values = {}
     for key, (what, fits) in SUMMARY_FIELDS.items():
         section, _, field = key.rpartition(".")

@@ -83,6 +83,20 @@ def is_finite(value: object) -> bool:
     return is_number(value) and math.isfinite(value)
 
 
+def is_whole(value: object) -> bool:  # a step as JSON writes it: 3, not 3.0 or true
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_count(value: object) -> bool:
+    return is_whole(value) and value >= 0
+
+
+def brief(value: object) -> str:
+    """`value` as repr shows it, cut to 40 characters: for a message naming a value that is not what it should be."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def is_text(value: object) -> bool:
     return isinstance(value, str)
 

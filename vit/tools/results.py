@@ -32,7 +32,7 @@ from typing import Any
 
 from vit.errors import UserError
 from vit.store.runs import CONFIG_FILE, SUMMARY_FILE, RunFolder, is_run_folder, read_run
-from vit.tools.reading import HOST_FIELDS, is_finite, is_number, is_text
+from vit.tools.reading import HOST_FIELDS, brief, is_finite, is_number, is_text
 from vit.tools.records import by_host
 
 # Numbers as the sweep writes them, ASCII digits without leading zeros or trailing fraction zeros: one number has one
@@ -156,11 +156,6 @@ def damage(run: RunFolder) -> str | None:
 
 def is_seconds(value: Any) -> bool:
     return is_finite(value) and value >= 0
-
-
-def brief(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def stage_minutes(run: RunFolder) -> float:

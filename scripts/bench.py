@@ -68,6 +68,7 @@ import torch
 
 from finetune import bench as finetune_bench
 from pretrain import bench as pretrain_bench
+from vit.cli import refuse_below
 from vit.device import pick_device
 from vit.errors import UserError, exit_on_user_error
 from vit.tools import bench, bench_cases, plots
@@ -131,9 +132,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, before any measuring, values that would stop the run late or measure something else than asked."""
-    for name, least in LEAST.items():
-        if getattr(args, name) is not None and getattr(args, name) < least:
-            p.error(f"--{name.replace('_', '-')} must be >= {least}, not {getattr(args, name)}")
+    refuse_below(p, args, LEAST)
     if not (math.isfinite(args.min_time) and args.min_time > 0):
         p.error(f"--min-time must be a number of seconds > 0, not {args.min_time}")
     for option, value in (("--data", args.data), ("--stream-dir", args.stream_dir)):
@@ -144,21 +143,15 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.stream_dir is not None:
         plots.check_output_folder(Path(args.stream_dir).expanduser(), "--stream-dir")
     if args.json is not None:
-        check_report_path(args.json)
+        plots.check_output_file(args.json, "--json", "bench.json", "a report of scripts/bench.py", is_bench_report)
 
 
-def check_report_path(path: Path) -> None:
-    """--json can be written once the run is over: no folder there, a folder to write in, and no file but an earlier report."""
-    if path.is_dir():
-        raise UserError(f"--json {path} is a folder; name a file, e.g. {path / 'bench.json'}")
-    plots.check_output_folder(path.parent, "--json")
-    if path.exists():
-        try:
-            ours = {"machine", "cases"} <= json.loads(path.read_bytes()).keys()
-        except (ValueError, AttributeError, RecursionError):  # not JSON, not UTF-8, not an object
-            ours = False
-        if not ours:
-            raise UserError(f"--json {path} exists and is not a report of scripts/bench.py; it is left as it is")
+def is_bench_report(data: bytes) -> bool:
+    """Whether a file's bytes are a report this script wrote (--json): a JSON object with its machine and cases."""
+    try:
+        return {"machine", "cases"} <= json.loads(data).keys()
+    except (ValueError, AttributeError, RecursionError):  # not JSON, not UTF-8, not an object
+        return False
 
 
 @exit_on_user_error

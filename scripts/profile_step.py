@@ -17,25 +17,21 @@ import torch
 
 from finetune import bench as finetune_bench
 from pretrain import bench as pretrain_bench
+from vit.cli import refuse_below
 from vit.device import pick_device
-from vit.errors import UserError, exit_on_user_error
+from vit.errors import exit_on_user_error
 from vit.tools import bench, bench_cases, plots
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, before the profiling, values that would stop it with a traceback, profile something else than asked, or
     lose its tables at the end (an --out that cannot be written)."""
-    for option, value, least in (("--batch", args.batch, 1), ("--warmup", args.warmup, 0), ("--steps", args.steps, 1)):
-        if value < least:
-            p.error(f"{option} must be >= {least}, not {value}")
+    refuse_below(p, args, {"batch": 1, "warmup": 0, "steps": 1})
     if args.data == "":  # read as not given: synthetic images
         p.error("--data is empty: name a CIFAR-10 folder or .tar.gz, or leave it out")
     if args.out is not None:
-        if args.out.is_dir():
-            raise UserError(f"--out {args.out} is a folder; name a file, e.g. {args.out / 'profile.txt'}")
-        plots.check_output_folder(args.out.parent, "--out")
-        if args.out.exists() and not args.out.read_bytes().startswith((b"pretrain, batch ", b"finetune, batch ")):
-            raise UserError(f"--out {args.out} exists and is not a profile this script wrote; it is left as it is")
+        plots.check_output_file(args.out, "--out", "profile.txt", "a profile this script wrote",
+                                lambda data: data.startswith((b"pretrain, batch ", b"finetune, batch ")))  # fmt: skip
 
 
 @exit_on_user_error

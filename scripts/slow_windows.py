@@ -18,8 +18,10 @@ import math
 import statistics
 from pathlib import Path
 
+from vit.cli import refuse_below
 from vit.errors import UserError, exit_on_user_error
 from vit.store.runs import BUDGET_FILE, METRICS_FILE, read_budget, read_metrics
+from vit.tools.reading import is_count, is_finite, is_whole
 
 
 def timed_records(run_dir: Path) -> tuple[list[dict], int]:
@@ -37,9 +39,9 @@ def timed_records(run_dir: Path) -> tuple[list[dict], int]:
     timed = [r for r in records if "time" in r]  # a record without the clock (a final test's) is no window's end
     for r in timed:
         step, seconds = r["step"], r["time"]
-        if isinstance(step, bool) or not isinstance(step, int):
+        if not is_whole(step):
             raise UserError(f"{path}: step {step!r} is not a whole number")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (math.isfinite(seconds) and seconds >= 0):
+        if not (is_finite(seconds) and seconds >= 0):
             raise UserError(f"{path}: the record of step {step} has time {seconds!r}, not a number of seconds >= 0")
     for p, q in itertools.pairwise(timed):
         if q["time"] < p["time"]:
@@ -49,12 +51,9 @@ def timed_records(run_dir: Path) -> tuple[list[dict], int]:
 
 def measured_steps(run_dir: Path) -> int | None:
     """budget.json's measured_steps (the steps a time budget timed before its plan), None without a budget."""
-    try:
-        budget = read_budget(run_dir)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8
-        raise UserError(f"{run_dir / BUDGET_FILE} is not valid JSON") from None
+    budget = read_budget(run_dir)  # not JSON, not UTF-8: a UserError naming it
     steps = budget.get("measured_steps") if isinstance(budget, dict) else None
-    if budget is not None and not (steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0)):
+    if budget is not None and not (steps is None or is_count(steps)):
         raise UserError(f"{run_dir / BUDGET_FILE}: measured_steps is {steps!r}, not a step count")
     return steps
 
@@ -92,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epoch", type=int, help="an epoch's steps: also the median epoch ending by, and after, the step count a "
                    "budget measured before its plan (budget.json's measured_steps)")
     args = p.parse_args(argv)
-    for option in ("steps", "every", "epoch"):
-        if getattr(args, option) is not None and getattr(args, option) < 1:
-            p.error(f"--{option} must be a step count >= 1, not {getattr(args, option)}")
+    refuse_below(p, args, {"steps": 1, "every": 1, "epoch": 1})  # step counts
     if not (math.isfinite(args.factor) and args.factor >= 1):  # below 1, windows faster than the median would count as slow
         p.error(f"--factor must be a number >= 1, not {args.factor}")
     for run_dir in args.runs:

@@ -1,4 +1,4 @@
-"""The command line shared by every stage: `--config FILE` then dotted overrides."""
+"""The command line shared by every stage (`--config FILE` then dotted overrides), and what the scripts' parsers share."""
 
 from __future__ import annotations
 
@@ -36,3 +36,13 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
         return argv, []
     cut = argv.index("--")
     return argv[:cut], argv[cut + 1 :]
+
+
+def refuse_below(parser: argparse.ArgumentParser, args: argparse.Namespace, least: dict[str, float]) -> None:
+    """`parser.error` (one line, exit 2) for the first option of `least` ({its dest: the least value it may take}) given
+    below it: a count of 0 stops a long run late (no median of no rounds, a division by a batch of 0) or is read as
+    "not given" and measures something else unsaid. Options not given (None) pass."""
+    for name, bound in least.items():
+        value = getattr(args, name)
+        if value is not None and value < bound:
+            parser.error(f"--{name.replace('_', '-')} must be >= {bound}, not {value}")

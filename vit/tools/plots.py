@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -69,6 +69,18 @@ def check_output_folder(path: Path, what: str) -> None:
         raise UserError(f"{what} {path}: {p} is a file, not a folder")
     if not os.access(p, os.W_OK | os.X_OK):
         raise UserError(f"{what} {path}: cannot write in {p}")
+
+
+def check_output_file(path: Path, what: str, example: str, kind: str, ours: Callable[[bytes], bool]) -> None:
+    """A UserError (one line) unless the file `path` can be written once a long run is over: not a folder, in a folder
+    that is there or can be made, and not a file already there that `ours` does not recognise as `kind` (an earlier
+    output of the same tool may be written over; anything else is left as it is)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder; name a file, e.g. {path / example}")
+    check_output_folder(path.parent, what)
+    if path.exists() and not ours(path.read_bytes()):
+        raise UserError(f"{what} {path} exists and is not {kind}; it is left as it is")
 
 
 def png_path(path: Path, what: str = "--plot") -> Path:

@@ -75,9 +75,14 @@ def slow_windows(run_dir: Path, steps: int, factor: float, every: int | None, ep
         ends = [r for r in records if r["step"] % epoch == 0]
         epochs = [(q["step"], q["time"] - p["time"]) for p, q in itertools.pairwise(ends) if q["step"] - p["step"] == epoch]
         planned = measured_steps(run_dir)
-        if epochs and planned:
+        key = "epoch_seconds_before_and_after_the_plan"
+        if not planned:  # asked for and left out, it read as if the run had no such epochs
+            out[key] = f"no plan: {run_dir.name} has no {BUDGET_FILE} with measured_steps (a run without schedule.budget_minutes)"
+        elif not epochs:
+            out[key] = f"no two records {epoch} steps apart at multiples of {epoch} steps (is --epoch a multiple of run.log_every?)"
+        else:
             before, after = [t for s, t in epochs if s <= planned], [t for s, t in epochs if s > planned]
-            out["epoch_seconds_before_and_after_the_plan"] = [round(statistics.median(x), 3) if x else None for x in (before, after)]
+            out[key] = [round(statistics.median(x), 3) if x else None for x in (before, after)]
     return out
 
 

@@ -175,6 +175,17 @@ def test_slow_windows_names_a_damaged_budget(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["epoch_seconds_before_and_after_the_plan"] == [1.0, 1.25]
 
 
+def test_slow_windows_says_why_it_has_no_epoch_figure(tmp_path, capsys):
+    """--epoch without a budget.json, or with no records an epoch apart, printed no epoch key at all, exit 0: the
+    figure asked for was missing unsaid."""
+    run = write_metrics(tmp_path / "run", CLOCK)
+    assert script("slow_windows").main([str(run), "--epoch", "50"]) == 0
+    assert "no plan: run has no budget.json" in json.loads(capsys.readouterr().out)["epoch_seconds_before_and_after_the_plan"]
+    (run / "budget.json").write_text(json.dumps({"measured_steps": 75}))
+    assert script("slow_windows").main([str(run), "--epoch", "70"]) == 0
+    assert "no two records 70 steps apart" in json.loads(capsys.readouterr().out)["epoch_seconds_before_and_after_the_plan"]
+
+
 # --------------------------------------------------------------------------- gpu_report.py
 
 

@@ -11,9 +11,10 @@ the key and the file (or the command line). Range checks live in each section's
 `validate()` and name the key too.
 """
 
-from vit.config.loading import apply_override, dump_config, flat_keys, load_config, override_key, read_yaml, to_dict, validate
+from vit.config.loading import (apply_override, dump_config, flat_keys, load_config, override_key, override_value, read_spelled, read_yaml,
+                                to_dict, validate)  # fmt: skip
 from vit.config.sections import (PIL_MAX_PIXELS, AugmentConfig, DataConfig, DataOnly, ModelConfig, OptimConfig, RunConfig, ScheduleConfig,
                                  StageConfig, check, check_temperature, section)  # fmt: skip
 
 __all__ = ["PIL_MAX_PIXELS", "AugmentConfig", "DataConfig", "DataOnly", "ModelConfig", "OptimConfig", "RunConfig", "ScheduleConfig",
-           "StageConfig", "apply_override", "check", "check_temperature", "dump_config", "flat_keys", "load_config", "override_key", "read_yaml", "section", "to_dict", "validate"]  # fmt: skip
+           "StageConfig", "apply_override", "check", "check_temperature", "dump_config", "flat_keys", "load_config", "override_key", "override_value", "read_spelled", "read_yaml", "section", "to_dict", "validate"]  # fmt: skip

@@ -6,42 +6,102 @@ import dataclasses
 import math
 import os
 import re
+import reprlib
 import sys
 import types
 import typing
-from pathlib import Path
-from typing import Any, Literal, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Literal, Union
 
 import yaml
 
 from vit.errors import ConfigError
 
+MAX_CONFIG_BYTES = 1 << 20
+NULLS = ("~", "null", "Null", "NULL")  # YAML's spellings of null: an override so spelled unsets an optional key
+# YAML 1.1 reads 1:30 as 90 (base 60): a budget of 1:30 minutes ran 90, and a run.name of 12:30 was named 750.
+SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
+SHOWN = reprlib.Repr()  # a value in an error message: a 5,000-long list (or a YAML alias bomb) made a line of megabytes
+SHOWN.maxlevel, SHOWN.maxlist, SHOWN.maxtuple, SHOWN.maxdict, SHOWN.maxset, SHOWN.maxstring, SHOWN.maxother = 2, 4, 4, 4, 4, 80, 80
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
 # --------------------------------------------------------------------------- loading
+
+
+class KeyProblem(yaml.constructor.ConstructorError):
+    """A key the loader refuses (given twice, a list as a key); its message names the line."""
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
     """`yaml.safe_load`, refusing a key given twice in one mapping: plain YAML keeps the last silently, so a section
-    written twice in a config file would lose every setting of its first copy."""
+    written twice in a config file would lose every setting of its first copy. It also keeps, in `spelled`, the text of
+    each mapping value written plainly (unquoted), so a config reads `name: 0.10` as the command line reads it."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self.spelled: dict[int, dict] = {}  # id(mapping) -> {key: the value's text, where unquoted}
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == MERGE_TAG:
+                continue  # `<<: *base`: merged below by SafeLoader, and a key given beside it replaces the merged one
             key = self.construct_object(key_node, deep=deep)
             try:
                 hash(key)
             except TypeError:  # a list or mapping as a key (`? [a, b]`): `key in seen` would raise it as a traceback
-                raise yaml.constructor.ConstructorError(None, None, f"the key on line {key_node.start_mark.line + 1} is a list or mapping, "
-                                                        "not a name", key_node.start_mark) from None  # fmt: skip
+                raise KeyProblem(None, None, f"the key on line {key_node.start_mark.line + 1} is a list or mapping, not a name",
+                                 key_node.start_mark) from None  # fmt: skip
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice (line {key_node.start_mark.line + 1})",
-                                                        key_node.start_mark)  # fmt: skip
+                raise KeyProblem(None, None, f"key {key!r} is given twice (line {key_node.start_mark.line + 1})", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+    def construct_spelled_map(self, node: yaml.MappingNode):
+        data: dict = {}
+        yield data
+        data.update(self.construct_mapping(node))  # merge keys flattened into node.value by now
+        self.spelled[id(data)] = {self.construct_object(k): v.value for k, v in node.value
+                                  if isinstance(v, yaml.ScalarNode) and v.style is None}  # fmt: skip
+
+    def construct_or_text(self, node: yaml.ScalarNode) -> Any:
+        """An int or a date as SafeLoader reads it, or its text where Python refuses it: run.name=2001-02-30 (no such day)
+        and a number of over 4,300 digits (Python's limit) raised ValueError, a traceback, wherever the key was."""
+        try:
+            return SAFE_SCALARS[node.tag](self, node)
+        except ValueError:
+            return node.value
+
+
+SAFE_SCALARS = {tag: yaml.SafeLoader.yaml_constructors[tag] for tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:timestamp")}
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:map", UniqueKeyLoader.construct_spelled_map)
+for _tag in SAFE_SCALARS:
+    UniqueKeyLoader.add_constructor(_tag, UniqueKeyLoader.construct_or_text)
+
+
+def read_spelled(text: str) -> tuple[Any, dict[int, dict]]:
+    """`read_yaml`, and the loader's `spelled` texts of the mappings read (by their id)."""
+    loader = UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data(), loader.spelled
+    finally:
+        loader.dispose()
 
 
 def read_yaml(text: str) -> Any:
     """A YAML file's content as `yaml.safe_load` reads it, except that a key given twice in one mapping is a YAMLError."""
-    return yaml.load(text, Loader=UniqueKeyLoader)
+    return read_spelled(text)[0]
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: what the parser found and where. `str(e)` spreads it over lines, the first of which often
+    says only what the parser was doing ('while scanning for the next token': a tab, a line further down)."""
+    if isinstance(e, KeyProblem) or not isinstance(e, yaml.MarkedYAMLError) or not e.problem:
+        return str(e).splitlines()[0]
+    what = f"{e.context}, {e.problem}" if e.context else e.problem
+    mark = e.problem_mark
+    return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else what
 
 
 def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] = (), only: Sequence[str] | None = None) -> Any:
@@ -49,27 +109,45 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: lis
     of the file and leave the others unread (a run folder's config.yaml read for its data, say)."""
     data: dict[str, Any] = {}
     source = "defaults"
+    spelled: dict[int, dict] = {}
     if path is not None:
+        path = os.path.expanduser(path)  # `--config=~/a.yaml`: the shell leaves that ~ to us, as to run.dir and run.resume
         source = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
-        try:
-            data = read_yaml(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+        data, spelled = read_config_file(path)
+        if "jobs" in data and "jobs" not in _field_names(cls):  # was: unknown config key 'common'
+            raise ConfigError(f"{path} is a sweep file (it holds jobs), not a stage's config: run it with "
+                              f"python scripts/sweep.py {path} --out FOLDER")  # fmt: skip
     if only is not None:
         data = {k: v for k, v in data.items() if k in only}
-    cfg = _build(cls, data, prefix="", source=source)
+    cfg = _build(cls, data, prefix="", source=source, spelled=spelled)
     for item in overrides:
         apply_override(cfg, item)
     validate(cfg)
     return cfg
+
+
+def read_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[int, dict]]:
+    """A config file's mapping of sections and its spelled texts (`read_spelled`); one ConfigError for anything else."""
+    try:
+        with open(path, "rb") as f:  # no more than the limit: `--config /dev/zero` (or a dataset's tar) was read without end
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        inside = os.path.join(path, "config.yaml")
+        hint = f" (a run folder: its settings are {inside})" if os.path.isdir(path) and os.path.isfile(inside) else ""
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is over {MAX_CONFIG_BYTES >> 20} MiB: a config is a few KB of YAML; is it the right file?")
+    try:
+        data, spelled = read_spelled(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(e)}") from None
+    if data is None:  # an empty (or truncated) file trained the defaults, unsaid
+        raise ConfigError(f"config file {path} holds no settings (it is empty or all comments): leave --config out for the defaults")
+    if not isinstance(data, dict):  # `[]`, `0` or `false` read as no settings too, before
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return data, spelled
 
 
 def override_key(item: str) -> str:
@@ -82,33 +160,54 @@ def apply_override(cfg: Any, item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value")
     key, raw = item.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
+    value, text = override_value(raw)
     *parents, leaf = key.strip().split(".")
     node = cfg
     for i, part in enumerate(parents):
         if not dataclasses.is_dataclass(node) or part not in _field_names(node):
-            raise ConfigError(f"unknown config key {'.'.join(parents[: i + 1])!r} (command line)")
+            raise _unknown(".".join(parents[: i + 1]), "(command line)")
         node = getattr(node, part)
     if not dataclasses.is_dataclass(node) or leaf not in _field_names(node):
-        raise ConfigError(f"unknown config key {key!r} (command line)")
+        raise _unknown(key, "(command line)")
     hint = typing.get_type_hints(type(node))[leaf]
     if dataclasses.is_dataclass(hint):
         raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<key>=...")
-    setattr(node, leaf, _coerce(_as_typed(value, raw.strip(), hint), hint, key, "command line"))
+    setattr(node, leaf, _coerce(_as_typed(value, text, hint), hint, key, "command line"))
 
 
-def _as_typed(value: Any, text: str, hint: Any) -> Any:
-    """An override's value as the command line spells it where YAML 1.1 reads it as something else: a string field gets
+def override_value(raw: str) -> tuple[Any, str | None]:
+    """An override's value as YAML reads it, and its text as the command line spells it (None where quoted: YAML's value
+    is the text without its quotes). A `#` there is no comment: YAML read run.name=a #2 as 'a', and run.name=#2 as null."""
+    text = raw.strip()
+    if not text:
+        return "", ""
+    try:
+        value = read_yaml(raw)
+    except yaml.YAMLError:
+        return raw, text
+    if value is None and text not in NULLS:
+        return text, text
+    return value, None if text[0] in "'\"" and isinstance(value, str) else text
+
+
+def _as_typed(value: Any, text: str | None, hint: Any) -> Any:
+    """A value as it is spelled (`text`; None: quoted) where YAML 1.1 reads it as something else: a string field gets
     the text (YAML reads run.name=0.10 as 0.1, run.resume=yes as True, run.name=010 as 8), a number field reads plain
-    digits as decimal (YAML reads run.save_every=0500 as octal 320, and 08 as a string). YAML's null still unsets."""
+    digits as decimal (YAML reads run.save_every=0500 as octal 320, and 08 as a string) and refuses base 60 (1:30).
+    YAML's null still unsets. The same for an unquoted value in a config file as for an override."""
     types_ = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
-    if str in types_ and value is not None and not isinstance(value, (str, list, dict)):
+    if text is None:
+        return value
+    if str in types_ and value is not None and not isinstance(value, (list, dict)):
         return text
-    if (int in types_ or float in types_) and re.fullmatch(r"[-+]?[0-9]+", text):
-        return int(text)
+    if int in types_ or float in types_:
+        if re.fullmatch(r"[-+]?[0-9]+", text):
+            try:
+                return int(text)
+            except ValueError:  # over Python's 4,300 digits: left as written, for the type check to refuse
+                return text
+        if SEXAGESIMAL.fullmatch(text):
+            return text  # refused by the type check, as written
     return value
 
 
@@ -158,26 +257,35 @@ def _field_names(obj: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(obj)}
 
 
-def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+def _build(cls: type, data: Any, prefix: str, source: str, spelled: dict[int, dict]) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping in {source}, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping in {source}, got {SHOWN.repr(data)}")
     hints = typing.get_type_hints(cls)
     names = _field_names(cls)
     for key in data:
         if key not in names:
             if key == "meta" and not prefix:
                 continue  # written into run folders next to the config; ignored on reload
-            raise ConfigError(f"unknown config key {prefix + str(key)!r} in {source}")
+            raise _unknown(prefix + str(key), f"in {source}")
+    texts = spelled.get(id(data), {})
     kwargs = {}
     for key, value in data.items():
         if key == "meta" and not prefix:
             continue
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value, f"{prefix}{key}.", source)
+            kwargs[key] = _build(hint, value, f"{prefix}{key}.", source, spelled)
         else:
-            kwargs[key] = _coerce(value, hint, prefix + key, source)
+            kwargs[key] = _coerce(_as_typed(value, texts.get(key), hint), hint, prefix + key, source)
     return cls(**kwargs)
+
+
+def _unknown(key: str, where: str) -> ConfigError:
+    """'unknown config key ...', naming the characters of `key` that no key has: a Cyrillic 'о' in 'оptim' (pasted from
+    a document) looks like the key it is not, and the message alone did not show why 'optim' was unknown."""
+    odd = sorted({c for c in key if not (c.isascii() and c.isprintable())})
+    note = f"; it holds {', '.join(f'{c!r} (U+{ord(c):04X})' for c in odd)}, which no key has" if odd else ""
+    return ConfigError(f"unknown config key {key!r} {where}{note}")
 
 
 def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
@@ -200,25 +308,27 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         return _choice(value, args, key, source)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key} must be a list of {len(args)} values in {source}, got {value!r}")
+            raise ConfigError(f"{key} must be a list of {len(args)} values in {source}, got {SHOWN.repr(value)}")
         return tuple(_coerce(v, a, key, source) for v, a in zip(value, args))
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key} must be a list in {source}, got {value!r}")
+            raise ConfigError(f"{key} must be a list in {source}, got {SHOWN.repr(value)}")
         return [_coerce(v, args[0], key, source) for v in value]
     if hint is float:
         return _number(value, key, source)
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer in {source}, got {value!r}")
+            raise ConfigError(f"{key} must be an integer in {source}, got {SHOWN.repr(value)}")
         return value
     if hint is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false in {source}, got {value!r}")
+            raise ConfigError(f"{key} must be true or false in {source}, got {SHOWN.repr(value)}")
         return value
     if hint is str:
         if isinstance(value, (dict, list)) or value is None:
-            raise ConfigError(f"{key} must be a string in {source}, got {value!r}")
+            raise ConfigError(f"{key} must be a string in {source}, got {SHOWN.repr(value)}")
+        if "\0" in str(value):  # a path with one stopped the run with 'embedded null byte' after its folder was written
+            raise ConfigError(f"{key} must not hold a NUL character (\\0) in {source}, got {SHOWN.repr(value)}")
         return str(value)
     if hint is Any:
         return value
@@ -230,8 +340,11 @@ def _choice(value: Any, choices: tuple, key: str, source: str) -> Any:
         # YAML 1.1 reads no/off/false (yes/on/true) as booleans: map them back to a choice of that spelling.
         spellings = ("no", "off", "false") if not value else ("yes", "on", "true")
         value = next((a for a in choices if a in spellings), value)
-    if value not in choices:
-        raise ConfigError(f"{key} must be one of {' | '.join(repr(a) for a in choices)} in {source}, got {value!r}")
+    if value not in choices:  # a boolean here was spelled otherwise: `got False` for run.wandb_mode=off named no value given
+        got = SHOWN.repr(value)
+        if isinstance(value, bool):
+            got = f"{value} (YAML's reading of {'yes, on or true' if value else 'no, off or false'})"
+        raise ConfigError(f"{key} must be one of {' | '.join(repr(a) for a in choices)} in {source}, got {got}")
     return value
 
 
@@ -243,11 +356,9 @@ def _number(value: Any, key: str, source: str) -> float:
         except ValueError:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key} must be a number in {source}, got {value!r}")
+        raise ConfigError(f"{key} must be a number in {source}, got {SHOWN.repr(value)}")
     # No setting means anything by infinity or NaN, and range checks pass some of them (an infinite learning rate
     # is "positive"): refused here, for every key. An integer too large for a float is infinite to it (isfinite raises).
     if abs(value) > sys.float_info.max or not math.isfinite(value):
-        raise ConfigError(f"{key} must be a finite number in {source}, got {value!r}")
+        raise ConfigError(f"{key} must be a finite number in {source}, got {SHOWN.repr(value)}")
     return float(value)
-
-

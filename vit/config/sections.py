@@ -16,6 +16,9 @@ from vit.models.presets import PRESETS
 PIL_MAX_PIXELS = 2 * 89_478_485  # PIL's decompression-bomb error: twice its Image.MAX_IMAGE_PIXELS
 MAX_WARMUP_EPOCHS = 1e6  # far beyond any schedule, and its steps (x steps per epoch) stay a finite number
 
+MAX_HIDDEN = 1 << 20  # an MLP's hidden units: ViT-G/14's are 8,192
+
+
 @dataclass
 class ModelConfig:
     """The encoder: a preset name plus optional overrides of its fields."""
@@ -73,6 +76,9 @@ class ModelConfig:
         heads, dim = sizes["num_heads"], sizes["embed_dim"]
         check(dim % heads == 0, "model.num_heads", f"{heads} does not divide model.embed_dim={dim}")
         ratio = sizes["mlp_ratio"]
+        # 1e308 overflowed int() into a traceback: a bound far above any ViT's MLP (4x) keeps the product a number.
+        check(dim * ratio <= MAX_HIDDEN, "model.mlp_ratio", f"{ratio:g} gives the MLP {dim * ratio:g} hidden units at embed_dim={dim}: "
+              f"at most {MAX_HIDDEN:,}")  # fmt: skip
         check(int(dim * ratio) >= 1, "model.mlp_ratio", f"{ratio:g} gives the MLP no hidden unit at embed_dim={dim} (int({dim} * {ratio:g}) = 0)")
         check(self.pos_embed != "sincos" or dim % 4 == 0, "model.pos_embed",
               f"sincos needs model.embed_dim divisible by 4 (a quarter each for sin and cos of rows and columns), not {dim}")  # fmt: skip
@@ -249,6 +255,8 @@ class RunConfig:
     def validate(self) -> None:
         check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name",
               "must be a non-empty folder name without '/' (and not '.' or '..', which are not a folder of run.dir)")
+        check(self.name != "wandb" or self.tracker != "wandb", "run.name",  # wandb writes into run.dir/wandb: the two would mix
+              "'wandb' is the folder of run.dir where wandb keeps every run's files: choose another name")
         check(0 <= self.seed < 2**32, "run.seed", "must be in [0, 2**32 - 1]")
         check(self.threads is None or self.threads > 0, "run.threads", "must be positive")
         for key in ("log_every", "keep_states"):

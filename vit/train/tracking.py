@@ -45,6 +45,8 @@ def wandb_init_kwargs(run_cfg, job_type: str) -> dict[str, Any]:
 # The environment variables that a `wandb.init` argument of ours overrides, and the run key that sets the argument.
 WANDB_ENV = {"WANDB_MODE": ("mode", "run.wandb_mode"), "WANDB_DIR": ("dir", "run.dir"), "WANDB_PROJECT": (None, "run.project"),
              "WANDB_NAME": ("name", "run.name"), "WANDB_RUN_GROUP": ("group", "run.group")}  # fmt: skip
+# wandb's older names of its modes: WANDB_MODE=dryrun is offline, and was said to be overridden by run.wandb_mode=offline.
+WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online"}
 
 
 def env_overridden(run_cfg, kwargs: dict[str, Any]) -> list[str]:
@@ -56,7 +58,12 @@ def env_overridden(run_cfg, kwargs: dict[str, Any]) -> list[str]:
         ours = run_cfg.project if arg is None else kwargs[arg]
         if not given or ours is None:
             continue
-        same = Path(given).expanduser().resolve() == Path(ours).resolve() if var == "WANDB_DIR" else given == ours
+        if var == "WANDB_DIR":
+            same = Path(given).expanduser().resolve() == Path(ours).resolve()
+        elif var == "WANDB_MODE":
+            same = WANDB_MODE_ALIASES.get(given, given) == ours
+        else:
+            same = given == ours
         if not same:
             out.append(f"{var}={given} is overridden by {key}={ours}")
     return out

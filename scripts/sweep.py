@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sweep: {sum(v == 'ok' for v in outcome.values())}/{len(outcome)} jobs ok in {time.perf_counter() - started:.0f}s")
     finished = [str(out / name) for name, v in outcome.items() if v == "ok"]
     if finished:
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), *finished], cwd=ROOT)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), *finished], cwd=ROOT, check=False)
     return 0 if all(v == "ok" for v in outcome.values()) else 1
 
 

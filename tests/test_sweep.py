@@ -145,6 +145,21 @@ def test_a_finished_run_is_kept_only_when_it_ran_the_settings_its_job_gives_now(
     assert started.calls == [] and not (out / "b.log").exists()  # refused before anything started
 
 
+def test_a_config_file_value_spelt_as_the_stage_reads_it_keeps_its_finished_run(tmp_path, started):
+    """The stages read an unquoted value of a config file as the command line reads it (save_every: 0500 is 500, YAML's
+    octal 320 aside). The kept-run check read the file as plain YAML: a finished run
+    of exactly those settings was refused as 'run.save_every was 500, now 320'. A real change is still refused."""
+    config = tmp_path / "odd.yaml"
+    config.write_text((ROOT / CPU).read_text().replace("run:\n", "run:\n  save_every: 0500\n", 1))
+    out = tmp_path / "out"
+    recorded = finish_run(out, Job("a", "pretrain", str(config)), [], [])
+    assert "save_every: 500" in (recorded / "config.yaml").read_text()
+    assert run_sweep([Job("a", "pretrain", str(config))], out, [], [], parallel=1) == {"a": "ok"} and started.calls == []
+    config.write_text(config.read_text().replace("save_every: 0500", "save_every: 0400"))
+    with pytest.raises(ConfigError, match="run.save_every was 500, now 0400"):
+        run_sweep([Job("a", "pretrain", str(config))], out, [], [], parallel=1)
+
+
 # --------------------------------------------------------------------------- stopping
 
 

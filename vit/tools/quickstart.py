@@ -27,8 +27,9 @@ from vit.config import load_config
 from vit.errors import EXIT_USER_ERROR, ConfigError, UserError
 from vit.store.runs import holds_run, is_finished
 from vit.tools.compare import REPORT_FILE, check_outputs
+from vit.tools.kept import job_differences, job_inputs
 from vit.tools.plots import check_output_folder
-from vit.tools.sweep import Job, job_differences, job_inputs
+from vit.tools.sweep import Job
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: the stages' configs are named relative to it
 DATA_ENV = "VIT_DATA"  # where the data is when --data is not given

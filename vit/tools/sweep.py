@@ -26,16 +26,17 @@ else the checkout's (`configs/...` in the shipped sweeps), and is passed on as a
 `vit.train.accelerator.set_threads`), skips a job whose `init` failed, writes each job's output to <out>/<name>.log, and
 keeps a job whose run folder already holds summary.json without running it again, so the same sweep continues an
 interrupted one (unfinished jobs resume with run.resume=auto). A finished run that recorded other settings than its job
-now gives is refused before anything starts (`check_kept`), not kept. SIGINT / SIGTERM stop the sweep: its running jobs
-are passed the signal (they save a resume state and exit), and once they ended `Stopped` says what each was left as.
+now gives is refused before anything starts (`vit.tools.kept.check_kept`), not kept. SIGINT / SIGTERM stop the sweep:
+its running jobs are passed the signal (they save a resume state and exit), and once they ended `Stopped` says what
+each was left as; an error while the sweep runs stops them the same way before it is raised.
 
 `scripts/sweep.py` is its command line (and prints the comparison table of the finished jobs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -47,16 +48,17 @@ from typing import Any
 
 import yaml
 
-from vit.config import flat_keys, load_config, override_key, read_yaml
-from vit.data.provenance import SPLIT_KEYS
+from vit.config import load_config, override_key, read_yaml
 from vit.errors import ConfigError
-from vit.store.runs import is_finished, read_config
+from vit.store.runs import is_finished
+from vit.tools.kept import check_kept
 from vit.train.accelerator import SHARED_BY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's config may be named relative to it; jobs run its packages
 MODULES = ("pretrain", "finetune")
 RESERVED = ("run.dir", "run.name", "run.resume")  # the sweep sets these per job
 LOG_SUFFIX = ".log"  # <out>/<name>.log: a job's output
+NAME_MAX = 255  # bytes of a file name on Linux's, macOS's and Windows' file systems
 
 
 @dataclass
@@ -88,7 +90,7 @@ def read_sweep(path: Path) -> tuple[list[str], list[Job]]:
         raise ConfigError(f"{path} must hold a mapping with a non-empty list `jobs`")
     unknown = set(data) - {"common", "jobs"}
     if unknown:
-        raise ConfigError(f"unknown key(s) {sorted(unknown)} in {path}; expected common, jobs")
+        raise ConfigError(f"unknown key(s) {sorted(map(str, unknown))} in {path}; expected common, jobs")
     common = check_overrides(data.get("common") or [], f"{path}: common")
     jobs: list[Job] = []
     for i, raw in enumerate(data["jobs"]):
@@ -103,14 +105,17 @@ def read_job(raw, where: str, earlier: list[Job]) -> Job:
         raise ConfigError(f"{where} must be a mapping, got {raw!r}")
     unknown = set(raw) - {"name", "module", "config", "overrides", "init"}
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected name, module, config, overrides, init")
+        raise ConfigError(f"{where}: unknown key(s) {sorted(map(str, unknown))}; expected name, module, config, overrides, init")
     name = raw.get("name")
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
         raise ConfigError(f"{where}: name must be a folder name (not '.' or '..', without '/'), got {name!r}")
     if name.endswith(LOG_SUFFIX):
         raise ConfigError(f"{where}: name {name!r} ends in {LOG_SUFFIX!r}, which names the jobs' log files in --out; choose another")
-    if any(j.name == name for j in earlier):
-        raise ConfigError(f"{where}: job name {name!r} is used twice")
+    if len(os.fsencode(name + LOG_SUFFIX)) > NAME_MAX:  # its log could not be opened when its turn came, after the others ran
+        raise ConfigError(f"{where}: name {name[:16]!r}... is {len(os.fsencode(name))} bytes, over {NAME_MAX - len(LOG_SUFFIX)}")
+    twin = next((j.name for j in earlier if j.name.casefold() == name.casefold()), None)
+    if twin is not None:  # names apart only in case are one folder on macOS's and Windows' disks: one job's run was kept as both's
+        raise ConfigError(f"{where}: job name {name!r} is used twice{'' if twin == name else f' (as {twin!r}: one folder on some disks)'}")
     module = raw.get("module")
     if module not in MODULES:
         raise ConfigError(f"{where}: module must be one of {', '.join(MODULES)}, got {module!r}")
@@ -171,6 +176,8 @@ def check_inits(jobs: list[Job], common: list[str], extra: list[str]) -> None:
     for job in jobs:
         if job.init is None:
             continue
+        if job.init not in {j.name for j in jobs}:  # it would wait for it forever (`select_jobs` adds it)
+            raise ConfigError(f"job {job.name} starts from job {job.init!r}, which is not among the sweep's jobs")
         for where, items in (("common", common), (f"job {job.name}'s overrides", job.overrides), ("the overrides after --", extra)):
             if any(override_key(item) == "finetune.init" for item in items):
                 raise ConfigError(f"finetune.init is given in {where}, but job {job.name} starts from its init, job {job.init!r}: "
@@ -182,10 +189,10 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
     """Run the jobs, at most `parallel` at once, a job only after its `init` succeeded. Returns name -> outcome.
 
     A relative `out` is the current folder's, and the jobs run in the current folder, so that --out, the finished-earlier
-    check and every relative path of the overrides (data.root=...) name what the caller sees. A job whose settings do
-    not load (with `configs`, each module's config class: `check_configs`) and a kept run that recorded other settings
-    than its job now (`check_kept`) are a ConfigError before anything starts. SIGINT / SIGTERM / SIGHUP stop the sweep:
-    the running jobs are told (they save a resume state), and once they ended `Stopped` is raised."""
+    check and every relative path of the overrides (data.root=...) name what the caller sees. What a job would fail on or
+    do otherwise than asked (with `configs`, each module's config class, its settings: `check_configs`) is a ConfigError
+    before anything starts. SIGINT / SIGTERM / SIGHUP stop the sweep: the running jobs are told (they save a resume
+    state), and once they ended `Stopped` is raised. An error while it runs stops them so too, then is raised."""
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
@@ -197,12 +204,18 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
     out.mkdir(parents=True, exist_ok=True)
     sweep = Sweep(out, common, extra, parallel, pending=list(jobs))
     with StopSignals() as stop:
-        while sweep.running or (sweep.pending and stop.received is None):
+        try:
+            while sweep.running or (sweep.pending and stop.received is None):
+                stop.forward([process for process, _ in sweep.running.values()])
+                sweep.reap(stopping=stop.received is not None)
+                if stop.received is None:
+                    sweep.start_ready()
+                time.sleep(0.5)
+        finally:  # none left running unwatched after an error (a job's log it could not open, the output's reader gone)
+            stop.unsent.append(signal.SIGTERM)  # they save a resume state and end, as for a signal
             stop.forward([process for process, _ in sweep.running.values()])
-            sweep.reap(stopping=stop.received is not None)
-            if stop.received is None:
-                sweep.start_ready()
-            time.sleep(0.5)
+            for process, _ in sweep.running.values():
+                process.wait()
     if stop.received is not None:
         raise Stopped(stop.received, sweep.stopped_line(stop.received))
     return sweep.outcome
@@ -268,11 +281,8 @@ class Sweep:
         parts = [f"{name}: {outcome}" for name, outcome in self.outcome.items() if outcome.startswith("stopped")]
         if self.pending:
             parts.append(f"not started: {', '.join(job.name for job in self.pending)}")
-        left = "; ".join(parts) or "no job was running"
-        return (
-            f"sweep: stopped by {signal.Signals(signum).name} ({left}); the same command continues the sweep, "
-            "a stopped job from its last saved state"
-        )
+        return (f"sweep: stopped by {signal.Signals(signum).name} ({'; '.join(parts) or 'no job was running'}); "
+                "the same command continues the sweep, a stopped job from its last saved state")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- stopping
@@ -307,10 +317,8 @@ class StopSignals:
 
     def __enter__(self):
         for sig in STOP_SIGNALS:
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread: the signals keep their handlers
                 self.previous[sig] = signal.signal(sig, self.handle)
-            except ValueError:  # not the main thread: the signals keep their handlers
-                pass
         return self
 
     def handle(self, signum, frame) -> None:
@@ -323,51 +331,30 @@ class StopSignals:
             sig = STOP_SIGNALS[self.unsent.pop(0)]
             for process in processes:
                 if process.poll() is None:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):  # it ended this instant
                         process.send_signal(sig)
-                    except ProcessLookupError:  # it ended this instant
-                        pass
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
-# --------------------------------------------------------------------------- kept runs
-
-# Keys a finished run may have recorded otherwise than its job sets them now without having run other settings: the
-# sweep sets them per job, they say where the data lies, or how the run is shown, tracked or threaded.
-NOT_COMPARED = frozenset({"run.dir", "run.name", "run.resume", "finetune.init", "data.root", "data.val_root", "data.cache_dir",
-                          "run.threads", "run.tracker", "run.wandb_mode", "run.project", "run.group", "run.progress"})  # fmt: skip
-FILLED_WHEN_AUTO = frozenset({"run.precision"})  # `auto` is recorded as what it became (vit.train.run.Run.start)
-OVERRIDE = re.compile(r"^([A-Za-z_]\w*(?:\.\w+)+)=")  # a dotted override in a recorded command line
-
-
-def check_kept(jobs: list[Job], out: Path, common: list[str], extra: list[str]) -> None:
-    """Refuse, in one line, to keep a finished run in `out` that recorded other settings than its job gives now: the
-    sweep would report the old run as the job's result. Compared are the keys the job's config file and overrides set,
-    and those the run's recorded command line set, against the run's resolved config.yaml (`job_differences`)."""
-    refused = []
-    for job in jobs:
-        if is_finished(out / job.name):
-            differ = job_differences(job_inputs(job, common, extra), out / job.name)
-            if differ:
-                refused.append(f"{job.name} ({', '.join(differ[:4])}{f' and {len(differ) - 4} more' if len(differ) > 4 else ''})")
-    if refused:
-        raise ConfigError(f"finished run(s) in {out} ran other settings than the sweep gives now: {'; '.join(refused)}; "
-                          "use another --out, or delete those run folders to run them again")  # fmt: skip
-
-
 def check_configs(jobs: list[Job], out: Path, common: list[str], extra: list[str], configs: dict[str, type]) -> None:
     """Refuse, in one line naming the job, a job whose config file and overrides do not load as its stage loads them (an
     unknown key, a value of the wrong type or out of range): it would fail only when its turn came, after the jobs
-    before it had run for hours. What needs the data, the device or the run a job starts from, the job checks itself."""
+    before it had run for hours. What needs the data, the device or the run a job starts from, the job checks itself. So
+    is a run folder or init that the stage reads as YAML otherwise (` #...`, quotes, outer spaces): the sweep looks elsewhere."""
     for job in jobs:
         argv = job.argv(out, common, extra)
         try:
-            load_config(configs[job.module], job.config, argv[argv.index("--config") + 2 :])
+            cfg = load_config(configs[job.module], job.config, argv[argv.index("--config") + 2 :])
         except ConfigError as e:
             raise ConfigError(f"job {job.name}: {e}; nothing was run") from None
+        read = [("--out", "run.dir", cfg.run.dir, str(out)), (f"job {job.name!r}", "run.name", cfg.run.name, job.name)]
+        read += [(f"job {job.name!r}", "finetune.init", cfg.finetune.init, str(out / job.init))] if job.init is not None else []
+        for who, key, got, given in read:
+            if got != given:
+                raise ConfigError(f"{who}: its stage reads {key} {given!r} as {got!r} (as YAML)")
 
 
 def check_paths(jobs: list[Job], out: Path) -> None:
@@ -378,59 +365,3 @@ def check_paths(jobs: list[Job], out: Path) -> None:
             if path.exists() and path.is_dir() != (what == "run folder"):
                 raise ConfigError(f"{path} is a {'file' if path.is_file() else 'folder'}, where job {job.name} writes its {what}: "
                                   "move it, or use another --out")  # fmt: skip
-
-
-def job_inputs(job: Job, common: list[str], extra: list[str]) -> dict[str, Any]:
-    """The dotted keys a job sets, with their values as the stage reads them before type checks: its config file's,
-    then `common`, its overrides and `extra` (a key set twice: the last value counts)."""
-    try:
-        data = read_yaml(Path(job.config).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"job {job.name}: cannot read its config {job.config}: {str(e).splitlines()[0]}") from None
-    inputs = flat_keys(data if isinstance(data, dict) else {})
-    inputs.pop("meta", None)
-    for item in common + job.overrides + extra:
-        key, raw = item.split("=", 1)
-        try:
-            inputs[key.strip()] = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            inputs[key.strip()] = raw  # as vit.config.apply_override reads it
-    return inputs
-
-
-def job_differences(inputs: dict[str, Any], run_dir: Path) -> list[str]:
-    """`key was X, now Y` for each setting the run in `run_dir` recorded otherwise than `inputs` give it."""
-    recorded = read_config(run_dir)
-    if recorded is None:
-        return ["no config.yaml recorded"]
-    meta = recorded.pop("meta", None) or {}
-    then = flat_keys(recorded)
-    command_keys = {m.group(1) for token in str(meta.get("command", "")).split(" ") if (m := OVERRIDE.match(token))}
-    skip = set(NOT_COMPARED) | {key for key in FILLED_WHEN_AUTO if inputs.get(key) == "auto"}
-    if inputs.get("finetune.mode") == "eval":
-        skip |= {f"data.{key}" for key in SPLIT_KEYS}  # an evaluation takes the classifier's split (finetune.train.run_eval)
-    differ = []
-    for key in sorted((set(inputs) | command_keys) - skip):
-        if key not in inputs:
-            differ.append(f"{key} was {then.get(key)!r}, now unset")
-        elif key not in then:
-            differ.append(f"{key} was not recorded, now {inputs[key]!r}")
-        elif not same(inputs[key], then[key]):
-            differ.append(f"{key} was {then[key]!r}, now {inputs[key]!r}")
-    return differ
-
-
-def same(now: Any, then: Any) -> bool:
-    """Whether a value as given (YAML-read) is the one a resolved config recorded, through the config's coercions."""
-    if isinstance(now, (list, tuple)) and isinstance(then, (list, tuple)):
-        return len(now) == len(then) and all(map(same, now, then))
-    if isinstance(then, str) and isinstance(now, bool):  # YAML 1.1 reads no/off/false as false: a choice spelt so
-        return then in (("yes", "on", "true") if now else ("no", "off", "false"))
-    if isinstance(then, str) and isinstance(now, (int, float)):
-        return str(now) == then
-    if isinstance(then, (int, float)) and not isinstance(then, bool) and isinstance(now, str):
-        try:  # PyYAML reads 1e-3 as a string; the config, as a number
-            return float(now) == then
-        except ValueError:
-            return False
-    return now == then

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from finetune.models import classifier_as_vit, load_classifier
 from vit.errors import exit_on_user_error
-from vit.store.export import Export, cli, read_run_file
+from vit.store.export import Export, cli, part, read_run_file
 from vit.store.runs import read_config, run_folder_of
 
 
@@ -24,10 +24,11 @@ def classifier_export(source: str | Path) -> Export:
     model, payload = load_classifier(path)
     data = payload["data"]
     run_dir = run_folder_of(path)
-    init = (read_run_file(run_dir, read_config).get("finetune") or {}).get("init")  # the card says how the weights began
-    return Export(classifier_as_vit(model, payload), "classifier", list(data["mean"]), list(data["std"]), data.get("dataset"), run_dir,
+    init = part(read_run_file(run_dir, read_config), "finetune").get("init")  # the card says how the weights began
+    dataset = data.get("dataset") if isinstance(data.get("dataset"), str) else None
+    return Export(classifier_as_vit(model, payload), "classifier", list(data["mean"]), list(data["std"]), dataset, run_dir,
                   label_names=list(payload["classes"]), step=payload.get("step"), parent=payload.get("parent"),
-                  init=str(init) if init is not None else None)  # fmt: skip
+                  init=str(init) if init is not None else None, source=str(path))  # fmt: skip
 
 
 @exit_on_user_error

@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 
 from vit.store.checkpoint import CLASSIFIER_FORMAT, CheckpointError, load_encoder, load_timm_weights, read_checkpoint, read_encoder
-from vit.store.checkpoint import misfits, read_weights_file, wrong_kind
+from vit.store.checkpoint import misfits, non_finite, read_weights_file, wrong_kind
 from vit.errors import ConfigError
 from vit.store.atomic import atomic_save
-from vit.store.hub import hub_reachable, is_hub_init, is_model_folder, load_hub_weights, unreachable
+from vit.store.hub import fixed_pos_embed, hub_reachable, is_hub_init, is_model_folder, load_hub_weights, unreachable
 from vit.models.encoder import VisionTransformer, create_model
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, run_folder_of
 from vit.tools.reference import timm_vit
@@ -106,10 +106,9 @@ def check_finite_weights(init: str, payload: dict[str, Any]) -> None:
     """Refuse an MAE encoder whose weights are not all finite, before any run is set up: a fine-tune stopped at its first
     step's non-finite loss only after `Run.ready` had cleared a run it replaced (run.overwrite), and kNN mode reported 0%
     top-1 (every NaN vote counted for no class). payload: `read_init_encoder`'s ({} for other inits)."""
-    weights = payload.get("state_dict", {})
-    if bad := [key for key, w in weights.items() if torch.is_tensor(w) and w.is_floating_point() and not w.isfinite().all()]:
-        raise CheckpointError(f"finetune.init={init} holds weights that are not finite (NaN or inf): {', '.join(bad[:4])}"
-                              f"{', ...' if len(bad) > 4 else ''}: the pretraining diverged or the file is damaged")  # fmt: skip
+    if bad := non_finite(payload.get("state_dict", {})):
+        raise CheckpointError(f"finetune.init={init} holds weights that are not finite (NaN or inf): {bad}: the pretraining diverged "
+                              "or the file is damaged")  # fmt: skip
 
 
 def unfinished_encoder(path: Path, payload: dict[str, Any]) -> str | None:
@@ -170,7 +169,10 @@ def build_classifier(cfg, num_classes: int, device=None, say=None) -> Built:
 
     if init.startswith("timm:"):
         state = timm_state_dict(init[5:], ft.init_file)
-        load_timm_weights(encoder, state)
+        if bad := non_finite(state):  # as for an encoder.pt or a Hub folder: the fine-tune would stop at its first step
+            raise CheckpointError(f"finetune.init={init} ({ft.init_file or 'from the Hub'}) holds weights that are not finite "
+                                  f"(NaN or inf): {bad}")  # fmt: skip
+        load_timm_weights(encoder, {**state, **fixed_pos_embed(encoder, state, init)})  # a learned table is refused under sincos
     elif is_hub_init(init):
         load_hub_weights(encoder, init)
     elif encoder_path is not None:  # an MAE encoder: the architecture comes from the model config, and must match the checkpoint's

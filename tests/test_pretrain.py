@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import free_port, tiny_overrides
+from helpers import free_port, reset_accelerate, tiny_overrides
 from pretrain.config import PretrainConfig
 from pretrain.figures import reconstruct
 from pretrain.model import MaskedAutoencoder, mae_from_checkpoint, patchify, random_masking, unpatchify
@@ -375,3 +376,16 @@ def test_the_reconstruction_rows_are_laid_out_as_torchvisions_make_grid_lays_out
 
     images = torch.rand(5, 3, 8, 6)
     assert torch.equal(image_row(images), make_grid(images, nrow=5, padding=2, pad_value=1.0))
+
+
+def test_a_non_finite_loss_after_resuming_a_copied_state_names_that_state(tmp_path, monkeypatch, capsys):
+    """A run resumed from a state of another folder said "no resume state was saved before it", as if none existed."""
+    assert main(tiny_overrides(tmp_path, name="src", **{"run.save_every": 2, "schedule.max_steps": 2})) == 0
+    copy = tmp_path / "copy"
+    shutil.copytree(max((tmp_path / "runs" / "src" / "states").iterdir()), copy)
+    reset_accelerate()
+    capsys.readouterr()
+    monkeypatch.setattr(MaskedAutoencoder, "forward_loss", nan_after(1))
+    assert main(tiny_overrides(tmp_path, name="fork", **{"run.save_every": 2, "schedule.max_steps": 4, "run.resume": str(copy)})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"no resume state was saved since it resumed from {copy}"), err

@@ -15,16 +15,17 @@ Both hold plain tensors and dicts only, so they load with `torch.load(weights_on
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from vit.errors import CheckpointError
-from vit.store.atomic import atomic_save
 from vit.models.encoder import VisionTransformer
 from vit.models.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
+from vit.store.atomic import atomic_save
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, MAE_FILE, describe_folder
 
 ENCODER_FORMAT = "vit-encoder/1"
@@ -68,7 +69,7 @@ def read_payload(path: str | os.PathLike, what: str = "") -> dict[str, Any]:
         raise CheckpointError(f"{path} is empty (0 bytes), not a checkpoint")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a bad file; all mean the same to the user
+    except Exception as e:  # noqa: BLE001  torch raises many types for a bad file; all mean the same to the user
         detail = (str(e).strip().splitlines() or [""])[0][:120]
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}{': ' + detail if detail else ''})") from None
     if not isinstance(payload, dict):
@@ -146,14 +147,25 @@ def read_mae(path: str | os.PathLike) -> dict[str, Any]:
 
 def classifier_encoder(path: str | os.PathLike) -> tuple[VisionTransformer, dict[str, Any]]:
     """The ViT inside a `classifier.pt` (or the one in a run folder), loaded strictly, and the checkpoint's payload: our
-    ViT or timm's (the same keys), or a linear probe's frozen encoder. A classifier without one is refused."""
+    ViT or timm's (the same keys), or a linear probe's frozen encoder. A classifier without one is refused, and a damaged
+    one (a field lost, a config that builds no encoder, weights that do not fit it) is one CheckpointError."""
     payload = read_checkpoint(path, CLASSIFIER_FILE, CLASSIFIER_FORMAT, "classifier")
-    arch, state = payload["arch"], payload["state_dict"]
+    arch, build, state = payload.get("arch"), payload.get("build"), payload["state_dict"]
+    if not isinstance(arch, str) or not isinstance(build, dict) or not isinstance(build.get("config"), dict):
+        raise CheckpointError(f"{path} is damaged: its 'arch' or its 'build' with the encoder's 'config' is missing or of another type")
     if arch == "linear_probe":
         state = {k[len("encoder.") :]: v for k, v in state.items() if k.startswith("encoder.")}
     elif arch not in ("vit", "timm_vit"):
         raise CheckpointError(f"{path} holds a {arch} classifier: it has no ViT encoder")
-    encoder = VisionTransformer(**payload["build"]["config"])
+    try:
+        encoder = VisionTransformer(**build["config"])
+    except (TypeError, ValueError) as e:  # an unknown, missing or impossible field
+        raise CheckpointError(f"{path}: its encoder config builds no encoder ({str(e).splitlines()[0][:160]})") from None
+    missing, unexpected = sorted(set(encoder.state_dict()) - set(state)), sorted(set(state) - set(encoder.state_dict()))
+    wrong = misfits(state, encoder)
+    if missing or unexpected or wrong:  # load_state_dict would raise a RuntimeError listing every tensor
+        found = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "", wrong]
+        raise CheckpointError(f"{path} does not match the encoder it records (checkpoint != encoder): {'; '.join(f for f in found if f)}")
     encoder.load_state_dict(state, strict=True)
     return encoder, payload
 
@@ -259,8 +271,14 @@ def load_timm_weights(model: VisionTransformer, state_dict: dict[str, torch.Tens
     missing, unexpected = model.load_state_dict(adapted, strict=False)
     allowed = {k for k in model.state_dict() if k.startswith("head.")}
     if unexpected or not set(missing) <= allowed:
-        raise CheckpointError(f"timm weights do not fit this encoder: missing {sorted(set(missing) - allowed)}, unexpected {sorted(unexpected)}")
+        raise CheckpointError(f"timm weights do not fit this encoder: missing {some(sorted(set(missing) - allowed))}, "
+                              f"unexpected {some(sorted(unexpected))}")  # fmt: skip
     return list(missing)
+
+
+def some(keys: list[str]) -> str:
+    """The first three of `keys` and how many more: a ResNet's weights given as a ViT's listed hundreds, in one line of KB."""
+    return f"{keys[:3]}{f' and {len(keys) - 3} more' if len(keys) > 3 else ''}"
 
 
 def misfits(state: dict[str, torch.Tensor], model: nn.Module) -> str:
@@ -276,6 +294,16 @@ def misfits(state: dict[str, torch.Tensor], model: nn.Module) -> str:
     return "; ".join(wrong[:3]) + (" ..." if len(wrong) > 3 else "")
 
 
+def non_finite(tensors: dict[str, Any]) -> str:
+    """The first floating-point tensors of `tensors` that hold a NaN or an infinity, named ('a, b, c, d, ...'), with one
+    host read for all of them; '' when every one is finite. A diverged run's weights: a model from them gives NaN."""
+    named = {k: v for k, v in tensors.items() if torch.is_tensor(v) and v.is_floating_point() and v.numel()}
+    flags = [torch.isfinite(v).all() for v in named.values()]
+    finite = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []  # a CPU step count beside CUDA weights
+    bad = [k for k, ok in zip(named, finite) if not ok]
+    return ", ".join(bad[:4]) + (", ..." if len(bad) > 4 else "")
+
+
 def read_weights_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """A state_dict from a `.safetensors`, `.pth`/`.pt`/`.bin` file (a bare dict, or under 'model' / 'state_dict')."""
     path = Path(path)
@@ -288,7 +316,7 @@ def read_weights_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             sd = load_file(str(path))
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  as in `read_payload`: every type torch raises means a file it cannot read
         raise CheckpointError(f"{path} is not a readable weights file ({type(e).__name__})") from None
     if isinstance(sd, dict) and sd.get("format") in FILE_FORMATS.values():  # loaded as timm's, it would lose its config and run
         raise CheckpointError(f"{path} is this project's {sd['format']} checkpoint, not a timm weights file: pass it as finetune.init={path}")

@@ -21,6 +21,9 @@ fine-tune from the folder refuses val images the encoder trained on, as one from
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +33,7 @@ import yaml
 
 from vit.data.provenance import record_to_json
 from vit.data.sources import NORMALIZATION
-from vit.store.checkpoint import encoder_from_checkpoint, read_encoder, wrong_kind
+from vit.store.checkpoint import encoder_from_checkpoint, non_finite, read_encoder, wrong_kind
 from vit.errors import CheckpointError, UserError
 from vit.store.hub import check_repo_id, hub_config, is_model_folder, push_folder, write_hub_folder
 from vit.models.encoder import VisionTransformer, count_parameters
@@ -57,6 +60,7 @@ class Export:
     pretrained_on: dict[str, Any] | None = None  # an encoder's data split as JSON (`vit.data.provenance.record_to_json`), if recorded
     unfinished: bool = False  # the weights of a run that has not finished (no summary): an intermediate encoder
     init: str | None = None  # a classifier's `finetune.init` (scratch, timm:..., a run, ...), None where no run folder records it
+    source: str | None = None  # the path the user named (a run folder or checkpoint file), for messages
 
 
 def read_run_file(run_dir: Path | None, reader: Callable[[Path], dict[str, Any] | None]) -> dict[str, Any]:
@@ -69,14 +73,25 @@ def read_run_file(run_dir: Path | None, reader: Callable[[Path], dict[str, Any] 
         return {}
 
 
+def part(mapping: Any, key: str) -> dict[str, Any]:
+    """`mapping[key]` where both are mappings, else {}: a config.yaml or summary.json edited by hand (a section that is a
+    string or a list) makes the card say less instead of stopping the export with a traceback."""
+    value = mapping.get(key) if isinstance(mapping, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
     """Summaries of the finished run folders beside `run_dir` whose encoder came from it (their `meta.parent`)."""
     run_dir = run_dir.resolve()  # a link to the run: its runs lie beside the run itself
     found = []
     for other in sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p != run_dir):
-        parent = (read_run_file(other, read_config).get("meta") or {}).get("parent")
+        parent = part(read_run_file(other, read_config), "meta").get("parent")
         summary = read_run_file(other, read_summary)
-        if parent and names_run(parent, run_dir) and summary:
+        if isinstance(parent, str) and parent and names_run(parent, run_dir) and summary:
             found.append({"run": other.name, **summary})
     return found
 
@@ -84,7 +99,10 @@ def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
 def names_run(recorded: str, run_dir: Path) -> bool:
     """Whether the parent a run recorded is `run_dir`: the same folder while the recorded path exists (another run of the
     same name elsewhere is not this one), else, the runs moved or copied since, the same folder name."""
-    path = Path(recorded).expanduser()
+    try:
+        path = Path(recorded).expanduser()
+    except RuntimeError:  # `~someone/...` of a user this machine does not have: the runs moved here from another
+        path = Path(recorded)
     return path.resolve() == run_dir if path.exists() else path.name == run_dir.name
 
 
@@ -101,8 +119,9 @@ def encoder_export(path: str | Path) -> Export:
         raise (wrong_kind(str(path), ENCODER_FILE, f"a pretraining run folder or its {ENCODER_FILE}") or e) from None
     model = encoder_from_checkpoint(path).eval()
     run_dir = run_folder_of(path)
-    data = payload.get("meta", {}).get("data") or {}
-    dataset = data.get("dataset") or (read_run_file(run_dir, read_config).get("data") or {}).get("dataset")
+    data = part(part(payload, "meta"), "data")
+    dataset = data.get("dataset") or part(read_run_file(run_dir, read_config), "data").get("dataset")
+    dataset = dataset if isinstance(dataset, str) else None
     if "mean" in data:
         mean, std = data["mean"], data["std"]
     elif dataset in NORMALIZATION:  # an encoder.pt that records no normalisation: its dataset's
@@ -111,9 +130,11 @@ def encoder_export(path: str | Path) -> Export:
         raise CheckpointError(f"{path} does not record the input normalisation it was trained with, and no run folder beside it names the dataset")
     # A pretraining run refreshes its encoder.pt while it trains: without a summary, this one is not its final encoder.
     unfinished = run_dir is not None and "meta" in read_run_file(run_dir, read_config) and not is_finished(run_dir)
-    return Export(model, "encoder", list(mean), list(std), dataset, run_dir, step=payload.get("step"),
+    mean, std = (list(v) if isinstance(v, (list, tuple)) else v for v in (mean, std))  # anything else: `check_export` names it
+    return Export(model, "encoder", mean, std, dataset, run_dir, step=payload.get("step"),
                   used_by=runs_started_from(run_dir) if run_dir is not None else [],
-                  pretrained_on=record_to_json(data) if data.get("fingerprint") else None, unfinished=unfinished)  # fmt: skip
+                  pretrained_on=record_to_json(data) if data.get("fingerprint") else None, unfinished=unfinished,
+                  source=str(path))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the model card
@@ -130,7 +151,7 @@ def front_matter(exp: Export, name: str) -> dict[str, Any]:
     if hub_dataset:
         meta["datasets"] = [hub_dataset]
     results = [(r["run"], r.get("job_type", "?"), split, r.get(f"{split}_top1")) for r in accuracy_runs(exp) for split in ("val", "test")]
-    results = [r for r in results if r[3] is not None]
+    results = [r for r in results if is_number(r[3])]  # a hand-edited summary's "high" is no accuracy
     if results:
         meta["metrics"] = ["accuracy"]
         meta["model-index"] = [{"name": name, "results": [
@@ -172,7 +193,7 @@ def fmt(value: Any, percent: bool = False) -> str:
     if value is None:
         return "-"
     if percent:
-        return f"{100 * value:.1f}%"
+        return f"{100 * value:.1f}%" if is_number(value) else "-"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -185,8 +206,7 @@ def duration(seconds: Any) -> str:
 def training_rows(exp: Export) -> list[tuple[str, str]]:
     """What made the weights, from the run folder's config.yaml and summary.json."""
     config, summary = read_run_file(exp.run_dir, read_config), read_run_file(exp.run_dir, read_summary)
-    optim, schedule, meta = config.get("optim") or {}, config.get("schedule") or {}, config.get("meta") or {}
-    data = summary.get("data") or {}
+    optim, schedule, meta, data = part(config, "optim"), part(config, "schedule"), part(config, "meta"), part(summary, "data")
     lr = optim.get("lr") or (f"base_lr {optim['base_lr']} x batch / 256" if "base_lr" in optim else None)
     rows = [
         ("run folder", exp.run_dir.name if exp.run_dir else None),
@@ -201,10 +221,10 @@ def training_rows(exp: Export) -> list[tuple[str, str]]:
         ("command", f"`{meta['command']}`" if meta.get("command") else None),
     ]  # fmt: skip
     if exp.kind == "encoder":
-        mae = config.get("mae") or {}
+        mae = part(config, "mae")
         rows.insert(3, ("MAE", f"mask ratio {fmt(mae.get('mask_ratio'))}, normalised-pixel loss {fmt(mae.get('norm_pix_loss'))}"))
     else:
-        ft = config.get("finetune") or {}
+        ft = part(config, "finetune")
         how = "linear probe" if ft.get("mode") == "linear" else "training" if ft.get("init") == "scratch" else "full fine-tuning"
         parent = f" (pretraining run {exp.parent})" if exp.parent else ""
         rows.insert(3, ("classifier", f"{how} from {fmt(ft.get('init'))}{parent}"))
@@ -219,7 +239,9 @@ def model_card(exp: Export, name: str, load_as: str) -> str:
     what = "classifier" if exp.kind == "classifier" else "encoder (no head)"
     pretrained = origin(exp)
     tokens = (c["img_size"] // c["patch_size"]) ** 2
-    output = (f"logits = model(images)  # (B, {c['num_classes']}): {', '.join((exp.label_names or [])[:4])}{', ...' if len(exp.label_names or []) > 4 else ''}"
+    labels = [str(n) for n in exp.label_names or []]
+    init_arg = shlex.quote(f"finetune.init={load_as}")  # a folder name with spaces or quotes stays one argument
+    output = (f"logits = model(images)  # (B, {c['num_classes']}): {', '.join(labels[:4])}{', ...' if len(labels) > 4 else ''}"
               if exp.kind == "classifier" else f"tokens = model.forward_features(images)  # (B, 1 + {tokens}, {c['embed_dim']})")  # fmt: skip
     lines = ["---", yaml.safe_dump(front_matter(exp, name), sort_keys=False).rstrip(), "---", "", f"# {name}", "",
              f"A Vision Transformer {what}, {pretrained} on {exp.dataset} with vit-mae: {c['embed_dim']} wide, {c['depth']} block(s), "
@@ -227,10 +249,10 @@ def model_card(exp: Export, name: str, load_as: str) -> str:
              f"{count_parameters(exp.model) / 1e6:.2f}M parameters, {c['global_pool']} pooling. The weights use timm's names "
              "and load in timm as they are.", "",
              "## Use it", "", "```python", "import timm", "",
-             f'model = timm.create_model("{load_as}", pretrained=True).eval()',
+             f"model = timm.create_model({python_str(load_as)}, pretrained=True).eval()",
              f"# images: (B, {c['in_chans']}, {c['img_size']}, {c['img_size']}), normalised with the mean and std of config.json",
              output,
-             "```", "", f"Fine-tune or probe it with vit-mae: `python -m finetune --config configs/finetune/cpu.yaml finetune.init={load_as}`.",
+             "```", "", f"Fine-tune or probe it with vit-mae: `python -m finetune --config configs/finetune/cpu.yaml {init_arg}`.",
              "", "## Training", "", "| | |", "|---|---|"]  # fmt: skip
     lines += [f"| {k} | {v} |" for k, v in training_rows(exp)]
     runs = accuracy_runs(exp)
@@ -244,24 +266,46 @@ def model_card(exp: Export, name: str, load_as: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def python_str(text: str) -> str:
+    """`text` as a Python string literal in double quotes: a folder named `my "best" run` broke the card's snippet."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 # --------------------------------------------------------------------------- the command line
+
+
+def check_export(exp: Export) -> None:
+    """Refuse, before anything is written, weights that are not finite (a diverged run: a Hub folder that gives NaN) and
+    an input normalisation that is not one finite number per input channel, std above 0 (config.json would hold NaN,
+    which is no JSON, or a mean timm cannot apply)."""
+    where = exp.source or f"the {exp.kind}"
+    if bad := non_finite(exp.model.state_dict()):
+        raise CheckpointError(f"{where} holds weights that are not finite (NaN or inf): {bad}: the training diverged or the file is "
+                              "damaged; nothing was written")  # fmt: skip
+    channels = exp.model.config["in_chans"]
+    for key, values in (("mean", exp.mean), ("std", exp.std)):
+        fits = isinstance(values, (list, tuple)) and len(values) == channels and all(is_number(v) for v in values)
+        if not fits or (key == "std" and min(values) <= 0):
+            raise CheckpointError(f"{where} records the input normalisation {key}={values!r}: expected {channels} finite numbers, one "
+                                  f"per input channel{', each above 0' if key == 'std' else ''}; nothing was written")  # fmt: skip
 
 
 def export(exp: Export, out: str | Path, push: str | None = None, overwrite: bool = False) -> Path:
     """Write the Hub folder for `exp` into `out` and, with `push=USER/NAME`, upload it.
 
     `out` must be new, empty or hold this very export, unless `overwrite` (`vit.store.hub.write_hub_folder`)."""
+    check_export(exp)
     folder = Path(out).expanduser()
     name = push.split("/")[-1] if push else folder.resolve().name
     load_as = f"hf-hub:{push}" if push else f"local-dir:{folder}"
-    config = hub_config(exp.model, exp.mean, exp.std, exp.label_names, exp.pretrained_on)
+    config = hub_config(exp.model, list(exp.mean), list(exp.std), exp.label_names, exp.pretrained_on)
     if exp.unfinished:
         print(f"warning: the run {exp.run_dir} has not finished (no summary: still training, or stopped): its {ENCODER_FILE} is the "
               f"encoder of step {exp.step}, not its final one; the model card says so", file=sys.stderr, flush=True)  # fmt: skip
     written = write_hub_folder(folder, exp.model, config, model_card(exp, name, load_as), overwrite)
     what = f"{exp.kind} ({exp.model.config['embed_dim']}d x {exp.model.config['depth']})"
     if written:
-        print(f'export: {what} -> {folder} (load with timm.create_model("local-dir:{folder}", pretrained=True))')
+        print(f"export: {what} -> {folder} (load with timm.create_model({python_str(f'local-dir:{folder}')}, pretrained=True))")
     else:
         print(f"export: {folder} already holds this {what} export, file for file; nothing written")
     if push:

@@ -19,6 +19,7 @@ ViT on the Hub, with the checks and resampling of `timm:` inits (`vit.store.chec
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from pathlib import Path
@@ -29,11 +30,12 @@ import torch
 import torch.nn as nn
 
 from vit.data.provenance import record_from_json
-from vit.store.checkpoint import CheckpointError, load_timm_weights, read_weights_file
+from vit.store.checkpoint import CheckpointError, describe, load_timm_weights, non_finite, read_weights_file
 from vit.store.atomic import atomic_write
 from vit.store.runs import LOCK_FILE, holds_run, read_config
 from vit.errors import ConfigError, UserError
 from vit.models.encoder import VisionTransformer
+from vit.models.pos_embed import sincos_2d
 
 WEIGHTS_FILE = "model.safetensors"
 LEGACY_WEIGHTS_FILE = "pytorch_model.bin"  # what older Hub repos hold instead
@@ -130,6 +132,8 @@ def write_hub_folder(out: str | os.PathLike, model: VisionTransformer, config: d
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder")
+    if out.is_symlink() and not out.exists():  # mkdir said only "File exists"
+        raise UserError(f"--out {out} is a link to {os.readlink(out)}, which does not exist: nothing was written")
     run = run_folder_holding(out)
     if run is not None:
         where = "is the run folder" if run == out.resolve() else f"is inside the run folder {run}"
@@ -138,6 +142,11 @@ def write_hub_folder(out: str | os.PathLike, model: VisionTransformer, config: d
     files = {WEIGHTS_FILE: save(state, metadata={"format": "pt"}), CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode(),
              CARD_FILE: card.encode()}  # fmt: skip
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    # A folder where a file goes fails its write after the others were written: a half-replaced export.
+    folders = [name for name in files if (out / name).is_dir() and not (out / name).is_symlink()]
+    if folders:
+        raise UserError(f"--out {out}: its {folders[0]} is a folder, where the export writes a file: nothing was written; "
+                        "move it away or choose another --out")  # fmt: skip
     ordered = [name for name in files if name in present] + [name for name in present if name not in files]
     clashes = [name for name in ordered if name not in files or not same_bytes(out / name, files[name])]
     if clashes and not overwrite:
@@ -258,8 +267,9 @@ def hub_folder(init: str) -> Path:
     else:
         found = try_to_load_from_cache(repo_id, CONFIG_FILE, revision=revision or None)
         if not isinstance(found, str):
+            download = f"hf download {repo_id}{f' --revision {revision}' if revision else ''} --local-dir DIR"  # the revision asked for
             raise CheckpointError(f"{unreachable(f'finetune.init={init}')} and no cached copy exists; download it elsewhere "
-                                  f"(`hf download {repo_id} --local-dir DIR`) and pass finetune.init=local-dir:DIR")  # fmt: skip
+                                  f"(`{download}`) and pass finetune.init=local-dir:DIR")  # fmt: skip
         files.append(found)
     return Path(files[0]).parent  # the hub cache keeps one snapshot folder per revision
 
@@ -279,6 +289,10 @@ def hub_provenance(init: str) -> dict[str, Any] | None:
 
 def read_hub_config(folder: Path) -> tuple[dict[str, Any], Path]:
     """config.json of a timm / Hub folder and the path of its weights file; a missing or foreign folder is one CheckpointError."""
+    if folder.is_file():  # said "does not exist"
+        what = describe(folder)
+        hint = f"{what}: name it without local-dir:" if what else "a timm model folder holds config.json and model.safetensors"
+        raise CheckpointError(f"{folder} is a file, not a timm model folder ({hint})")
     if not folder.is_dir():
         raise CheckpointError(f"model folder {folder} does not exist")
     config_path = folder / CONFIG_FILE
@@ -316,6 +330,9 @@ def timm_architecture(config: dict[str, Any], where: str) -> dict[str, Any]:
     import timm.models.vision_transformer as tv
 
     arch, args = config["architecture"], config.get("model_args") or {}
+    if ":" in arch:  # timm reads `local-dir:` / `hf-hub:` names as another model's config.json, local or downloaded
+        raise CheckpointError(f"{where}: config.json's architecture {arch!r} names another model ({arch.split(':')[0]}:), "
+                              "not a timm architecture such as vit_base_patch16_224")  # fmt: skip
     if not isinstance(args, dict):
         raise CheckpointError(f"{where}: config.json's model_args is not a mapping")
     args = {k: v for k, v in args.items() if k in VIT_ARGS}
@@ -366,5 +383,24 @@ def load_hub_weights(model: VisionTransformer, init: str) -> Path:
     diff = [f"model.{k}={stored[k]!r} (this run: {wanted[k]!r})" for k in MATCHED_FIELDS if stored[k] != wanted[k]]
     if diff:
         raise CheckpointError(f"finetune.init={init} is a different encoder; to load it set {' '.join(diff)}")
-    load_timm_weights(model, state)
+    if bad := non_finite(state):  # a fine-tune from them stops at its first non-finite loss, a kNN run reports 0% (as from an encoder.pt)
+        raise CheckpointError(f"finetune.init={init} holds weights that are not finite (NaN or inf): {bad}: the folder is damaged")
+    load_timm_weights(model, {**state, **fixed_pos_embed(model, state, init)})
     return folder
+
+
+def fixed_pos_embed(model: VisionTransformer, state: dict[str, torch.Tensor], init: str) -> dict[str, torch.Tensor]:
+    """For a model with a fixed sin-cos table (model.pos_embed=sincos): {} where `state` holds none or a table that is no
+    [CLS] row and square grid (load_timm_weights names that), the table recomputed for the model's grid where `state`
+    holds a sin-cos one (not interpolated), and a learned table refused, as `load_encoder` does: it would load frozen."""
+    table = state.get("pos_embed")
+    if model.config["pos_embed"] != "sincos" or table is None or table.ndim != 3 or table.shape[-1] != model.embed_dim:
+        return {}
+    grid = math.isqrt(max(table.shape[1] - 1, 0))
+    if grid < 1 or grid * grid + 1 != table.shape[1]:
+        return {}
+    atol = 1e-4 if table.dtype in (torch.float32, torch.float64) else 1e-2  # a table saved in 16 bits
+    if not torch.allclose(table[0].double(), sincos_2d(model.embed_dim, grid).double(), atol=atol):
+        raise CheckpointError(f"finetune.init={init} holds a learned positional table: model.pos_embed=sincos would load it frozen, "
+                              "not a sin-cos table; set model.pos_embed=learned to fine-tune it")  # fmt: skip
+    return {"pos_embed": sincos_2d(model.embed_dim, model.patch_embed.grid_size).unsqueeze(0).to(model.pos_embed.dtype)}

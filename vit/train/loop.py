@@ -324,7 +324,9 @@ class TrainLoop:
         where = f"step {first + 1}, lr {self.spec.lr(first):.3g}, precision {run.cfg.run.precision}, stage {run.stage}"
         if p.nan_skips > budget:
             last = newest_state(run.dir)
-            kept = f"the last good resume state is kept in {last.parent}" if last is not None else "no resume state was saved before it"
+            resumed = run.cfg.run.resume not in ("", "auto")  # a state named by path, of another folder: still there
+            kept = (f"the last good resume state is kept in {last.parent}" if last is not None else
+                    f"no resume state was saved since it resumed from {run.cfg.run.resume}" if resumed else "no resume state was saved before it")  # fmt: skip
             raise NonFiniteLoss(f"non-finite loss ({loss}) at {where}; {kept}")
         what = "step skipped" if len(bad) == 1 else f"{len(bad)} steps skipped from there to step {bad[-1][0] + 1}"
         run.warn(f"non-finite loss at {where}; {what} ({p.nan_skips}/{budget})")

@@ -30,6 +30,7 @@ from vit.store.runs import (
     append_metrics,
     clear_outputs,
     holds_run,
+    is_complete_state,
     is_finished,
     last_logged,
     newest_state,
@@ -331,13 +332,16 @@ def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int, parent: st
     run_cfg = cfg.run
     if not run_cfg.resume:
         return "fresh"
-    source = state_run_folder(Path(run_cfg.resume).expanduser()) if run_cfg.resume != "auto" else None
+    named = Path(run_cfg.resume).expanduser() if run_cfg.resume != "auto" else None
+    source = state_run_folder(named) if named is not None else None
     if source is not None and source.resolve() != run_dir.resolve():
         # A state of another run folder continues that run here: it is held to that run's record, as `auto` is to this one's.
         check_recorded(source, cfg, stage, processes, instead="start a fresh run without run.resume", parent=parent)
-        if holds_run(run_dir):  # the other run's steps would write over this run's weights and summary, and mix their metrics
-            raise ConfigError(f"run.resume={run_cfg.resume} continues the run {source}, and run folder {run_dir} holds another run; "
-                              f"continue it under a new run.name, or resume {run_dir} itself with run.resume=auto")  # fmt: skip
+    if named is not None and is_complete_state(named) and (source is None or source.resolve() != run_dir.resolve()) and holds_run(run_dir):
+        # The other run's steps (or a copied state's) would write over this run's weights and summary, and mix their metrics.
+        whose = f"continues the run {source}" if source is not None else "continues a state copied away from its run"
+        raise ConfigError(f"run.resume={run_cfg.resume} {whose}, and run folder {run_dir} holds another run; "
+                          f"continue it under a new run.name, or resume {run_dir} itself with run.resume=auto")  # fmt: skip
     if not holds_run(run_dir):
         return "fresh"
     if run_cfg.resume == "auto" and not state_dirs(run_dir):
@@ -347,21 +351,22 @@ def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int, parent: st
         return "replace"  # it died before its first state: its records would mix with this fresh run's
     if not check_recorded(run_dir, cfg, stage, processes, parent=parent):
         return "fresh"
-    if run_cfg.resume == "auto":
-        check_not_done(run_dir, cfg)
+    if run_cfg.resume == "auto" or is_complete_state(named):
+        check_not_done(run_dir, cfg, named if run_cfg.resume != "auto" else None)
     return "keep"
 
 
-def check_not_done(run_dir: Path, cfg: Any) -> None:
-    """NothingToDo for a finished run whose newest state is the step it finished at, resumed with what it ran
-    (`schedule.max_steps` too; a higher one goes on): the resume would only evaluate that step again and write over its
-    records (summary.json's timings, a second record of the step in metrics.jsonl)."""
-    summary, state = read_summary(run_dir) if is_finished(run_dir) else None, newest_state(run_dir)
+def check_not_done(run_dir: Path, cfg: Any, state: Path | None = None) -> None:
+    """NothingToDo for a finished run whose newest state (or `state`, a state of it named by run.resume) is the step it
+    finished at, resumed with what it ran (`schedule.max_steps` too; a higher one goes on): the resume would only
+    evaluate that step again and write over its records (summary.json's timings, a second record of the step)."""
+    summary, which = read_summary(run_dir) if is_finished(run_dir) else None, "its newest state" if state is None else "this state's"
+    state = state or newest_state(run_dir)
     if not summary or state is None or read_state_progress(state).get("step") != summary.get("steps"):
         return
     if ((read_config(run_dir) or {}).get("schedule") or {}).get("max_steps") == cfg.schedule.max_steps:
-        raise NothingToDo(f"run.resume=auto: {run_dir} finished at step {summary['steps']}, its newest state: nothing to resume; its "
-                          f"results are in {run_dir / SUMMARY_FILE} (run.overwrite=true without run.resume trains it again)")  # fmt: skip
+        raise NothingToDo(f"run.resume={cfg.run.resume}: {run_dir} finished at step {summary['steps']}, {which}: nothing to resume; "
+                          f"its results are in {run_dir / SUMMARY_FILE} (run.overwrite=true without run.resume trains it again)")  # fmt: skip
 
 
 def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead: str = "choose another run.name",
@@ -391,14 +396,19 @@ def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead:
     if was_init != init and any(i == "scratch" or i.startswith(("timm:", "hf-hub:")) for i in (was_init, init)):
         raise ConfigError(f"run.resume: the run in {run_dir} was started from finetune.init={was_init}, and this one names {init}; "
                           f"resume it with the init it recorded in config.yaml, or {instead}")  # fmt: skip
-    now, before = flat_keys(to_dict(cfg)), flat_keys(recorded)
-    differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
-              if key not in RESUMABLE_CHANGES and now.get(key) != before.get(key)]  # fmt: skip
-    if differ:
-        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    shown = setting_differences(flat_keys(recorded), flat_keys(to_dict(cfg)))
+    if shown:
         raise ConfigError(f"run.resume: the run in {run_dir} was started with other settings ({shown}); resume it with "
                           f"the settings it recorded in config.yaml, or {instead}")  # fmt: skip
     return True
+
+
+def setting_differences(before: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """`key old -> new, ...` for the dotted settings a resume may not change (all but `RESUMABLE_CHANGES`), the first
+    five named; None where none differ."""
+    differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
+              if key not in RESUMABLE_CHANGES and now.get(key) != before.get(key)]  # fmt: skip
+    return ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "") if differ else None
 
 
 def git_commit() -> str:

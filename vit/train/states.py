@@ -1,21 +1,44 @@
 """Resume states: where training stands (`Progress`), written with Accelerate's `save_state` under a temporary name and
 renamed when complete, so `run.resume=auto` never picks up a half-written one; their manifest
-(`vit.store.runs.check_state`) is verified before one is loaded, so a file damaged since is not loaded either."""
+(`vit.store.runs.check_state`) is verified before one is loaded, so a file damaged since is not loaded either.
+
+Beside the progress, `trainer.json` records the run that saved the state (under `RECORD_KEY`: its stage, processes and
+settings): a state resumed away from its run folder (a copy) is held to them, as `run.resume=auto` is to the folder's
+config.yaml (`vit.train.run.check_recorded`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from vit.errors import CheckpointError, ConfigError, StorageError
+from vit.config import flat_keys, to_dict
+from vit.errors import CheckpointError, ConfigError, StorageError, UserError
 from vit.store.atomic import storage_failure
-from vit.store.runs import (METRICS_FILE, STATE_DIR, STATE_FILE, check_state, complete_state, is_complete_state, newest_state,
-                            partial_state_path, read_state_progress, state_dirs, state_path, trim_metrics, trim_states)  # fmt: skip
+from vit.store.runs import (
+    METRICS_FILE,
+    PARTIAL_PREFIX,
+    STATE_DIR,
+    STATE_FILE,
+    check_state,
+    complete_state,
+    is_complete_state,
+    newest_state,
+    partial_state_path,
+    read_state_progress,
+    state_dirs,
+    state_path,
+    trim_metrics,
+    trim_states,
+)
+from vit.train.run import Run, setting_differences
 
-if TYPE_CHECKING:
-    from vit.train.run import Run
+RECORD_KEY = "saved_by"  # trainer.json's record of the run that saved the state; no field of `Progress`
+RNG_FILES = "random_states_*.pkl"  # Accelerate writes one per process: a state without a record still says how many saved it
 
 
 @dataclass
@@ -53,7 +76,7 @@ def save_state(run: Run, progress: Progress) -> Path:
         acc.save_state(str(tmp))
         acc.wait_for_everyone()
         if acc.is_main_process:
-            complete_state(tmp, final, progress.__dict__)
+            complete_state(tmp, final, {**progress.__dict__, RECORD_KEY: state_record(run)})
     except Exception as e:
         reason = storage_failure(e, tmp.parent)  # before the partial state frees its space
         if acc.is_main_process:
@@ -70,33 +93,39 @@ def save_state(run: Run, progress: Progress) -> Path:
     return final
 
 
+def state_record(run: Run) -> dict[str, Any]:
+    """What a state is held to when resumed: the stage, the number of processes, and the settings (`settings`)."""
+    return {"stage": run.stage, "processes": run.accelerator.num_processes, "settings": settings(run.cfg)}
+
+
+def settings(cfg: Any) -> dict[str, Any]:
+    """The config as dotted keys, each value as JSON writes and reads it back (so that a saved record and a live config
+    compare alike)."""
+    return json.loads(json.dumps(flat_keys(to_dict(cfg)), default=str))
+
+
 def load_state(run: Run) -> Progress | None:
-    """Restore the state named by `run.resume` ('auto': newest complete one that loads); None for a fresh run."""
+    """Restore the state named by `run.resume` ('auto': newest complete one that loads); None for a fresh run.
+
+    A state that loads but is not this run's to continue (saved with other settings or processes, past this run's
+    schedule, a copy continued over another run, the step a finished run ended at) is refused in one line before a step
+    is trained or a file written, never passed over for an older one."""
     resume = run.cfg.run.resume
     if not resume:
         return None
-    if resume == "auto":
-        candidates = list(reversed(state_dirs(run.dir)))
-        if not candidates:
-            run.print(f"resume: no saved state in {run.dir / STATE_DIR}; starting fresh")
-            return None
-    else:
-        path = Path(resume).expanduser()
-        if not is_complete_state(path):
-            raise ConfigError(f"run.resume={resume}: not a complete resume state (no {STATE_FILE} inside)")
-        candidates = [path]
+    candidates = resume_candidates(run, resume)
+    if not candidates:
+        run.print(f"resume: no saved state in {run.dir / STATE_DIR}; starting fresh")
+        return None
     for path in candidates:
         try:
-            # Every file is checked against the state's manifest first: Accelerate only logs an RNG state it cannot
-            # load, and the run would go on from another random state.
-            check_state(path)
-            progress = Progress(**read_state_progress(path))
-            run.accelerator.load_state(str(path))
+            progress = load_one(run, path)
         except Exception as e:
-            why = load_failure(e)
+            if isinstance(e, UserError) and not isinstance(e, CheckpointError):  # a sound state this run is not to continue
+                raise
             if resume != "auto":
-                raise ConfigError(f"run.resume={resume}: the state does not load ({why})") from None
-            run.warn(f"resume state {path} is unreadable ({why}); trying the one before")
+                raise ConfigError(f"run.resume={resume}: the state does not load ({load_failure(e)})") from None
+            run.warn(f"resume state {path} is unreadable ({load_failure(e)}); trying the one before")
             continue
         run.print(f"resume: from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batch})")
         # The stage's clock (a time budget's stage_seconds) counts the training the processes before this one did; their
@@ -108,6 +137,125 @@ def load_state(run: Run) -> Progress | None:
                 run.print(f"resume: dropped {dropped} metrics record(s) logged after step {progress.step}; they are logged again")
         return progress
     raise ConfigError(f"run.resume=auto: none of the saved states in {run.dir / STATE_DIR} loads")
+
+
+def load_one(run: Run, path: Path) -> Progress:
+    """Load one state into the run's model, optimiser and random streams, checked: its files against its manifest first
+    (Accelerate only logs an RNG state it cannot load, and the run would go on from another random state), then its
+    progress, and, once loaded (a state of another model fails there, naming the first tensor that differs), that this
+    run is the one to continue it (`check_fits`) and that its weights are finite. Nothing is written before."""
+    check_state(path)
+    progress, record = read_progress(path)
+    run.accelerator.load_state(str(path))
+    check_fits(run, path, progress, record)
+    check_finite(run.accelerator)
+    return progress
+
+
+def resume_candidates(run: Run, resume: str) -> list[Path]:
+    """The states to try, first first: the run folder's, newest first, for `auto`; else the one named, which must be a
+    complete state (the message says what the path is instead)."""
+    if resume == "auto":
+        return list(reversed(state_dirs(run.dir)))
+    path = Path(resume).expanduser()
+    if is_complete_state(path):
+        return [path]
+    newest = newest_state(path) or newest_state(path.parent)
+    if not path.exists():
+        instead = f"{path} does not exist" + ("" if path.is_absolute() else f" in the current folder {Path.cwd()}")
+    elif path.name.startswith(PARTIAL_PREFIX):
+        instead = "it is a state left half-written by a run stopped while saving it; name a step_* state beside it"
+    elif newest is not None and newest.parent == path / STATE_DIR:
+        instead = f"it is a run folder: resume it with run.name={path.name} run.resume=auto, or name one of its states, as {newest}"
+    elif newest is not None:
+        instead = f"it is a folder of states: name one of them, as {newest}"
+    else:
+        instead = "expected auto, or a <run folder>/states/step_* folder"
+    raise ConfigError(f"run.resume={resume}: not a complete resume state (no {STATE_FILE} inside): {instead}")
+
+
+PROGRESS_FIELDS = {f.name: f for f in dataclasses.fields(Progress)}
+COUNTS = ("step", "epoch", "batch", "images", "nan_skips")
+
+
+def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
+    """The progress in a state's trainer.json, checked field by field (a CheckpointError naming the first one that no
+    run writes), and the record of the run that saved it (None in a state saved before records)."""
+    saved = read_state_progress(path)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{STATE_FILE} holds a {type(saved).__name__}, not a JSON object")
+    record = saved.pop(RECORD_KEY, None)
+    checks = {**{name: lambda v: is_count(v) for name in COUNTS}, "best": lambda v: isinstance(v, dict),
+              "train_time": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+              "planned_steps": lambda v: v is None or (is_count(v) and v > 0), "plan": lambda v: v is None or isinstance(v, dict)}  # fmt: skip
+    for name, value in saved.items():
+        if name not in PROGRESS_FIELDS:
+            raise CheckpointError(f"{STATE_FILE} has a field {name!r} that no state of this project holds")
+        if not checks[name](value):
+            raise CheckpointError(f"{STATE_FILE} holds {name}={value!r}, which no run writes")
+    sound = isinstance(record, dict) and isinstance(record.get("settings"), dict) and is_count(record.get("processes"))
+    if record is not None and not sound:
+        raise CheckpointError(f"{STATE_FILE}'s {RECORD_KEY!r} is damaged")
+    return Progress(**saved), record
+
+
+def is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_fits(run: Run, path: Path, progress: Progress, record: dict[str, Any] | None) -> None:
+    """Refuse a sound state that this run is not to continue (see `load_state`): a ConfigError naming what differs. (A
+    copy continued over another run, and a finished run's last step, are refused before: `vit.train.run.check_resume`.)"""
+    named = f"run.resume={run.cfg.run.resume}: the state {path}"
+    now = run.accelerator.num_processes
+    then = record["processes"] if record is not None else len(list(path.glob(RNG_FILES))) or now
+    if then != now:  # the effective batch, and with it the data order, the steps and the learning rate
+        raise ConfigError(f"{named} was saved by {then} process(es), this run has {now}: resume it with {then} (its effective "
+                          "batch and schedule), or start a fresh run without run.resume")  # fmt: skip
+    if record is not None:
+        check_settings(run, named, record)
+    check_schedule(run, named, progress)
+
+
+def check_settings(run: Run, named: str, record: dict[str, Any]) -> None:
+    """Refuse a state saved by another stage or with settings other than `RESUMABLE_CHANGES`, naming what differs."""
+    if record.get("stage", run.stage) != run.stage:
+        raise ConfigError(f"{named} was saved by a {record['stage']} run, not a {run.stage} one; start a fresh run without run.resume")
+    shown = setting_differences(record["settings"], settings(run.cfg))  # both as JSON reads them back
+    if shown:
+        raise ConfigError(f"{named} was saved by a run with other settings ({shown}); resume it with those settings, or start "
+                          "a fresh run without run.resume")  # fmt: skip
+
+
+def check_schedule(run: Run, named: str, progress: Progress) -> None:
+    """Refuse a state past this run's end (schedule.max_steps, the epochs), or of a time budget this run does not have:
+    the loop would train no step, or one of another schedule, and write the run's results again."""
+    schedule = run.cfg.schedule
+    if schedule.max_steps is not None and progress.step > schedule.max_steps:
+        raise ConfigError(f"{named} is at step {progress.step}, past schedule.max_steps={schedule.max_steps}: there is nothing to "
+                          "train; raise schedule.max_steps (or leave it unset) to go on")  # fmt: skip
+    planned = (progress.plan or {}).get("budget_minutes")
+    if progress.planned_steps is not None and planned != schedule.budget_minutes:
+        raise ConfigError(f"{named} follows the plan of schedule.budget_minutes={planned} ({progress.planned_steps} steps), this run "
+                          f"has schedule.budget_minutes={schedule.budget_minutes}; resume it with {planned}")  # fmt: skip
+    if schedule.budget_minutes is None and (progress.epoch, progress.batch) > (schedule.epochs, 0):
+        raise ConfigError(f"{named} is at step {progress.step}, in epoch {progress.epoch + 1}, past schedule.epochs={schedule.epochs}; "
+                          "resume it with the epochs it was saved with")  # fmt: skip
+
+
+def check_finite(accelerator: Any) -> None:
+    """A CheckpointError naming the weight and optimiser tensors of the loaded state that are not finite: every step
+    from it has a non-finite loss (a state saved by a step whose update went non-finite on a finite loss)."""
+    from vit.store.checkpoint import non_finite  # here: the loop starts without importing the model (tests/test_runs.py)
+
+    tensors = {}
+    for i, model in enumerate(getattr(accelerator, "_models", [])):
+        tensors.update({f"{'model' if i == 0 else f'model_{i}'} {k}": v for k, v in model.state_dict().items()})
+    for optimizer in getattr(accelerator, "_optimizers", []):
+        for index, state in optimizer.state_dict()["state"].items():
+            tensors.update({f"optimizer state {index} {k}": v for k, v in state.items()})
+    if bad := non_finite(tensors):
+        raise CheckpointError(f"it holds non-finite values in {bad}")
 
 
 def load_failure(e: Exception) -> str:

@@ -1,6 +1,7 @@
 """Time budgets: the step plan is a pure function of what was measured."""
 
 import contextlib
+import json
 import time
 
 import pytest
@@ -221,7 +222,6 @@ def test_the_measuring_window_grows_with_the_budget_within_bounds():
 @pytest.mark.slow
 def test_a_budget_run_fixes_its_steps_ends_within_the_budget_and_keeps_the_plan(tmp_path, monkeypatch):
     """Pretraining with `schedule.budget_minutes`: the plan is written, the schedule spans it, the stage fits the budget."""
-    import json
     import shutil
 
     from helpers import reset_accelerate, tiny_overrides
@@ -311,8 +311,26 @@ def test_a_budget_spent_before_the_step_time_is_measured_says_so(tmp_path, monke
     reset_accelerate()
     assert train.main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": 0.001, "mae.knn_every": 0})) == 0
     err = capsys.readouterr().err
-    assert "warning: schedule.budget_minutes=0.001 (0 s) was spent before the step time was measured (" in err
+    assert "warning: schedule.budget_minutes=0.001 (0.06 s) was spent before the step time was measured (" in err
     assert "the stage stops here, over its budget" in err
+    # summary.json says so too, by how much, beside the stage's seconds (a reader had to multiply budget_minutes by 60)
+    budget = json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())["budget"]
+    assert budget["within_budget"] is False and budget["over_seconds"] == round(budget["stage_seconds"] - 0.06, 1) > 0
+
+
+def test_max_steps_that_stop_a_budget_run_before_its_plan_say_so(tmp_path, capsys):
+    """schedule.max_steps ended a budget run before its step time was measured in silence: no plan, a learning rate that
+    never decayed, and a summary's budget without total_steps."""
+    from helpers import reset_accelerate, tiny_overrides
+
+    from pretrain import train
+
+    reset_accelerate()
+    assert train.main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": 5, "schedule.max_steps": 2, "mae.knn_every": 0})) == 0
+    err = capsys.readouterr().err
+    assert "warning: schedule.max_steps=2 stopped the run at step 2, before its step time was measured: no budget plan" in err
+    budget = json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())["budget"]
+    assert "total_steps" not in budget and budget["within_budget"] is True and budget["over_seconds"] == 0
 
 
 def test_a_floor_above_the_peak_learning_rate_is_refused_and_a_warmup_past_the_end_is_said(tmp_path, capsys):
@@ -335,7 +353,6 @@ def test_a_budget_measures_a_step_with_its_record_even_where_the_record_closes_a
     """A record's host read waits for the steps a GPU has queued. Where it fell at an epoch's last step, the meter left
     it out (its clock stopped before the record and restarted after the epoch's end), while the run paid it: the plan
     was 2-3% short on an H100. Here each record, one an epoch at its last step, takes 200 ms: most of a step's time."""
-    import json
     import time
 
     from helpers import reset_accelerate, tiny_overrides

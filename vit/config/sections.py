@@ -15,6 +15,9 @@ from vit.models.presets import PRESETS
 
 PIL_MAX_PIXELS = 2 * 89_478_485  # PIL's decompression-bomb error: twice its Image.MAX_IMAGE_PIXELS
 MAX_WARMUP_EPOCHS = 1e6  # far beyond any schedule, and its steps (x steps per epoch) stay a finite number
+# The longest time budget (about 1.9 years): its plan divides it by the step time into a whole number of steps, and
+# 1e306 minutes overflowed into a traceback once the run folder was written and the step time measured.
+MAX_BUDGET_MINUTES = 1e6
 
 MAX_HIDDEN = 1 << 20  # an MLP's hidden units: ViT-G/14's are 8,192
 
@@ -208,7 +211,8 @@ class ScheduleConfig:
 
     def validate(self) -> None:
         check(self.epochs > 0, "schedule.epochs", "must be positive")
-        check(self.budget_minutes is None or self.budget_minutes > 0, "schedule.budget_minutes", "must be positive")
+        check(self.budget_minutes is None or 0 < self.budget_minutes <= MAX_BUDGET_MINUTES, "schedule.budget_minutes",
+              f"must be in (0, {MAX_BUDGET_MINUTES:g}] (at most about {MAX_BUDGET_MINUTES / 60 / 24 / 365:.1f} years), not {self.budget_minutes}")
         # Bounded so that its step count is a number: 1e308 epochs of warm-up overflowed to infinity, a traceback after
         # the run folder was written. A warm-up longer than the run is still only warned about (LoopSpec.long_warmup).
         check(0 <= self.warmup_epochs <= MAX_WARMUP_EPOCHS, "schedule.warmup_epochs", f"must be in [0, {MAX_WARMUP_EPOCHS:g}]")

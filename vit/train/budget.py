@@ -30,6 +30,11 @@ from vit.device import synchronize
 # A forward pass is about a third of a training step's work per image (backward ~ 2x forward).
 FORWARD_SHARE = 1 / 3
 
+def figure(seconds: float) -> float:
+    """`seconds` to 4 significant figures, for the plan and the summary: 4 decimals read a linear probe's 0.04 ms step on a
+    GPU as 0.0 s, beside millions of steps."""
+    return float(f"{seconds:.4g}")
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -127,6 +132,7 @@ def make_plan(budget: Budget, seconds_per_step: float, elapsed: float, done_step
     measured (`seconds_per_image`, in the order of `budget.evaluations`), else the training rate's share
     (`Evaluation.cost`); every process evaluates its share of them. A stage of one kind of evaluation whose end with it
     was measured counts what that end took beyond the others instead."""
+    check_step_time(seconds_per_step)  # before it divides: 0 was a ZeroDivisionError, nan a complaint about the evaluations
     rate = images_per_step / seconds_per_step
     per_rank = max(1, processes)
     plain, evaluated = ends
@@ -142,7 +148,7 @@ def make_plan(budget: Budget, seconds_per_step: float, elapsed: float, done_step
         eval_s = max(0.0, evaluated - end_s) / max(1, evs[0][0].every)
     final_s = sum(seconds(ev.final_images, ev, t) for ev, t in evs) + end_s
     steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s + end_s, final_s)
-    return BudgetPlan(budget.minutes, steps, round(seconds_per_step, 4), round(eval_s, 3), round(end_s, 3), round(final_s, 1),
+    return BudgetPlan(budget.minutes, steps, figure(seconds_per_step), figure(eval_s), figure(end_s), figure(final_s),
                       round(elapsed, 1), measured_steps)  # fmt: skip
 
 
@@ -164,8 +170,24 @@ class Spent:
         ends_seconds = self.ends.plain[1] + self.ends.evaluated[1]
         plain, evaluated = self.ends.means()
         per_step = (clock - self.start - ends_seconds) / (step - self.step) if step > self.step else None
-        return {"seconds_per_step": per_step and round(per_step, 4), "epoch_end_seconds": plain and round(plain, 3),
-                "eval_seconds": evaluated and round(evaluated - (plain or 0.0), 2), "final_seconds": round(now - clock, 1)}  # fmt: skip
+        # An evaluation's cost is what an end with one took beyond one without, never below 0 (as the plan counts it): ends
+        # that saved a state or the weights can take longer than one that evaluated, and the summary read "eval_seconds": -0.7.
+        evaluation = None if evaluated is None else max(0.0, evaluated - (plain or 0.0))
+        return {"seconds_per_step": None if per_step is None else figure(per_step), "epoch_end_seconds": None if plain is None else figure(plain),
+                "eval_seconds": None if evaluation is None else figure(evaluation), "final_seconds": figure(now - clock)}  # fmt: skip
+
+
+def outcome(budget_minutes: float, stage_seconds: float) -> dict:
+    """Whether a stage that took `stage_seconds` (as the summary rounds them) ended within its budget, and by how many
+    seconds it did not: for summary.json beside `stage_seconds`, so a run over its budget says so, not only a reader who
+    multiplies `budget_minutes` by 60 (a plan made after the budget was spent, a machine slower after the plan)."""
+    over = round(stage_seconds - budget_minutes * 60, 1)
+    return {"within_budget": over <= 0, "over_seconds": max(0.0, over)}
+
+
+def check_step_time(seconds_per_step: float) -> None:
+    if not 0 < seconds_per_step < math.inf:
+        raise ValueError(f"seconds_per_step must be a positive number, got {seconds_per_step}")
 
 
 def plan_steps(
@@ -183,11 +205,17 @@ def plan_steps(
     over its steps (its end, and its share of the evaluations that fall every few epochs); `final_seconds` runs once
     at the end. Never fewer than `done_steps` (a budget already spent stops the run where it is).
     """
-    if seconds_per_step <= 0:
-        raise ValueError(f"seconds_per_step must be positive, got {seconds_per_step}")
+    check_step_time(seconds_per_step)
+    given = {"budget_seconds": budget_seconds, "elapsed_seconds": elapsed_seconds, "epoch_seconds": epoch_seconds,
+             "final_seconds": final_seconds}  # fmt: skip
+    for name, value in given.items():
+        if not math.isfinite(value):  # nan or inf became "cannot convert float NaN to integer", naming nothing
+            raise ValueError(f"{name} must be a finite number, got {value}")
     per_step = seconds_per_step + max(0.0, epoch_seconds) / steps_per_epoch
-    left = budget_seconds - elapsed_seconds - final_seconds
-    return done_steps + max(0, int(left // per_step))
+    more = (budget_seconds - elapsed_seconds - final_seconds) // per_step
+    if not math.isfinite(more):
+        raise ValueError(f"a budget of {budget_seconds:g} s at {per_step:g} s a step is more steps than a number holds")
+    return done_steps + max(0, int(more))
 
 
 def eval_seconds_estimate(images: int, train_images_per_sec: float, cost_per_image: float = FORWARD_SHARE) -> float:
@@ -218,6 +246,8 @@ class StepMeter:
 
     def __init__(self, warmup: int = 3, min_steps: int = 8, min_seconds: float = 5.0, clock=time.perf_counter, sync=lambda: None,
                  tolerance: float = 0.2, max_windows: int = 6):  # fmt: skip
+        if not 0 < min_seconds < math.inf:  # windows of 0 s closed on a still clock at 0 s a step, which no plan can divide by
+            raise ValueError(f"min_seconds must be a positive number, got {min_seconds}")
         self.warmup, self.clock, self.sync, self.tolerance, self.max_windows = warmup, clock, sync, tolerance, max_windows
         self.window_steps, self.window_seconds = math.ceil(min_steps / 2), min_seconds / 2
         self.seen = 0
@@ -237,12 +267,15 @@ class StepMeter:
             self.last = self.clock()
             return
         now = self.clock()
+        if now < self.last:  # the clock went back (an injected wall clock, set back): this step's time is unknown, not negative
+            self.last = now
+            return
         steps, seconds = self.current[0] + 1, self.current[1] + now - self.last
         self.last = now
         if steps >= self.window_steps and seconds >= self.window_seconds:
             self.sync()  # the queued steps finish inside the window: their time is counted
             now = self.clock()
-            self.windows.append((steps, seconds + now - self.last))
+            self.windows.append((steps, seconds + max(0.0, now - self.last)))
             self.last, steps, seconds = now, 0, 0.0
             self.done = len(self.windows) >= 2 and (self.agree(*self.windows[-2:]) or len(self.windows) >= self.max_windows)
         self.current = (steps, seconds)

@@ -298,8 +298,10 @@ class TrainLoop:
                        f"at {seconds_per_step:.3f} s/step measured over {plan.measured_steps} steps, {elapsed:.0f} s spent; evaluations "
                        f"~{plan.eval_seconds:.2g} s an epoch, epochs' ends ~{plan.epoch_end_seconds:.2g} s, the end ~{plan.final_seconds:.2g} s")
         if plan.total_steps <= p.step:
-            self.run.warn(f"schedule.budget_minutes={plan.budget_minutes:g} ({plan.budget_minutes * 60:.0f} s) was spent before the step "
-                          f"time was measured ({elapsed:.0f} s, {p.step} steps): the stage stops here, over its budget")  # fmt: skip
+            budget_s = plan.budget_minutes * 60
+            why = (f"was spent before the step time was measured ({elapsed:.0f} s, {p.step} steps)" if elapsed >= budget_s else
+                   f"leaves {budget_s - elapsed:.3g} s after the {elapsed:.3g} s spent, less than a step and the end's ~{plan.final_seconds:.2g} s")  # fmt: skip
+            self.run.warn(f"schedule.budget_minutes={plan.budget_minutes:g} ({budget_s:.3g} s) {why}: the stage stops here, over its budget")
         elif said := self.spec.long_warmup():
             self.run.warn(said)
 
@@ -408,6 +410,9 @@ class TrainLoop:
         self.count_time()
         p = self.progress
         self.spent.trained, self.run.budget_spent = (time.perf_counter(), p.step), self.spent
+        if self.spec.budget is not None and self.spec.planned_steps is None:  # summary.json's budget had no plan, unsaid
+            self.run.warn(f"schedule.max_steps={self.spec.max_steps} stopped the run at step {p.step}, before its step time was measured: "
+                          "no budget plan was made, and the learning rate never decayed")  # fmt: skip
         if not is_complete_state(state_path(self.run.dir, p.step)):
             save_state(self.run, p)
         return p

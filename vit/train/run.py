@@ -44,6 +44,7 @@ from vit.store.runs import (
 )
 from vit.train import tracking
 from vit.train.accelerator import make_accelerator, set_threads
+from vit.train.budget import outcome
 
 
 @dataclass
@@ -238,7 +239,8 @@ class Run:
             # The plan beside what the stage took, so an estimate that missed shows.
             now = time.perf_counter()
             spent = self.budget_spent.to_dict(now) if self.budget_spent is not None else {}
-            summary["budget"] = {**(self.budget_plan or {}), "stage_seconds": round(now - self.started, 1)} | ({"spent": spent} if spent else {})
+            stage = round(now - self.started, 1)  # and whether that was within the budget, said, not left to the reader
+            summary["budget"] = {**(self.budget_plan or {}), "stage_seconds": stage} | outcome(schedule.budget_minutes, stage) | ({"spent": spent} if spent else {})
         wrun = self._wandb()
         if wrun is not None:
             summary["wandb_run"] = tracking.wandb_run_dir(wrun)

@@ -7,7 +7,8 @@
      "trained_on": (ceil(source_size / 8),) uint8 | None}       # packed bit mask: which of its images the run trained on
 
 A later run on the same source (same fingerprint) knows exactly which of its val images the
-checkpoint saw. Test images never come from the source's training split, so only val can overlap.
+checkpoint saw. Test images never come from the source's training split, so only val can overlap (a test
+folder that is a copy of train/ is refused, `vit.data.splits.check_held_out`; single shared images are not looked for).
 WebDataset shards on the stream loader are read in order, never indexed: their samples have no
 positions, `trained_on` is None, and whether a later run's val images were seen is not checked
 (one warning says so).
@@ -80,8 +81,38 @@ def unrecorded(what: str, why: str, instead: str) -> str:
     return f"{what} records no data split ({why}): whether it trained on this run's val images is not checked; {instead}"
 
 
+def record_damage(record: Any, splits: Splits) -> str | None:
+    """What is wrong with `record` for `val_seen` to read it (a checkpoint damaged or edited by hand), or None.
+
+    A record is a plain dict in encoder.pt and classifier.pt, checked by nothing else: a field lost or of another type
+    was a KeyError or TypeError, and a `trained_on` mask too short read as "not trained on" past its end, which
+    passed a run whose val images the checkpoint had trained on."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not a mapping of its fields"
+    if "fingerprint" not in record or not isinstance(record["fingerprint"], (str, type(None))):  # None: unknown data, said so
+        return f"fingerprint {record['fingerprint']!r}" if "fingerprint" in record else "no fingerprint"
+    size = record.get("source_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return f"source_size {size!r}"
+    if "trained_on" not in record:
+        return "no trained_on"
+    mask = record["trained_on"]
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dtype == torch.uint8 and mask.shape == ((size + 7) // 8,)):
+        found = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        return f"trained_on is {found}, not the ({(size + 7) // 8},) uint8 bit mask of {size} images"
+    if mask is not None and size and not mask.any():  # every run trains on at least one image
+        return "trained_on marks no image"
+    source = splits.source
+    # The fingerprint hashes every label, so the same one names a source of one size: another is an edited record. (Shards
+    # record no mask, and the size of what they trained on, which the samples held out as val make smaller.)
+    if mask is not None and source is not None and record["fingerprint"] == source.fingerprint and size != source.size:
+        return f"source_size {size} for this data's fingerprint, whose training split holds {source.size} images"
+    return None
+
+
 def val_seen(record: dict[str, Any], splits: Splits) -> int | None:
-    """How many of `splits.val` the recorded run trained on; None when it cannot be told (another source)."""
+    """How many of `splits.val` the recorded run trained on; None when it cannot be told (another source).
+    `record` passed `record_damage`."""
     source = splits.source
     if source is None or record.get("fingerprint") != source.fingerprint or record.get("trained_on") is None:
         return None
@@ -95,9 +126,15 @@ def check_overlap(record: dict[str, Any] | None, splits: Splits, what: str, allo
     """Refuse (one-line DataError) a run whose val images were training images of `what`, unless `allow`.
 
     Returns a warning line where the overlap cannot be checked (no record, another copy of the data), else None.
+    A damaged record is one CheckpointError (a warning with `allow`): it cannot say which images `what` trained on.
     """
-    if not record:
+    if record is None or record == {}:
         return f"{what} records no data split (an older checkpoint): whether it trained on this run's val images is not checked"
+    if damage := record_damage(record, splits):
+        if not allow:
+            raise CheckpointError(f"{what} records a damaged data split ({damage}): whether it trained on this run's val images "
+                                  f"cannot be checked; pass {allow_key}=true to go on without the check")  # fmt: skip
+        return f"{what} records a damaged data split ({damage}): whether it trained on this run's val images is not checked ({allow_key}=true)"
     seen = val_seen(record, splits)
     if seen is None:
         ours = splits.source.fingerprint if splits.source else None
@@ -106,7 +143,7 @@ def check_overlap(record: dict[str, Any] | None, splits: Splits, what: str, allo
         return (f"{what} was trained on other data ({record.get('dataset')}, fingerprint {record.get('fingerprint')}; this run's is "
                 f"{ours}): whether it trained on this run's val images is not checked")  # fmt: skip
     if seen and not allow:
-        theirs = " ".join(f"data.{k}={record[k]}" for k in SPLIT_KEYS[1:])
+        theirs = " ".join(f"data.{k}={record.get(k, '?')}" for k in SPLIT_KEYS[1:])  # shown only: a lost one is no damage
         raise DataError(f"{seen} of this run's {len(splits.val)} val images were training images of {what} (trained with {theirs}): "
                         f"use its data split, or pass {allow_key}=true to go on regardless")  # fmt: skip
     if seen:

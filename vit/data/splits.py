@@ -11,6 +11,7 @@ Every random choice of the data (splits, epoch orders, augmentations) draws from
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,7 @@ def carve_splits(cfg: DataConfig, raw: dict[str, Any], source_fingerprint: str, 
     then `data.train_fraction` of the rest; works on ImageSets and FileSets alike (both have `labels`, `subset`).
     `normalization`: the source's (mean, std)."""
     train, val = raw["train"], raw.get("val")
+    check_held_out(raw, cfg.root or f"data.dataset={cfg.dataset}")
     source = SourceIndex(source_fingerprint, len(train), torch.arange(len(train)), None)
     if val is None:
         val_index, train_index = carve_val(train.labels, train.classes, cfg.val_size, cfg.split_seed)
@@ -120,6 +122,56 @@ def carve_splits(cfg: DataConfig, raw: dict[str, Any], source_fingerprint: str, 
         train, source.train = train.subset(keep), source.train[keep]
     mean, std = normalization
     return Splits(cfg.dataset, train, val, raw.get("test"), mean, std, source, loader, image_size)
+
+
+# (split, split it must not be a copy of, what a copy would do): a val split that is the training images evaluates the model
+# on images it trained on; one that is the test images chooses recipes on them, which are to be read once per reported row.
+HELD_OUT = (("val", "train", "the model would be evaluated on images it trained on"),
+            ("test", "train", "the model would be tested on images it trained on"),
+            ("val", "test", "recipes would be chosen on the test images, which are read once per reported row"))  # fmt: skip
+
+
+def check_held_out(raw: dict[str, Any], where: str) -> None:
+    """Refuse a source's own val or test split whose every image is one of its training (or, for val, test) images: a
+    folder linked or copied in place of another (`val -> test`, `cp -r train val`) was read as held-out images, unsaid.
+    A few shared images (near-duplicates in CIFAR's test set, say) are the dataset's own, and pass."""
+    for name, other, why in HELD_OUT:
+        held, base = raw.get(name), raw.get(other)
+        if held is not None and base is not None and len(held) and len(base) and copied(held, base):
+            raise DataError(f"{where}: every one of its {len(held)} {name} images is also one of its {other} images (a copy of or link "
+                            f"to its {other} split?): {why}; give the {name} split images of its own, or leave it out")  # fmt: skip
+
+
+def copied(held: Any, base: Any) -> bool:
+    """Whether every image of `held` is also one of `base`'s (stopping at the first that is not): decoded images by their
+    pixels (hashes matched, then compared); image files by their name below the split's folder, then their bytes. Hugging
+    Face rows are not compared."""
+    if isinstance(held, ImageSet):
+        first: dict[Any, int] = {}
+        for j, row in enumerate(base.images.flatten(1).numpy()):
+            first.setdefault(hash(row.tobytes()), j)
+        for i, row in enumerate(held.images.flatten(1).numpy()):
+            j = first.get(hash(row.tobytes()))
+            if j is None or not torch.equal(held.images[i], base.images[j]):
+                return False
+        return True
+    if not all(isinstance(getattr(getattr(s, "reader", None), "paths", None), list) for s in (held, base)):
+        return False
+    first = {}
+    for j in base.index.tolist():
+        first.setdefault(base.reader.paths[j].partition("/")[2], j)  # "val/cat/1.png" -> "cat/1.png"
+    for i in held.index.tolist():
+        j = first.get(held.reader.paths[i].partition("/")[2])
+        if j is None or not same_bytes(held.reader.name(i), base.reader.name(j)):
+            return False
+    return True
+
+
+def same_bytes(a: str, b: str) -> bool:
+    try:
+        return filecmp.cmp(a, b, shallow=False)  # the same file (a link), or the same size and bytes
+    except OSError:  # gone since the listing: a bad image when it is read, not here
+        return False
 
 
 def fingerprint(images: ImageSet) -> str:

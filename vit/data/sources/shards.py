@@ -128,6 +128,11 @@ def shard_head(shards: ShardSet, count: int, out_size: int, skip_bad: bool, bad:
     return ImageSet(images, torch.tensor(labels, dtype=torch.int64), list(shards.classes)), keys
 
 
+def local(url: str) -> str:
+    """A shard's URL as one spelling: a local file's real path (a relative or linked name of the same file), else as given."""
+    return url if "://" in url or url.startswith("pipe:") else os.path.realpath(url)
+
+
 def shard_splits(cfg: DataConfig, out_size: int, bad: Any, normalization: tuple) -> Splits:
     """Shards: the training ShardSet and a val split decoded into memory (`data.val_root`'s first val_size samples, or
     the first val_size samples of the last shards, which training then leaves out)."""
@@ -138,6 +143,11 @@ def shard_splits(cfg: DataConfig, out_size: int, bad: Any, normalization: tuple)
     val = ImageSet(torch.zeros(0, 3, out_size, out_size, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64), list(train.classes))
     if cfg.val_root is not None:
         held = open_shards(cfg.val_root, cache_dir)
+        same = sorted({local(u) for u in held.urls} & {local(u) for u in train.urls})
+        if same:  # its val images were training images, unsaid
+            raise DataError(f"data.val_root {cfg.val_root!r} names shards of data.root ({same[0]}{f' and {len(same) - 1} more' if len(same) > 1 else ''}): "
+                            "its val images would be training images; give val shards of their own, or leave data.val_root unset to "
+                            "hold out the first data.val_size samples of the last shards")  # fmt: skip
         # A val label of -1 (none) or past the classifier's head stops the first evaluation with an IndexError.
         if train.labelled and (not held.labelled or len(held.classes) > len(train.classes)):
             found = f"the class index {len(held.classes) - 1}" if held.labelled else "no .cls labels"

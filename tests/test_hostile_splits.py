@@ -140,3 +140,18 @@ def test_val_shards_that_are_training_shards_are_refused_in_one_line(tmp_path):
     val = write_shards(tmp_path / "shards", shards=1, per_shard=3, labelled=True, prefix="val", seed=1)
     data, _ = open_quiet(data_cfg(tmp_path, dataset="webdataset", root=train, val_root=val, val_size=2, loader="stream"))
     assert len(data.splits.val) == 2
+
+
+def test_an_unlabelled_folder_that_is_an_imagefolder_tree_is_refused(tmp_path):
+    """data.dataset=folder reads every image under data.root: on a train/ + test/ tree it pretrained on the test images,
+    unsaid, and the fine-tune's provenance check could only say "other data"."""
+    from test_stream import data_cfg
+
+    for split in ("train", "test"):
+        (tmp_path / "tree" / split / "cat").mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (8, 8), (40 * i, 90, 10)).save(tmp_path / "tree" / split / "cat" / f"{i}.png")
+    with pytest.raises(DataError, match=r"holds train/ and test/ folders: data.dataset=folder would train on every image under it"):
+        open_data(data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "tree")), out_size=8, say=lambda line: None)
+    data = open_data(data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "tree" / "train")), out_size=8, say=lambda line: None)
+    assert len(data.splits.train) == 2

@@ -51,7 +51,12 @@ class PhotoFolder(Source):
         return None
 
     def file_sets(self) -> dict[str, FileSet]:
-        return {"train": folder_files(existing_root(self.cfg.root))}
+        root = existing_root(self.cfg.root)
+        held = [name for name in ("val", "test") if (root / "train").is_dir() and (root / name).is_dir()]
+        if held:  # an ImageFolder tree: every image under it would be pretrained on, its held-out images too, unsaid
+            raise DataError(f"data.root {self.cfg.root} holds train/ and {'/ and '.join(held)}/ folders: data.dataset=folder would train "
+                            f"on every image under it, the {' and '.join(held)} images too; point data.root at its train/ folder")  # fmt: skip
+        return {"train": folder_files(root)}
 
     def read(self, skipped: list) -> dict[str, ImageSet]:
         cfg = self.cfg

@@ -132,7 +132,7 @@ class DataConfig:
         lo, hi = self.crop_scale
         check(0.0 < lo <= hi <= 1.0, "data.crop_scale", "must satisfy 0 < min <= max <= 1")
         lo, hi = self.crop_ratio
-        check(0.0 < lo <= hi, "data.crop_ratio", "must satisfy 0 < min <= max")
+        check(1e-3 <= lo <= hi <= 1e3, "data.crop_ratio", "must satisfy 1e-3 <= min <= max <= 1e3 (an aspect ratio; ImageNet's is 3/4 to 4/3)")
         for name in ("imagefolder", "folder", "webdataset", "hf"):
             check(self.dataset != name or self.root is not None, "data.root", f"is required for data.dataset={name}")
         check(self.memory_budget_gb is None or self.memory_budget_gb > 0, "data.memory_budget_gb", "must be positive")
@@ -158,7 +158,8 @@ class AugmentConfig:
     switch_prob: float = 0.5  # with both on: probability of cutmix rather than mixup
 
     def validate(self) -> None:
-        check(self.randaug_ops >= 0, "aug.randaug_ops", "must be >= 0")
+        # RandAugment draws 2 of its 14 ops a picture; 100,000 ran that many op passes a batch, a run that never ends.
+        check(0 <= self.randaug_ops <= 16, "aug.randaug_ops", "must be in [0, 16]")
         check(0 <= self.randaug_magnitude <= 30, "aug.randaug_magnitude", "must be in [0, 30]")
         for key in ("random_erase", "mix_prob", "switch_prob"):
             check(0.0 <= getattr(self, key) <= 1.0, f"aug.{key}", "must be in [0, 1]")

@@ -32,7 +32,7 @@ Note: the crop resamples bilinearly without antialiasing, which suits images sto
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +147,7 @@ def random_resized_crop_flip(images: torch.Tensor, boxes: torch.Tensor, flips: t
     images (B, C, H, W) float, boxes (B, 4) (x0, y0, w, h) px, flips (B,) bool -> (B, C, out_size, out_size).
     A full box without flip at out_size == H == W is the identity.
     """
-    b, c, height, width = images.shape
+    height, width = images.shape[-2:]
     # Cast on the CPU (MPS has no float64), then copied without making the host wait for the device.
     theta = to_device(crop_flip_theta(boxes, flips, height, width).to(images.dtype), images.device)
     return resample(images, theta, out_size)

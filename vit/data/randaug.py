@@ -139,7 +139,7 @@ class RandomErasing(ChunkOp):
     """With probability p per image, one rectangle filled with per-pixel uniform noise in [0, 1].
 
     torchvision's box recipe (up to 10 tries of area fraction in `scale` and log-uniform aspect h/w in `ratio`,
-    the first box that fits strictly inside the image; no erasing if none fits), batched through a mask built
+    the first box of at least a pixel each way that fits strictly inside the image; no erasing if none fits), batched through a mask built
     from per-image box coordinates. The noise is uniform in [0, 1] rather than torchvision's standard normal
     because it lands before normalisation. It is drawn on the images' device from a generator seeded by the
     batch generator: a whole batch of noise is too large to draw on the CPU and copy; a run replays exactly on
@@ -166,7 +166,9 @@ class RandomErasing(ChunkOp):
         log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
         aspect = torch.exp(log_lo + (log_hi - log_lo) * u[..., 1])
         h, w = torch.sqrt(area * aspect).round().long(), torch.sqrt(area / aspect).round().long()  # (B, A)
-        fits = (h < height) & (w < width)
+        # At least a pixel each way (torchvision takes a box that rounds to 0 px too: an image of a few pixels was flagged
+        # erased, and stopped trying, with nothing erased), and strictly inside the image.
+        fits = (h >= 1) & (w >= 1) & (h < height) & (w < width)
         first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # (B, 1): first fitting try, 0 if none
         h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)  # (B,)
         uy, ux = u[..., 2].gather(1, first).squeeze(1), u[..., 3].gather(1, first).squeeze(1)
@@ -305,7 +307,10 @@ def _blend(x: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.
 
 
 def _grayscale(x: torch.Tensor) -> torch.Tensor:
-    """ITU-R 601 luma, torchvision's weights: (n, 3, H, W) -> (n, 1, H, W)."""
+    """ITU-R 601 luma, torchvision's weights: (n, 3, H, W) -> (n, 1, H, W); a one-channel image is its own luma, as in
+    torchvision (color then leaves it as it is and contrast blends it with its mean, instead of failing to unpack it)."""
+    if x.shape[1] == 1:
+        return x
     r, g, b = x.unbind(dim=1)
     return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1)
 
@@ -320,8 +325,14 @@ def color(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def contrast(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Blend with the image's mean grey level."""
-    return _blend(x, _grayscale(x).mean(dim=(1, 2, 3), keepdim=True), _per_image(1.0 + m))
+    """Blend with the image's mean grey level.
+
+    The mean sums each row, then the rows: `mean(dim=(1, 2, 3))` split one image's reduction across CPU threads when it
+    was alone (over 32,768 pixels, e.g. 224 x 224) but not in a group, so an image's result depended on how many
+    images of its pass drew contrast, and a chunked epoch no longer equalled its batches one by one."""
+    h, w = x.shape[-2:]
+    mean = _grayscale(x).sum(dim=-1, keepdim=True).sum(dim=-2, keepdim=True) / (h * w)  # (n, 1, 1, 1)
+    return _blend(x, mean, _per_image(1.0 + m))
 
 
 def sharpness(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -338,15 +349,19 @@ def sharpness(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def _levels(x: torch.Tensor) -> torch.Tensor:
-    """The image on the 8-bit grid, as whole numbers 0..255 in x's dtype."""
-    return (x * 255.0).round().clamp(0.0, 255.0)
+    """The image on the 8-bit grid, as whole numbers 0..255 in float32 (float64 stays float64).
+
+    Never in a half-precision dtype: bfloat16 holds whole numbers only up to 256 and float16 up to 2048, so x * 255
+    rounded twice (to bfloat16's 0.5 steps below 128, then to a level) and an equaliser's pixel counts stopped at
+    256 (bfloat16) or 2048 (float16): a 32 x 32 image equalised up to 63 levels away from its float32 result."""
+    return (x.to(torch.promote_types(x.dtype, torch.float32)) * 255.0).round().clamp(0.0, 255.0)
 
 
 def posterize(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Keep the top `bits` bits of each 8-bit level; 8 bits leaves the image exact rather than rounding it."""
     step = _per_image(torch.pow(2.0, 8.0 - bits.round()))  # (n, 1, 1, 1): 2^(8 - bits) levels per bucket
     v = _levels(x)
-    return torch.where(step > 1, (v - torch.remainder(v, step)) / 255.0, x)
+    return torch.where(step > 1, ((v - torch.remainder(v, step)) / 255.0).to(x.dtype), x)
 
 
 def solarize(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
@@ -374,16 +389,17 @@ def equalize(x: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
     `torch.use_deterministic_algorithms`).
     """
     n, c, h, w = x.shape
-    v = _levels(x).reshape(n * c, h * w).long()  # (n*C, N) levels 0..255
+    levels = _levels(x)  # counted in its dtype, float32 or float64: exact up to 2^24 pixels per channel
+    v = levels.reshape(n * c, h * w).long()  # (n*C, N) levels 0..255
     rows = torch.arange(n * c, device=x.device).unsqueeze(1)  # (n*C, 1)
-    hist = torch.zeros(n * c * 256, dtype=x.dtype, device=x.device)
-    hist.scatter_add_(0, (rows * 256 + v).view(-1), torch.ones(v.numel(), dtype=x.dtype, device=x.device))
+    hist = torch.zeros(n * c * 256, dtype=levels.dtype, device=x.device)
+    hist.scatter_add_(0, (rows * 256 + v).view(-1), torch.ones(v.numel(), dtype=levels.dtype, device=x.device))
     hist = hist.view(n * c, 256)
     below = hist.cumsum(dim=1) - hist  # (n*C, 256): pixels below each level
     at_top = hist.gather(1, v.amax(dim=1, keepdim=True))  # (n*C, 1): pixels at the top level
     step = torch.floor((h * w - at_top) / 255.0)
     lut = torch.floor((below + torch.floor(step / 2)) / step.clamp(min=1.0)).clamp(0.0, 255.0)  # (n*C, 256)
-    out = lut.gather(1, v) / 255.0  # (n*C, N)
+    out = (lut.gather(1, v) / 255.0).to(x.dtype)  # (n*C, N)
     return torch.where(step > 0, out, x.reshape(n * c, h * w)).view(n, c, h, w)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vit.config import StageConfig, check, check_temperature, section
+from vit.models.presets import num_visible
 
 # The decoder each encoder preset pretrains with where the config leaves `mae.decoder_*` unset (others: vit_cifar_tiny's).
 PRESET_DECODERS: dict[str, dict] = {
@@ -74,7 +75,7 @@ class PretrainConfig(StageConfig):
         patches, ratio = self.model.num_patches(), self.mae.mask_ratio
         check(patches >= 2, "model.patch_size",
               f"{self.model.sizes()['patch_size']} leaves the model {patches} patch: MAE needs at least 2 to hide one and show one")  # fmt: skip
-        visible = int(patches * (1 - ratio))  # as the masking counts them
+        visible = num_visible(patches, ratio)  # as the masking counts them
         check(visible >= 1, "mae.mask_ratio",
                f"{ratio:g} leaves no visible patch of the model's {patches}: it must be at most 1 - 1/{patches}")  # fmt: skip
         check(visible < patches, "mae.mask_ratio",

@@ -15,6 +15,7 @@ from pretrain.config import PretrainConfig
 from vit.store.checkpoint import read_mae
 from vit.errors import CheckpointError, ConfigError
 from vit.models.encoder import Block, VisionTransformer, create_model, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
+from vit.models.encoder import num_visible
 from vit.models.pos_embed import sincos_2d
 
 
@@ -32,8 +33,10 @@ def patchify(imgs: torch.Tensor, patch_size: int) -> torch.Tensor:
 
 def unpatchify(patches: torch.Tensor, patch_size: int, channels: int = 3) -> torch.Tensor:
     """patches: (B, L, p*p*C) -> imgs (B, C, H, W), the inverse of `patchify` for square images."""
-    B, L, _ = patches.shape
+    B, L, dim = patches.shape
     p = patch_size
+    if dim != p * p * channels:  # else a reshape error of invented sizes, or patches read as other channels
+        raise ValueError(f"patches of {dim} values are not patch_size**2 * channels = {p}**2 * {channels}")
     h = int(round(L**0.5))
     if h * h != L:
         raise ValueError(f"{L} patches do not form a square grid")
@@ -60,6 +63,7 @@ class MaskedAutoencoder(nn.Module):
             raise ValueError("MAE needs a headless encoder (num_classes=0)")
         if decoder_embed_dim % decoder_num_heads:
             raise ValueError(f"decoder_num_heads={decoder_num_heads} does not divide decoder_embed_dim={decoder_embed_dim}")
+        self._check_args(encoder, decoder_embed_dim, mask_ratio, norm_pix_loss)
         self.encoder = encoder
         self.patch_size = encoder.patch_embed.patch_size
         self.in_chans = encoder.config["in_chans"]
@@ -95,6 +99,25 @@ class MaskedAutoencoder(nn.Module):
         # MAE's pretraining decays [CLS] and the mask token like every tensor of 2+ dimensions (fine-tuning exempts [CLS]);
         # only the positional table is exempt, and the paper's fixed sin-cos one is frozen anyway.
         return {"encoder.pos_embed"}
+
+    @classmethod
+    def _check_args(cls, encoder: VisionTransformer, decoder_embed_dim: int, mask_ratio: float, norm_pix_loss: bool) -> None:
+        if decoder_embed_dim % 4:
+            raise ValueError(f"decoder_embed_dim={decoder_embed_dim} is not a multiple of 4, which the decoder's 2-D sin-cos table needs")
+        drop = encoder.config.get("patch_drop_rate", 0.0)
+        if drop > 0:
+            # It dropped some of the visible tokens after the masking: the decoder put the rest at the places of others
+            # (ids_restore counts K visible), and the dropped patches were neither seen nor scored.
+            raise ValueError(f"MAE needs an encoder without patch dropout (patch_drop_rate={drop}): the masking is its dropout")
+        if norm_pix_loss and encoder.patch_embed.patch_size**2 * encoder.config["in_chans"] < 2:
+            raise ValueError("norm_pix_loss needs patches of 2+ values (one value's variance is NaN): patch_size=1, in_chans=1 has 1")
+        cls._check_mask_ratio(mask_ratio, encoder.num_patches)
+
+    @staticmethod
+    def _check_mask_ratio(mask_ratio: float, num_patches: int) -> None:
+        """The loss averages over the hidden patches: a ratio that hides none makes it 0 / 0, NaN."""
+        if num_visible(num_patches, mask_ratio) >= num_patches:
+            raise ValueError(f"mask_ratio={mask_ratio} hides none of the {num_patches} patches: the loss (mean over hidden ones) is NaN")
 
     # ----------------------------------------------------------------- the three parts
 
@@ -153,6 +176,7 @@ class MaskedAutoencoder(nn.Module):
         `noise` (B, L), uniform from a seeded CPU generator, fixes the masks, e.g. for a comparable validation loss.
         """
         ratio = self.mask_ratio if mask_ratio is None else mask_ratio
+        self._check_mask_ratio(ratio, self.num_patches)
         latent, mask, ids_restore = self.forward_encoder(imgs, ratio, noise)
         # Training needs predictions of the masked patches only; evaluation and figures get all of them.
         pred = self.forward_decoder(latent, ids_restore, only_masked=self.training)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vit.models.presets import PRESETS
+from vit.models.presets import PRESETS, num_visible
 from vit.device import to_device
 from vit.models.pos_embed import sincos_2d
 
@@ -34,10 +34,13 @@ def random_masking(batch: int, num_patches: int, mask_ratio: float, device=None,
     """Per-sample random masking by sorting uniform noise: `noise` (B, L) when given (drawn from a seeded CPU generator,
     the same masks on every device), else drawn on `device`.
 
-    Returns ids_keep (B, K) of visible patches with K = int(L * (1 - mask_ratio)),
+    Returns ids_keep (B, K) of visible patches with K = `num_visible(L, mask_ratio)`,
     ids_restore (B, L) that undoes the shuffle, and mask (B, L) with 1 = masked, 0 = visible.
     """
-    keep = int(num_patches * (1 - mask_ratio))
+    keep = num_visible(num_patches, mask_ratio)
+    if noise is not None and tuple(noise.shape) != (batch, num_patches):
+        # A smaller batch of noise made every mask that batch's, and the encoder embedded that many images, silently.
+        raise ValueError(f"noise has shape {tuple(noise.shape)}, expected (batch, num_patches) = ({batch}, {num_patches})")
     if noise is not None:
         noise = to_device(noise, torch.device(device or "cpu"))  # (B, L)
     else:
@@ -157,12 +160,16 @@ class DropPath(nn.Module):
 
     def __init__(self, p: float):
         super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"drop_path_rate must be in [0, 1], got {p}")
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         keep = 1.0 - self.p
+        if keep == 0.0:  # the branch is always dropped (timm: zeros); the mask / keep below was 0 / 0, NaN
+            return x * 0.0
         mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)  # (B, 1, 1)
         return x * mask / keep
 
@@ -226,6 +233,30 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
+def check_config(cfg: dict) -> None:
+    """Refuse, naming the argument, what would build a broken encoder or fail later with a stranger error."""
+    for key in ("img_size", "patch_size", "embed_dim", "in_chans", "num_heads"):
+        if cfg[key] < 1:  # patch_size=0 (num_heads=0) was a ZeroDivisionError; img_size=0 an encoder of no patch
+            raise ValueError(f"{key} must be positive, got {cfg[key]}")
+    if cfg["depth"] < 0:
+        raise ValueError(f"depth must be 0 or more, got {cfg['depth']}")
+    if cfg["img_size"] % cfg["patch_size"]:
+        raise ValueError(f"img_size={cfg['img_size']} is not divisible by patch_size={cfg['patch_size']}")
+    if cfg["pos_embed"] not in ("learned", "sincos"):
+        raise ValueError(f"pos_embed must be 'learned' or 'sincos', got {cfg['pos_embed']!r}")
+    if cfg["pos_embed"] == "sincos" and cfg["embed_dim"] % 4:
+        raise ValueError(f"pos_embed='sincos' needs embed_dim divisible by 4 (sin, cos of rows, columns), got embed_dim={cfg['embed_dim']}")
+    if cfg["global_pool"] not in ("token", "avg"):
+        raise ValueError(f"global_pool must be 'token' or 'avg', got {cfg['global_pool']!r}")
+    dim, ratio = cfg["embed_dim"], cfg["mlp_ratio"]
+    if int(dim * ratio) < 1:  # a Linear of width 0: blocks without an MLP, trained and saved without a word
+        raise ValueError(f"mlp_ratio={ratio:g} gives the MLP no hidden unit at embed_dim={dim} (int({dim} * {ratio:g}) = 0)")
+    # patch_drop_rate < 0 built no patch dropout at all, without a word (PatchDropout refuses 1); the others failed in training.
+    for key in ("drop_rate", "attn_drop_rate", "drop_path_rate", "patch_drop_rate"):
+        if not 0.0 <= cfg[key] <= 1.0:
+            raise ValueError(f"{key} must be in [0, 1], got {cfg[key]}")
+
+
 class VisionTransformer(nn.Module):
     """ViT encoder with an optional linear head (`num_classes=0`: headless)."""
 
@@ -249,20 +280,13 @@ class VisionTransformer(nn.Module):
         attn_impl: AttnImpl = "sdpa",
     ):
         super().__init__()
-        if img_size % patch_size:
-            raise ValueError(f"img_size={img_size} is not divisible by patch_size={patch_size}")
-        if pos_embed not in ("learned", "sincos"):
-            raise ValueError(f"pos_embed must be 'learned' or 'sincos', got {pos_embed!r}")
-        if global_pool not in ("token", "avg"):
-            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
-        if int(embed_dim * mlp_ratio) < 1:  # a Linear of width 0: blocks without an MLP, trained and saved without a word
-            raise ValueError(f"mlp_ratio={mlp_ratio:g} gives the MLP no hidden unit at embed_dim={embed_dim} (int({embed_dim} * {mlp_ratio:g}) = 0)")
         self.config = dict(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
             embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
             drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate, patch_drop_rate=patch_drop_rate,
             pos_embed=pos_embed, global_pool=global_pool, attn_impl=attn_impl,
         )  # fmt: skip
+        check_config(self.config)
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.global_pool = global_pool

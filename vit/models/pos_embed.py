@@ -39,6 +39,8 @@ def resample_pos_embed(pos_embed: torch.Tensor, new_grid: int, num_prefix_tokens
 
     pos_embed: (1, P + G*G, D) -> (1, P + new_grid**2, D); the P prefix ([CLS]) rows are kept as they are.
     """
+    if new_grid < 1:
+        raise ValueError(f"new_grid must be positive, got {new_grid}")
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     old = math.isqrt(grid.shape[1])
     if old * old != grid.shape[1]:
@@ -63,6 +65,10 @@ def resample_patch_embed(weight: torch.Tensor, new_size: int) -> torch.Tensor:
     (antialiased bicubic) resize, w' = pinv(R^T) w.
     """
     old = weight.shape[-1]
+    if weight.ndim != 4 or weight.shape[-2] != old:  # a (p, q) kernel was flattened as (q, q): a reshape error of invented sizes
+        raise ValueError(f"patch-embedding kernel must be (D, C, p, p), got {tuple(weight.shape)}")
+    if new_size < 1:
+        raise ValueError(f"new_size must be positive, got {new_size}")
     if old == new_size:
         return weight
     basis = torch.eye(old * old, dtype=torch.float64).reshape(old * old, 1, old, old)

@@ -88,6 +88,27 @@ def test_reference_mae_matches_ours_in_shapes_and_ignores_visible_patches():
     torch.testing.assert_close(loss, ours.forward_loss(imgs, pred, mask_r))
 
 
+REUSED = """
+import torch
+from vit.tools import bench
+freed = torch.ones(200 * 2**20 // 4)  # 200 MiB, touched, then freed: kept resident by malloc (MALLOC_MMAP_THRESHOLD_)
+del freed
+step = lambda: torch.ones(64 * 2**20 // 4)  # 64 MiB a step
+case = bench.Case("toy", "encoder", "fp32", 1, ours=lambda: step, ref=lambda: step, ref_name="toy")
+print(bench.host_step_memory(case, "ours", warmup=1)["peak_memory_mib"])
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="the CPU memory figure reads /proc/self/status")
+def test_host_step_memory_counts_a_step_that_reuses_memory_freed_before():
+    """In a process whose malloc keeps freed memory resident (a raised mmap threshold: the suite's own process after the
+    stages' tests), a step's 64 MiB came from those pages and read as 0 MiB; the heap is now trimmed first."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": str(2**30)}
+    out = subprocess.run([sys.executable, "-c", REUSED], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert 56 <= float(out.stdout.split()[-1]) <= 96
+
+
 @pytest.mark.skipif(not LINUX, reason="the CPU memory figure reads /proc/self/status")
 def test_host_step_memory_sees_what_a_step_holds():
     held = []

@@ -104,7 +104,7 @@ def test_host_step_memory_counts_a_step_that_reuses_memory_freed_before():
     """In a process whose malloc keeps freed memory resident (a raised mmap threshold: the suite's own process after the
     stages' tests), a step's 64 MiB came from those pages and read as 0 MiB; the heap is now trimmed first."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": str(2**30)}
-    out = subprocess.run([sys.executable, "-c", REUSED], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    out = subprocess.run([sys.executable, "-c", REUSED], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert 56 <= float(out.stdout.split()[-1]) <= 96
 

@@ -249,9 +249,13 @@ class Run:
         self._to_wandb("summary", tracking.log_summary, summary)
         if self.trackers_on:
             try:
-                self.accelerator.end_training()
+                self.accelerator.end_training()  # the trackers, then the process group
             except Exception as e:
                 self.warn(f"tracker did not close cleanly ({type(e).__name__})")
+        elif self.accelerator.num_processes > 1:
+            # Left to the interpreter's exit, gloo's threads were once torn down joinable: "terminate called without an
+            # active exception", a rank aborted (SIGABRT) after its run had finished (tests/test_ranks.py, in CI).
+            self.accelerator.state.destroy_process_group()
         if self.lock is not None:
             self.lock.release()
         return summary

@@ -15,7 +15,6 @@ an `encoder.pt`; a `classifier.pt`'s encoder and any run's data section are read
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from vit.store.checkpoint import (
     read_payload,
 )
 from vit.store.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, FIGURES_DIR, MAE_FILE, is_run_folder, read_config
+from vit.store.values import per_channel
 from vit.tools.plots import (
     check_output_folder,
     figure_attention_heads,
@@ -77,14 +77,7 @@ def stored_norm(path: Path, data: Any, channels: int) -> tuple[tuple[float, ...]
         return None
     mean, std = data.get("mean"), data.get("std")
 
-    def numbers(v: Any) -> bool:
-        return (
-            isinstance(v, (list, tuple))
-            and len(v) == channels
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
-        )
-
-    if not (numbers(mean) and numbers(std) and min(std) > 0):
+    if not (per_channel(mean, channels) and per_channel(std, channels, positive=True)):
         raise CheckpointError(f"{path} is damaged: its data mean {mean!r} and std {std!r} are not {channels} numbers each, std above zero")
     return tuple(float(x) for x in mean), tuple(float(x) for x in std)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from vit.cli import refuse_below
 from vit.errors import UserError, exit_on_user_error
 from vit.store.runs import BUDGET_FILE, METRICS_FILE, read_budget, read_metrics
-from vit.tools.reading import is_count, is_finite, is_whole
+from vit.store.values import is_count, is_finite, is_whole
 
 
 def timed_records(run_dir: Path) -> tuple[list[dict], int]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from vit.errors import CheckpointError, UserError
 from vit.store.hub import check_repo_id, hub_config, is_model_folder, push_folder, write_hub_folder
 from vit.models.encoder import VisionTransformer, count_parameters
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, read_config, read_summary, run_folder_of
+from vit.store.values import is_finite, per_channel
 
 # Hub dataset ids, for the card's front matter (the Hub links a model to these).
 HUB_DATASETS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100", "mnist": "ylecun/mnist", "fashionmnist": "zalando-datasets/fashion_mnist"}
@@ -78,10 +78,6 @@ def part(mapping: Any, key: str) -> dict[str, Any]:
     string or a list) makes the card say less instead of stopping the export with a traceback."""
     value = mapping.get(key) if isinstance(mapping, dict) else None
     return value if isinstance(value, dict) else {}
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
@@ -151,7 +147,7 @@ def front_matter(exp: Export, name: str) -> dict[str, Any]:
     if hub_dataset:
         meta["datasets"] = [hub_dataset]
     results = [(r["run"], r.get("job_type", "?"), split, r.get(f"{split}_top1")) for r in accuracy_runs(exp) for split in ("val", "test")]
-    results = [r for r in results if is_number(r[3])]  # a hand-edited summary's "high" is no accuracy
+    results = [r for r in results if is_finite(r[3])]  # a hand-edited summary's "high" is no accuracy
     if results:
         meta["metrics"] = ["accuracy"]
         meta["model-index"] = [{"name": name, "results": [
@@ -193,7 +189,7 @@ def fmt(value: Any, percent: bool = False) -> str:
     if value is None:
         return "-"
     if percent:
-        return f"{100 * value:.1f}%" if is_number(value) else "-"
+        return f"{100 * value:.1f}%" if is_finite(value) else "-"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -284,8 +280,7 @@ def check_export(exp: Export) -> None:
                               "damaged; nothing was written")  # fmt: skip
     channels = exp.model.config["in_chans"]
     for key, values in (("mean", exp.mean), ("std", exp.std)):
-        fits = isinstance(values, (list, tuple)) and len(values) == channels and all(is_number(v) for v in values)
-        if not fits or (key == "std" and min(values) <= 0):
+        if not per_channel(values, channels, positive=key == "std"):
             raise CheckpointError(f"{where} records the input normalisation {key}={values!r}: expected {channels} finite numbers, one "
                                   f"per input channel{', each above 0' if key == 'std' else ''}; nothing was written")  # fmt: skip
 

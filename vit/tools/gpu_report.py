@@ -19,7 +19,8 @@ from typing import Any
 
 from vit.errors import UserError
 from vit.store.runs import METRICS_FILE, SUMMARY_FILE, read_json, read_metrics, read_summary, to_json
-from vit.tools.reading import brief, is_count, is_finite, is_number, is_text
+from vit.store.values import is_count, is_finite, is_number
+from vit.tools.reading import brief, is_text
 
 NOT_MEASURED = "not measured"
 DAMAGED = "damaged (named below)"  # a row whose input is damaged: the input and what is wrong are listed under the table

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from vit.errors import UserError
 from vit.store.runs import METRICS_FILE, RUN_MARKERS, RunFolder, is_run_folder, read_run
+from vit.store.values import is_finite, is_number
 
 
 def find_runs(paths: list[str]) -> list[Path]:
@@ -73,22 +73,6 @@ def load_runs(paths: list[str], patterns: list[str] | None = None) -> list[RunFo
                 raise UserError(f"--runs {pattern!r} matches none of the runs: {', '.join(r.name for r in runs)}")
         runs = [r for r in runs if any(matches(r, p) for p in patterns)]
     return runs
-
-
-def is_number(value: object) -> bool:  # NaN is one: a top-1 of an older summary, read as none
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def is_finite(value: object) -> bool:
-    return is_number(value) and math.isfinite(value)
-
-
-def is_whole(value: object) -> bool:  # a step as JSON writes it: 3, not 3.0 or true
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_count(value: object) -> bool:
-    return is_whole(value) and value >= 0
 
 
 def brief(value: object) -> str:

@@ -22,7 +22,6 @@ table as never candidates. `scripts/results_table.py` is the command line.
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from collections.abc import Iterable
@@ -32,7 +31,8 @@ from typing import Any
 
 from vit.errors import UserError
 from vit.store.runs import CONFIG_FILE, SUMMARY_FILE, RunFolder, is_run_folder, read_run
-from vit.tools.reading import HOST_FIELDS, brief, is_finite, is_number, is_text
+from vit.store.values import is_finite, is_number
+from vit.tools.reading import HOST_FIELDS, brief, is_text
 from vit.tools.records import by_host
 
 # Numbers as the sweep writes them, ASCII digits without leading zeros or trailing fraction zeros: one number has one
@@ -171,7 +171,7 @@ def budget_minutes(run: RunFolder) -> float | None:
 
 def top1(run: RunFolder, split: str) -> float | None:
     value = run.summary.get(f"{split}_top1")  # an older summary's NaN would win or lose every choice on val at random: None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+    return float(value) if is_finite(value) else None
 
 
 def pretraining_of(runs: dict[str, RunFolder], name: str, budget: float, share: int) -> RunFolder:

@@ -30,6 +30,7 @@ from vit.device import synchronize
 # A forward pass is about a third of a training step's work per image (backward ~ 2x forward).
 FORWARD_SHARE = 1 / 3
 
+
 def figure(seconds: float) -> float:
     """`seconds` to 4 significant figures, for the plan and the summary: 4 decimals read a linear probe's 0.04 ms step on a
     GPU as 0.0 s, beside millions of steps."""

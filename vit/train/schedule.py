@@ -66,7 +66,6 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations:
     With `schedule.budget_minutes`, `evaluations` say what the stage evaluates along the way and at the end, which the
     budget's plan leaves time for."""
     accum = cfg.optim.grad_accum_steps
-    minutes = cfg.schedule.budget_minutes
     steps_per_epoch = batches_per_epoch // accum
     if steps_per_epoch < 1:
         raise ConfigError(
@@ -86,5 +85,5 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations:
         min_lr=cfg.optim.min_lr,
         warmup_steps=round(cfg.schedule.warmup_epochs * steps_per_epoch),
         max_steps=cfg.schedule.max_steps,
-        budget=Budget(minutes, evaluations) if minutes is not None else None,
+        budget=Budget(cfg.schedule.budget_minutes, evaluations) if cfg.schedule.budget_minutes is not None else None,
     )

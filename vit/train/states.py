@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from vit.store.runs import (
     trim_metrics,
     trim_states,
 )
+from vit.store.values import is_count, is_finite
 from vit.train.run import Run, setting_differences
 
 RECORD_KEY = "saved_by"  # trainer.json's record of the run that saved the state; no field of `Progress`
@@ -186,7 +186,7 @@ def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
         raise CheckpointError(f"{STATE_FILE} holds a {type(saved).__name__}, not a JSON object")
     record = saved.pop(RECORD_KEY, None)
     checks = {**{name: lambda v: is_count(v) for name in COUNTS}, "best": lambda v: isinstance(v, dict),
-              "train_time": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+              "train_time": lambda v: is_finite(v) and v >= 0,
               "planned_steps": lambda v: v is None or (is_count(v) and v > 0), "plan": lambda v: v is None or isinstance(v, dict)}  # fmt: skip
     for name, value in saved.items():
         if name not in PROGRESS_FIELDS:
@@ -197,10 +197,6 @@ def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
     if record is not None and not sound:
         raise CheckpointError(f"{STATE_FILE}'s {RECORD_KEY!r} is damaged")
     return Progress(**saved), record
-
-
-def is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def check_fits(run: Run, path: Path, progress: Progress, record: dict[str, Any] | None) -> None:

@@ -191,9 +191,7 @@ def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callabl
         raise CheckpointError(f"{path} was saved from a different encoder (checkpoint != this run): {'; '.join(diff)}")
     state = payload["state_dict"]
     if model.config["pos_embed"] == "sincos" and stored.get("pos_embed", "learned") != "sincos":
-        # It would load into the frozen parameter: a learned table, fixed, where the run says sin-cos.
-        raise CheckpointError(f"{path} holds a learned positional table: model.pos_embed=sincos would load it frozen, not a sin-cos "
-                              "table; set model.pos_embed=learned to fine-tune it")  # fmt: skip
+        raise learned_table(str(path))
     if stored.get("img_size") != model.config["img_size"] and "pos_embed" in state:
         try:
             state = {**state, "pos_embed": resampled_pos_embed(state["pos_embed"], stored, model)}
@@ -212,6 +210,13 @@ def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callabl
     if unexpected or set(missing) != head_keys:
         raise CheckpointError(f"{path} does not match the encoder: missing {sorted(set(missing) - head_keys)}, unexpected {sorted(unexpected)}")
     return payload
+
+
+def learned_table(where: str) -> CheckpointError:
+    """A learned positional table given to a model whose table is a fixed sin-cos one (an encoder.pt's or a timm / Hub
+    folder's): it would load into the frozen parameter, a learned table fixed where the run says sin-cos."""
+    return CheckpointError(f"{where} holds a learned positional table: model.pos_embed=sincos would load it frozen, not a sin-cos "
+                           "table; set model.pos_embed=learned to fine-tune it")  # fmt: skip
 
 
 def resampled_pos_embed(table: torch.Tensor, stored: dict, model: VisionTransformer) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from vit.data.provenance import record_from_json
-from vit.store.checkpoint import CheckpointError, describe, load_timm_weights, non_finite, read_weights_file
+from vit.store.checkpoint import CheckpointError, describe, learned_table, load_timm_weights, non_finite, read_weights_file
 from vit.store.atomic import atomic_write
 from vit.store.runs import LOCK_FILE, holds_run, read_config
 from vit.errors import ConfigError, UserError
@@ -401,6 +401,5 @@ def fixed_pos_embed(model: VisionTransformer, state: dict[str, torch.Tensor], in
         return {}
     atol = 1e-4 if table.dtype in (torch.float32, torch.float64) else 1e-2  # a table saved in 16 bits
     if not torch.allclose(table[0].double(), sincos_2d(model.embed_dim, grid).double(), atol=atol):
-        raise CheckpointError(f"finetune.init={init} holds a learned positional table: model.pos_embed=sincos would load it frozen, "
-                              "not a sin-cos table; set model.pos_embed=learned to fine-tune it")  # fmt: skip
+        raise learned_table(f"finetune.init={init}")
     return {"pos_embed": sincos_2d(model.embed_dim, model.patch_embed.grid_size).unsqueeze(0).to(model.pos_embed.dtype)}

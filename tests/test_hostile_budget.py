@@ -14,7 +14,7 @@ from vit.train.schedule import loop_spec
 
 
 def schedule_cfg(budget_minutes):
-    optim = SimpleNamespace(grad_accum_steps=1, batch_size=32, lr=None, base_lr=1e-3, min_lr=0.0)
+    optim = SimpleNamespace(name="adamw", grad_accum_steps=1, batch_size=32, lr=None, base_lr=1e-3, min_lr=0.0, weight_decay=0.05)
     schedule = SimpleNamespace(epochs=2, warmup_epochs=0.5, max_steps=None, budget_minutes=budget_minutes)
     return SimpleNamespace(optim=optim, schedule=schedule)
 

@@ -21,10 +21,17 @@ def lr_at(step: int, total_steps: int, warmup_steps: int, peak_lr: float, min_lr
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None, num_layers: int | None = None) -> list[dict]:
     """Optimiser groups: no decay on 1-D tensors (norms, biases) and on `model.no_weight_decay()` names.
 
+    A model under torch.compile or (Distributed)DataParallel is grouped as the module it wraps: the wrapper's names carry a
+    prefix (`_orig_mod.`, `module.`) that `no_weight_decay()` names lack, which would decay [CLS] and the positional table,
+    and under torch.compile would put every parameter after the blocks (layer decay silently off).
+
     With `layer_decay`, each group carries `lr_scale = layer_decay ** (num_layers + 1 - layer_id)`:
     embeddings are layer 0, block i is layer i + 1, everything after the blocks (norm, head)
     is layer num_layers + 1 with scale 1 (BEiT / MAE fine-tuning).
     """
+    from vit.store.checkpoint import unwrap  # here: the loop imports this module, and must not import the model (tests/test_runs.py)
+
+    model = unwrap(model)
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
     groups: dict[tuple[int, bool], dict] = {}
     for name, p in model.named_parameters():

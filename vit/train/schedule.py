@@ -74,6 +74,18 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations:
         )
     effective = cfg.optim.batch_size * accum * num_processes
     peak = cfg.optim.lr if cfg.optim.lr is not None else cfg.optim.base_lr * effective / 256
+    if not math.isfinite(peak):  # optim.lr is finite (the loader refuses inf): only the scaled base_lr can overflow
+        raise ConfigError(f"optim.base_lr={cfg.optim.base_lr:g} x effective batch {effective} / 256 overflows to an infinite peak "
+                          "learning rate (the warm-up's first step would run at 0 x inf = NaN); lower optim.base_lr")  # fmt: skip
+    decay = peak * cfg.optim.weight_decay
+    if cfg.optim.name in ("adamw", "sgd") and decay >= 1:
+        # AdamW multiplies each decayed weight by 1 - lr x weight_decay every step (SGD's coupled decay does the same before
+        # its momentum): at >= 1 the peak zeroes the weights or flips their sign. LARS scales the decay into its
+        # trust-ratio step, whose size is set by the weight's norm, so the product means nothing there.
+        how = "optim.lr" if cfg.optim.lr is not None else f"optim.base_lr x effective batch {effective} / 256"
+        raise ConfigError(f"optim.weight_decay={cfg.optim.weight_decay:g} x the peak learning rate {peak:.3g} ({how}) is {decay:.3g}: "
+                          f"{cfg.optim.name} multiplies each decayed weight by 1 - lr x weight_decay every step, which is <= 0 at the "
+                          "peak (the weights are zeroed or change sign); lower optim.weight_decay or the learning rate")  # fmt: skip
     if cfg.optim.min_lr > peak:
         how = "optim.lr" if cfg.optim.lr is not None else f"optim.base_lr x effective batch {effective} / 256"
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr:g} is above the peak learning rate {peak:.3g} ({how}): the cosine decay "

@@ -1,10 +1,11 @@
 """The memory loader's cache: a source's images decoded once into `<cache_dir>/<dataset>-<hash>.pt`.
 
 The hash covers the source's identity (a path with its size and newest change time, mtime or ctime, linked folders
-included; or an identity string for shard lists and Hub datasets), the decode settings (size, `data.max_image_pixels`)
-and `FORMAT_VERSION`, so a changed source is decoded again. Images skipped by `data.skip_bad_images` are recorded in
-the cache too. A broken cache file is rebuilt, a truncated one or one whose bytes changed (each split's pixels and
-labels carry a CRC-32); the cache is never written next to the input.
+included and hidden ones not, as the listing reads them; or an identity string for shard lists and Hub datasets), the
+decode settings (size, `data.max_image_pixels`) and `FORMAT_VERSION`, so a changed source is decoded again. Images
+skipped by `data.skip_bad_images` are recorded in the cache too. A broken cache file is rebuilt, a truncated one or one
+whose bytes changed (each split's pixels and labels carry a CRC-32); the cache is never written next to the input, and
+a folder that cannot take it is refused before decoding.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -26,8 +28,8 @@ from vit.data.splits import ImageSet
 from vit.errors import DataError
 from vit.store.atomic import atomic_save, nearest_existing
 
-FORMAT_VERSION = 3  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs;
-#   3: each split's CRC-32 and the names and sizes of its files)
+FORMAT_VERSION = 4  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs;
+#   3: each split's CRC-32 and the names and sizes of its files; 4: torchvision's Resize + CenterCrop, .ppm and .pgm files)
 
 
 def cache_path(cfg: DataConfig, source: Path | str, extra: tuple = ()) -> Path:
@@ -63,6 +65,7 @@ def cached(cfg: DataConfig, source: Path | str, decode: Callable[[list], dict[st
                 raise BadImage(f"{bad[0][1]}; data.skip_bad_images=true skips such files")
             skipped.extend(bad)
             return result
+    _refuse_unwritable(path.parent)  # a cache that can be read is read from a read-only folder; one to write is tried first
     start = time.perf_counter()
     bad: list[tuple[str, str]] = []
     result = decode(bad)
@@ -135,14 +138,22 @@ def _fingerprint(source: Path) -> tuple[int, int]:
 
 
 def _walk(folder: Path, above: frozenset[str] = frozenset()) -> Iterator[os.DirEntry]:
-    """Every entry under `folder`, into linked folders too: `vit.data.files.list_images` lists the images behind a link,
-    so an image changed there changes the source. A link that loops is not followed (the listing refuses it)."""
+    """Every entry under `folder` that `vit.data.files.list_images` would look at: into linked folders too (it lists the
+    images behind a link, so an image changed there changes the source), not hidden ones (it skips them: a `git fetch`
+    in a `.git` beside the images decoded them again). A link that loops is not followed and a folder that cannot be
+    listed is passed over: the listing names either where it reads them (a root-only `lost+found` beside train/ and
+    val/ is never read, yet it stopped the memory loader with a PermissionError traceback)."""
     above = above | {os.path.realpath(folder)}
-    with os.scandir(folder) as it:
-        for entry in it:
-            yield entry
-            if entry.is_dir() and not loops(os.path.realpath(entry.path), above):
-                yield from _walk(Path(entry.path), above)
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        yield entry
+        if entry.is_dir() and not loops(os.path.realpath(entry.path), above):
+            yield from _walk(Path(entry.path), above)
 
 
 def _refuse_next_to(cache_dir: Path, source: Path) -> None:
@@ -156,6 +167,18 @@ def _refuse_non_folder(folder: Path) -> None:
     result."""
     if not (p := nearest_existing(folder)).is_dir():
         raise DataError(f"data.cache_dir {folder} cannot be a folder: {p} is a file; set data.cache_dir to a folder")
+
+
+def _refuse_unwritable(folder: Path) -> None:
+    """Before any decoding: a cache_dir where no file can be written (a read-only folder or file system) was found out only
+    when the decoded images were to be written, hours later for a large tree."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".writable.", dir=folder)
+    except OSError as e:
+        raise DataError(f"cannot write the data cache in {folder} ({e.strerror}); set data.cache_dir to a writable folder") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def cache_dir(cfg: DataConfig) -> Path:

@@ -1,6 +1,6 @@
 """Encoded image bytes -> uint8 RGB arrays: the one place that calls PIL on training data.
 
-    decode_image(data, name, image_size=32)        # (S, S, 3): shorter side resized to S, centre-cropped (caches, evaluation)
+    decode_image(data, name, image_size=32)        # (S, S, 3): torchvision's Resize(S) + CenterCrop(S) (caches, evaluation)
     decode_crop(data, name, out_size, box)         # (out, out, 3): a crop box of the original, resized (streamed training)
 
 Both refuse an empty file and, with `max_pixels` (`data.max_image_pixels`), an image whose header says it has
@@ -28,7 +28,8 @@ import numpy as np
 
 from vit.errors import DataError
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+# torchvision's ImageFolder extensions (.ppm and .pgm too: a tree of them is the same dataset there), and GIFs.
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 
 Box = tuple[float, float, float, float]  # (x0, y0, w, h) in pixels of the original image
 
@@ -76,10 +77,13 @@ def to_rgb(im):
         grey = np.asarray(im, dtype=np.uint32) >> 8 if im.mode != "I" else np.asarray(im).clip(0, 65535).astype(np.uint32) >> 8
         return Image.fromarray(grey.astype(np.uint8), mode="L").convert("RGB")
     if im.mode == "F":
-        # Floats: 0..1 images are common, anything else is scaled by its own range.
+        # Floats: 0..1 images are common, anything else is scaled by its own range. NaN (no data) is black and
+        # infinities the ends of that range: one NaN pixel made the whole image black (a NaN maximum).
         arr = np.asarray(im, dtype=np.float32)
-        hi = float(arr.max()) if arr.size else 1.0
+        finite = arr[np.isfinite(arr)]
+        hi = float(finite.max()) if finite.size else 1.0
         scale = 255.0 if hi <= 1.0 else 255.0 / hi
+        arr = np.nan_to_num(arr, nan=0.0, posinf=max(hi, 1.0), neginf=0.0)
         return Image.fromarray((arr.clip(0, None) * scale).round().clip(0, 255).astype(np.uint8), mode="L").convert("RGB")
     if im.mode == "P" and "transparency" in im.info:
         im = im.convert("RGBA")
@@ -106,8 +110,8 @@ def _load(im, name: str):
 
 def decode_image(data: bytes, name: str, image_size: int | None = None, max_pixels: int | None = None) -> np.ndarray:
     """Encoded bytes -> (H, W, 3) uint8; with `image_size`, the shorter side resized to it (bilinear, antialiased),
-    then centre-cropped square: (image_size, image_size, 3). An image of more than `max_pixels` pixels is a BadImage,
-    told from its header before any pixel is decoded."""
+    then centre-cropped square, as torchvision's `Resize` + `CenterCrop` (`centre_box`): (image_size, image_size, 3).
+    An image of more than `max_pixels` pixels is a BadImage, told from its header before any pixel is decoded."""
     from PIL import Image
 
     im = _open(data, name, max_pixels)
@@ -118,13 +122,22 @@ def decode_image(data: bytes, name: str, image_size: int | None = None, max_pixe
             _draft(im, w * image_size / short, h * image_size / short)  # JPEG's DCT scaling: decode big photos at >= the size we keep
         rgb = to_rgb(_load(im, name))
         if image_size is not None and rgb.size != (image_size, image_size):
-            w, h = rgb.size
-            scale = image_size / min(w, h)
-            new_w, new_h = max(image_size, round(w * scale)), max(image_size, round(h * scale))
-            rgb = rgb.resize((new_w, new_h), Image.BILINEAR)
-            left, top = (new_w - image_size) // 2, (new_h - image_size) // 2
-            rgb = rgb.crop((left, top, left + image_size, top + image_size))
+            rgb = rgb.resize((image_size, image_size), Image.BILINEAR, box=centre_box(*rgb.size, image_size))
         return np.asarray(rgb, dtype=np.uint8)
+
+
+def centre_box(width: int, height: int, size: int) -> tuple[float, float, float, float]:
+    """The region of a width x height image that torchvision's `Resize(size)` then `CenterCrop(size)` keep, in its pixels
+    (x0, y0, x1, y1): the shorter side resized to `size`, the longer truncated to whole pixels, the crop's offset rounded,
+    each as torchvision computes it. Resampling this region alone (PIL's `resize(box=...)`) gives their pixels without
+    the whole image resized first: a 1 x 1,000,000 px PNG of 4 KB, under any pixel limit, resized to 224 px wide
+    would have been 150 GB."""
+    short, long = min(width, height), max(width, height)
+    new_long = int(size * long / short)
+    new_w, new_h = (size, new_long) if width <= height else (new_long, size)
+    left, top = round((new_w - size) / 2.0), round((new_h - size) / 2.0)  # round half to even, as CenterCrop
+    sx, sy = width / new_w, height / new_h
+    return left * sx, top * sy, (left + size) * sx, (top + size) * sy
 
 
 def decode_crop(data: bytes, name: str, out_size: int, box: Callable[[int, int], Box], max_pixels: int | None = None) -> np.ndarray:
@@ -185,8 +198,15 @@ def _crop_jpeg_torch(data: bytes, box: tuple[int, int, int, int], out_size: int)
 
 
 def first_image_size(files) -> tuple[int, int]:
-    """(width, height) of the first image of a `vit.data.files.FileSet`, read from its header."""
-    data, name = files.read(0)
-    im = _open(data, name)
-    with im:
-        return im.size
+    """(width, height) of the first image of a `vit.data.files.FileSet` that opens, read from its header. One that does
+    not is the decoding's to name or skip (`data.skip_bad_images`): refused here, a damaged first file stopped
+    `data.loader=auto` that skip_bad_images would have skipped. The first one's BadImage when none opens."""
+    first = None
+    for i in range(len(files)):
+        try:
+            data, name = files.read(i)
+            with _open(data, name) as im:
+                return im.size
+        except BadImage as e:
+            first = first or e
+    raise first if first is not None else DataError("no image files to size")

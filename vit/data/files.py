@@ -45,7 +45,7 @@ class PathReader:
 
     def identity(self, index: torch.Tensor) -> str:
         """Names and sizes of the files at `index`: the same files copied elsewhere give the same string."""
-        return "".join(f"{self.paths[i]}\0{self._size(i)}\n" for i in index.tolist())
+        return "".join(f"{as_text(self.paths[i])}\0{self._size(i)}\n" for i in index.tolist())
 
     def _size(self, i: int) -> int:
         try:
@@ -115,6 +115,12 @@ class ShardSet:
         return bool(self.classes)
 
 
+def as_text(name: str) -> str:
+    """A file name as text that encodes: one whose bytes are not UTF-8 (held by Python as lone surrogates, which
+    `.encode()` refuses: a traceback once the tree was decoded) with those bytes as `\\xNN`; any other name unchanged."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def list_images(root: Path) -> list[str]:
     """Every image file under `root` at any depth, as sorted '/'-separated relative paths; hidden files and folders skipped."""
     found = []
@@ -159,10 +165,11 @@ def tree_files(root: Path, split_names: tuple[str, ...]) -> dict[str, FileSet]:
     """A labelled tree `<root>/<split>/<class>/**/<image>`: {split: FileSet} for the splits present; classes from train/."""
     if not (root / "train").is_dir():
         raise DataError(f"{root} has no train/ folder: expected {root}/train/<class>/<image>")
-    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
+    folders = sorted(p.name for p in (root / "train").iterdir() if p.is_dir() and not p.name.startswith("."))  # torchvision's order
+    if not folders:
         raise DataError(f"{root / 'train'} has no class folders: expected {root}/train/<class>/<image>")
-    index = {c: i for i, c in enumerate(classes)}
+    index = {c: i for i, c in enumerate(folders)}
+    classes = [as_text(c) for c in folders]  # names that go into checkpoints, JSON and plots
     result = {}
     for split in split_names:
         folder = root / split
@@ -171,7 +178,8 @@ def tree_files(root: Path, split_names: tuple[str, ...]) -> dict[str, FileSet]:
         paths, labels = [], []
         for class_dir in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
             if class_dir.name not in index:
-                raise DataError(f"{root}: class folder {split}/{class_dir.name} has no counterpart in train/ (train classes: {', '.join(classes)})")
+                raise DataError(f"{root}: class folder {split}/{as_text(class_dir.name)} has no counterpart in train/ "
+                                f"(train classes: {', '.join(classes)})")  # fmt: skip
             files = list_images(class_dir)
             if not files:
                 raise DataError(f"empty class folder {class_dir}: expected images")

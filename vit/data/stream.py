@@ -18,12 +18,15 @@ Order and randomness are pure functions of their coordinates, as in the memory p
 - files (folders, Hugging Face rows): the epoch's order is `vit.data.augment.epoch_order` (one seeded
   permutation, rank r takes every world_size-th sample), each image's crop is seeded by
   (seed, epoch, its position); so `run.resume=auto` continues at the next unseen batch exactly.
-- shards: each epoch the shards are permuted by (seed, epoch); rank r reads every world_size-th
-  shard and worker w of its `workers` every workers-th of those, in order, through a shuffle buffer
-  seeded by (seed, epoch, rank, worker), repeating its shards if the epoch asks for more samples
-  than they hold. Every rank yields exactly `len(loader)` batches, so ranks stay in step. Batch b
-  comes from worker b % workers; a resume skips, without decoding, the samples of the batches
-  already trained, so it is exact when the process count and `data.workers` are unchanged.
+- shards: each epoch the shards are permuted by (seed, epoch) and dealt, the largest first, to the
+  ranks and then to the rank's `workers` worker roles, each shard to the one holding the fewest
+  training samples so far (`vit.data.sources.shards.shard_plan`). A role reads its shards in order
+  through a shuffle buffer seeded by (seed, epoch, rank, role) and makes its share of the rank's
+  batches, in proportion to the samples its shards hold, so it reads them about once an epoch
+  whatever their sizes (a rank whose shards hold fewer samples than its batches repeats them). Every rank yields exactly `len(loader)`
+  batches, so ranks stay in step. The roles take turns in order (`ShardPlan.schedule`), those done
+  left out; a resume skips, without decoding, the samples of the batches already trained, so it is
+  exact when the process count and `data.workers` are unchanged.
 The loader draws nothing from the global torch RNG (its DataLoaders seed their workers from a generator of their own):
 MAE masks and patch dropout draw from it, and a resumed run restores it, so they too are those of an uninterrupted run.
 
@@ -34,11 +37,11 @@ then they are left out of their batch, counted and reported by `BadImageLog`.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 import random
 import sys
 import tarfile
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -46,11 +49,11 @@ import numpy as np
 import torch
 
 from vit.data.augment import Loader, epoch_order, fallback_size, finish_batch
-from vit.data.splits import seeded_generator
 from vit.data.decode import BadImage, Box, decode_crop, decode_image
-from vit.errors import DataError, UserError
 from vit.data.files import FileSet, ShardSet
-from vit.data.sources.shards import sample_image, sample_label, shard_samples
+from vit.data.sources.shards import ShardPlan, sample_image, sample_label, shard_plan, shard_samples
+from vit.data.splits import seeded_generator
+from vit.errors import DataError, UserError
 
 WARN_LIMIT = 20  # bad images named in warnings per process; the rest are only counted
 
@@ -208,23 +211,19 @@ class _EpochBatches(torch.utils.data.Sampler):
 
 
 class _ShardBatches(torch.utils.data.IterableDataset):
-    """Iterable: worker w of rank r reads its shards of the epoch (see the module docstring) and yields full batches forever."""
+    """Iterable: worker role w of rank r reads its shards of the epoch (`shard_plan`) and yields its batches of it."""
 
     def __init__(self, shards: ShardSet, decoder: Decoder, skip_bad: bool, batch_size: int, epoch: int, start_batch: int,
-                 rank: int, world_size: int, workers: int, shuffle_buffer: int, finish: Finisher | None):  # fmt: skip
+                 plan: ShardPlan, rank: int, shuffle_buffer: int, finish: Finisher | None):  # fmt: skip
         self.shards, self.decoder, self.skip_bad, self.batch_size, self.finish = shards, decoder, skip_bad, batch_size, finish
-        self.epoch, self.start_batch, self.rank, self.world_size = epoch, start_batch, rank, world_size
-        self.workers, self.shuffle_buffer = workers, shuffle_buffer
+        self.epoch, self.start_batch, self.plan, self.rank = epoch, start_batch, plan, rank
+        self.shuffle_buffer = shuffle_buffer
 
-    def shards_of(self, worker: int) -> list[int]:
-        order = torch.randperm(len(self.shards.urls), generator=seeded_generator("shards", self.decoder.seed, self.epoch)).tolist()
-        return order[self.rank :: self.world_size][worker :: self.workers]
-
-    def shuffled(self, worker: int) -> Iterator[tuple[int, dict]]:
-        """(cycle, sample) of this worker's shards (the val keys left out) through a seeded shuffle buffer, drained at the
+    def shuffled(self, role: int) -> Iterator[tuple[int, dict]]:
+        """(cycle, sample) of this role's shards (the val keys left out) through a seeded shuffle buffer, drained at the
         end of every pass, so each pass yields exactly the shards' samples; the passes repeat forever."""
-        mine = [self.shards.urls[i] for i in self.shards_of(worker)]
-        rng = random.Random(seed_of("shuffle", self.decoder.seed, self.epoch, self.rank, worker))
+        mine = [self.shards.urls[i] for i in self.plan.roles[role]]
+        rng = random.Random(seed_of("shuffle", self.decoder.seed, self.epoch, self.rank, role))
         cycle = 0
         while True:
             buffer: list[dict] = []
@@ -253,23 +252,28 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         except UserError as e:
             yield {"fatal": str(e)}
         except (OSError, tarfile.TarError, EOFError) as e:
-            where = getattr(e, "filename", None) or ", ".join(self.shards.urls[i] for i in self.shards_of(self.worker()))
+            where = getattr(e, "filename", None) or ", ".join(self.shards.urls[i] for i in self.plan.roles[self.role()])
             yield {"fatal": f"cannot read shard {where}: {getattr(e, 'strerror', None) or e} (it changed after the scan at the start of the run)"}
 
-    def worker(self) -> int:
-        """This worker's role: the DataLoader takes batches from its workers in turn, starting with worker 0; batch b
-        belongs to the worker of role b % workers, so worker 0 plays the role of start_batch's worker and the others follow."""
+    def role(self) -> int:
+        """This worker's role. The DataLoader takes batches from its workers in turn, starting with worker 0, and leaves
+        out those whose iterators have ended: worker 0 plays the role that makes batch start_batch, the others follow in
+        turn, so the batches come in `plan.schedule`'s order from start_batch on."""
         info = torch.utils.data.get_worker_info()
-        return ((info.id if info is not None else 0) + self.start_batch) % self.workers
+        workers = len(self.plan.roles)
+        return ((info.id if info is not None else 0) + self.plan.schedule[self.start_batch]) % workers
 
     def batches(self) -> Iterator[dict[str, Any]]:
-        worker = self.worker()
-        stream = self.shuffled(worker)
-        # This worker makes batches worker, worker + workers, ...: skip those before start_batch without decoding them.
-        skipped = max(0, math.ceil((self.start_batch - worker) / self.workers))
+        role = self.role()
+        stream = self.shuffled(role)
+        mine = self.plan.batches_of(role)
+        # Skip this role's batches before start_batch without decoding them (a role whose batches all came before reads nothing).
+        skipped = sum(1 for b in mine if b < self.start_batch)
+        if skipped == len(mine):
+            return
         for _ in range(skipped * self.batch_size):
             next(stream)
-        for k in itertools.count(skipped):  # this worker's k-th batch is the rank's batch worker + k * workers
+        for b in mine[skipped:]:
             batch = BatchBuilder(self.batch_size, self.decoder.out_size, self.skip_bad)
             for _ in range(self.batch_size):
                 cycle, sample = next(stream)
@@ -280,7 +284,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
                     continue
                 data, name = found
                 batch.add(self.decoder, data, name, sample_label(sample), sample["__key__"], self.epoch, cycle, sample["__key__"])
-            yield batch.done(self.finish, self.epoch, worker + k * self.workers)
+            yield batch.done(self.finish, self.epoch, b)
 
 
 class BadImageLog:
@@ -333,8 +337,9 @@ class StreamLoader(Loader):
                 raise ValueError("shards are read for training only; evaluation sets are decoded into memory")
             if len(data.urls) < world_size:
                 raise DataError(f"{len(data.urls)} shard(s) cannot be split among {world_size} processes: write at least one shard per process")
-            # A worker without a shard would end the epoch early: at most as many workers as each rank has shards.
-            workers = max(1, min(workers, len(data.urls) // world_size))
+            # At most as many workers as each rank has shards (a role without one makes no batch); 0 stays 0: decoding in
+            # this process, as asked (it started one worker process).
+            workers = min(workers, len(data.urls) // world_size)
         super().__init__(len(data), batch_size, **settings)
         self.data, self.classes, self.workers = data, list(data.classes), workers
         self.skip_bad, self.shuffle_buffer = skip_bad, shuffle_buffer
@@ -357,8 +362,11 @@ class StreamLoader(Loader):
 
     def _batches(self, epoch: int, start_batch: int) -> Iterator[dict[str, Any]]:
         if isinstance(self.data, ShardSet):
-            dataset = _ShardBatches(self.data, self.decoder, self.skip_bad, self.batch_size, epoch, start_batch, self.rank,
-                                    self.world_size, max(1, self.workers), self.shuffle_buffer, self._worker_finish())  # fmt: skip
+            if start_batch >= self.num_batches:
+                return
+            plan = self.shard_plan(epoch)
+            dataset = _ShardBatches(self.data, self.decoder, self.skip_bad, self.batch_size, epoch, start_batch, plan, self.rank,
+                                    self.shuffle_buffer, self._worker_finish())  # fmt: skip
             loader = self._data_loader(dataset, batch_size=None)
             it = iter(loader)
             try:
@@ -386,6 +394,12 @@ class StreamLoader(Loader):
                                                    persistent=True, batch_sampler=self._sampler)  # fmt: skip
         self._sampler.batches = batches
         yield from self._files_loader
+
+    def shard_plan(self, epoch: int) -> ShardPlan:
+        """This rank's shards of `epoch`, dealt to its worker roles, and the batches each role makes (shards only)."""
+        held = Counter(url for url, _ in self.data.exclude)  # val samples carved from a shard are not training samples
+        samples = [size - held[url] for url, size in zip(self.data.urls, self.data.sizes)]
+        return shard_plan(samples, self.num_batches, self.seed, epoch, self.rank, self.world_size, max(1, self.workers))
 
     def raw_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[RawBatch]:
         """The uint8 batches of `epoch` from `start_batch` on, as the workers made them (bad images reported here)."""

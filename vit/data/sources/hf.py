@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,10 @@ from vit.data.sources.base import IMAGENET_MEAN, IMAGENET_STD, Source, existing_
 from vit.data.sources.trees import decode_file_sets
 from vit.data.splits import ImageSet
 from vit.errors import DataError
+
+# Bump when `hf_files` reads other splits from the same dataset, so the memory loader's caches of the old ones are not
+# reused (2: a split whose labels are withheld is left out; it was cached with labels -1).
+SPLITS_VERSION = 2
 
 
 class HuggingFace(Source):
@@ -34,9 +39,9 @@ class HuggingFace(Source):
         cfg = self.cfg
         decode = lambda bad: decode_file_sets(cfg, self.file_sets(), bad)  # noqa: E731
         if not Path(cfg.root).expanduser().exists():  # a Hub name: the dataset's own fingerprint identifies it
-            identity = repr(("hub", cfg.root, hf_fingerprint(cfg.root, None), cfg.image_column, cfg.label_column))
+            identity = repr(("hub", cfg.root, hf_fingerprint(cfg.root, None), cfg.image_column, cfg.label_column, SPLITS_VERSION))
             return cached(cfg, identity, decode, skipped, where=cfg.root)
-        return cached(cfg, existing_root(cfg.root), decode, skipped, extra=(cfg.image_column, cfg.label_column))
+        return cached(cfg, existing_root(cfg.root), decode, skipped, extra=(cfg.image_column, cfg.label_column, SPLITS_VERSION))
 
 
 class HFReader:
@@ -139,18 +144,33 @@ def hf_files(location: str, image_column: str, label_column: str | None) -> dict
     _check_image_column(train, image_column, location)
     classes: list[str] = []
     if label_column is not None and label_column in columns:
-        classes = _hf_classes(train, label_column)
+        # A train split whose labels are all withheld (-1, ClassLabel's "no label") is unlabelled: pretraining reads it.
+        classes = _hf_classes(train, label_column) if _has_labels(train, label_column) else []
     elif label_column not in (None, "label"):
         raise DataError(f"the Hugging Face dataset {location} has no column {label_column!r} (data.label_column); its columns: {', '.join(columns)}")
     result = {}
     for key, part in parts.items():
         n = len(part)
-        if classes and label_column in part.column_names:
+        where = f"the Hugging Face dataset {location}'s {splits[key] or 'train'} split"
+        if image_column not in part.column_names:  # the reader's select_columns would stop its first batch with a traceback
+            raise DataError(f"{where} has no column {image_column!r} (data.image_column); its columns: {', '.join(part.column_names)}")
+        if classes and key != "train" and not _has_labels(part, label_column):
+            # Labels withheld, as in the Hub's ImageNet-1k test split (every label -1): as -1 they would stop the first
+            # evaluation of the split with an IndexError, and refusing them refused the whole dataset, pretraining too.
+            print(f"warning: {where} has no labels (no {label_column!r} column, or every label -1 or empty): it is left out",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            continue
+        if classes:
             labels = _hf_labels(part, label_column, classes, f"the Hugging Face dataset {location}'s {key} split")
         else:
             labels = torch.full((n,), UNLABELLED, dtype=torch.int64)
-        result[key] = FileSet(HFReader(location, splits[key], image_column), torch.arange(n), labels, list(classes) if key == "train" or classes else [])
+        result[key] = FileSet(HFReader(location, splits[key], image_column), torch.arange(n), labels, list(classes))
     return result
+
+
+def _has_labels(ds, column: str) -> bool:
+    """Whether `column` of split `ds` holds a label: a value that is not None nor -1 (ClassLabel's "no label")."""
+    return column in ds.column_names and any(v is not None and v != -1 for v in ds[column])
 
 
 def _check_image_column(ds, column: str, location: str) -> None:

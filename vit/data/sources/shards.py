@@ -9,10 +9,12 @@ training then leaves out.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from vit.data.cache import cached
 from vit.data.decode import BadImage, decode_image
 from vit.data.files import UNLABELLED, ShardSet, SizeCheck
 from vit.data.sources.base import IMAGENET_MEAN, IMAGENET_STD, Source
-from vit.data.splits import ImageSet, SourceIndex, Splits
+from vit.data.splits import ImageSet, SourceIndex, Splits, seeded_generator
 from vit.errors import DataError, UserError
 
 
@@ -184,16 +186,39 @@ SCAN_VERSION = 2  # bump when `scan_shard` checks more, so indexes cached by an 
 
 
 def expand_shards(pattern: str) -> list[str]:
-    """`dir/train-{000000..000127}.tar` (brace notation, '::' between patterns) -> the shard paths, each checked to exist."""
+    """`dir/train-{000000..000127}.tar` (brace notation, '::' between patterns; each may also be a glob, `dir/*.tar`,
+    whose matches are taken in sorted order) -> the shard paths, each checked to exist and to be named once."""
     from webdataset.shardlists import expand_urls
 
-    urls = expand_urls(os.path.expanduser(pattern))
+    urls = []
+    for url in expand_urls(os.path.expanduser(pattern)):
+        url = os.path.expanduser(url)  # a `~` after '::' too
+        if glob.has_magic(url) and not os.path.exists(url):
+            found = sorted(u for u in glob.glob(url) if os.path.isfile(u))
+            if not found:
+                raise DataError(f"data.root {pattern!r}: {url} matches no file")
+            urls += found
+        else:
+            urls.append(url)
     if not urls:
         raise DataError(f"data.root {pattern!r} names no shards")
+    folder = next((u for u in urls if os.path.isdir(u)), None)
+    if folder is not None:  # training on every tar of a folder would take the val shards written beside them too
+        tars = sorted(n for n in os.listdir(folder) if n.endswith((".tar", ".tar.gz", ".tgz")) and not n.startswith("."))
+        holds = f"it holds {len(tars)} tar file(s), {tars[0]} .. {tars[-1]}" if tars else "it holds no .tar file"
+        raise DataError(f"data.root {pattern!r} is the folder {folder} ({holds}): name its training shards with a brace "
+                        f"pattern or a glob, e.g. '{os.path.join(folder, 'train-*.tar')}'")  # fmt: skip
     missing = [u for u in urls if not os.path.isfile(u)]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise DataError(f"shard {missing[0]}{more} of data.root {pattern!r} does not exist (shards must be local or mounted files)")
+    first: dict[str, str] = {}
+    for url in urls:
+        earlier = first.setdefault(local(url), url)
+        if earlier is not url:
+            same = "" if earlier == url else f" (as {earlier} and {url})"
+            raise DataError(f"data.root {pattern!r} names the shard {url} twice{same}: its samples would be read twice an epoch, "
+                            "and a val sample carved from one copy trained on through the other; name each shard once")  # fmt: skip
     return urls
 
 
@@ -325,3 +350,62 @@ def parse_label(raw: bytes, name: str) -> int:
         raise DataError(f"{name} holds the class index {text[:20]}, over the {MAX_CLASS_INDEX + 1:,} classes this reader takes: "
                         "number the classes from 0")  # fmt: skip
     return label
+
+
+# --------------------------------------------------------------------------- the stream loader's epochs of shards
+
+
+def deal(items: list[int], weights: list[int], bins: int) -> list[list[int]]:
+    """`items` dealt to `bins` bins of about equal weight: the heaviest first (equal ones in their order), each to the bin
+    holding the least weight so far (the lowest bin on a tie); each bin's items in their order in `items`. With positive
+    weights and at least `bins` items, no bin is empty."""
+    loads, dealt = [0] * bins, [[] for _ in range(bins)]
+    for item in sorted(items, key=lambda i: -weights[i]):  # stable: equal weights keep the (seeded) order
+        b = min(range(bins), key=lambda k: (loads[k], k))
+        dealt[b].append(item)
+        loads[b] += weights[item]
+    rank = {item: n for n, item in enumerate(items)}
+    return [sorted(d, key=rank.__getitem__) for d in dealt]
+
+
+def apportion(total: int, weights: list[int]) -> list[int]:
+    """`total` split in proportion to `weights` (largest remainders, ties to the lower index): sums to `total`; a weight
+    of 0 gets 0."""
+    whole = sum(weights)
+    shares = [total * w // whole for w in weights]
+    by_remainder = sorted((i for i, w in enumerate(weights) if w), key=lambda i: (-(total * weights[i] % whole), i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def round_robin(quotas: list[int]) -> list[int]:
+    """The role that makes each batch when role w makes quotas[w] batches and the roles take turns in order, those done
+    left out: what a DataLoader's iterator yields from IterableDataset workers whose iterators end at different lengths."""
+    return [w for k in range(max(quotas, default=0)) for w, q in enumerate(quotas) if q > k]
+
+
+@dataclass
+class ShardPlan:
+    """One rank's epoch of shards: the shards each worker role reads (`roles`), the batches each makes (`quotas`, in
+    proportion to the training samples its shards hold) and which role makes each batch of the epoch (`schedule`)."""
+
+    roles: list[list[int]]
+    quotas: list[int]
+    schedule: list[int]
+
+    def batches_of(self, role: int) -> list[int]:
+        """The rank's batch index of each batch `role` makes, in order."""
+        return [b for b, r in enumerate(self.schedule) if r == role]
+
+
+def shard_plan(samples: list[int], num_batches: int, seed: int, epoch: int, rank: int, world_size: int, workers: int) -> ShardPlan:
+    """The shards (training samples per shard: `samples`) permuted by (seed, epoch), dealt to the ranks and then to the
+    rank's worker roles by sample count; each role makes its share of the rank's `num_batches` batches. So each role
+    reads its shards about once an epoch, whatever their sizes (equal quotas made the role given a small shard repeat it
+    and the others leave samples out), and the ranks' shares differ by at most one shard."""
+    order = torch.randperm(len(samples), generator=seeded_generator("shards", seed, epoch)).tolist()
+    mine = deal(order, samples, world_size)[rank]
+    roles = deal(mine, samples, workers)
+    quotas = apportion(num_batches, [sum(samples[i] for i in role) for role in roles])
+    return ShardPlan(roles, quotas, round_robin(quotas))

@@ -17,7 +17,7 @@ import torch
 from vit.config import DataConfig
 from vit.data.cache import cached
 from vit.data.decode import IMAGE_EXTENSIONS, BadImage, decode_image, is_image_name
-from vit.data.files import FileSet, SizeCheck, decode_files, folder_files, tree_files
+from vit.data.files import FileSet, SizeCheck, as_text, decode_files, folder_files, tree_files
 from vit.data.sources.base import IMAGENET_MEAN, IMAGENET_STD, SPLIT_NAMES, Source, existing_root, is_archive, tree_why_not
 from vit.data.splits import ImageSet
 from vit.errors import DataError
@@ -97,15 +97,16 @@ def read_tree(source: Path, image_size: int | None, skip_bad: bool = False, bad:
             continue
         for c in names:
             if c not in index:
-                raise DataError(f"{source}: class folder {split}/{c} has no counterpart in train/ (train classes: {', '.join(classes)})")
+                raise DataError(f"{source}: class folder {split}/{as_text(c)} has no counterpart in train/ (train classes: "
+                                f"{', '.join(map(as_text, classes))})")  # fmt: skip
         images, labels, identity = [], [], []
         for c in names:
             files = sorted(entries[(split, c)], key=lambda f: f[0])  # file order, so tree and archive agree
             images += [arr for _, _, arr in files]
-            identity += [f"{split}/{c}/{rel}\0{size}\n" for rel, size, _ in files]  # as `PathReader.identity` names the tree's files
+            identity += [f"{as_text(f'{split}/{c}/{rel}')}\0{size}\n" for rel, size, _ in files]  # as `PathReader.identity` names them
             labels += [index[c]] * len(files)
         stacked = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()  # (N, H, W, 3) -> (N, 3, H, W)
-        result[split] = ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), list(classes), "".join(identity))
+        result[split] = ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), [as_text(c) for c in classes], "".join(identity))
     return result
 
 

@@ -73,11 +73,19 @@ class FinetuneConfig(StageConfig):
 
     def validate(self) -> None:
         """What the sections cannot check alone: patch dropout must leave each image at least one patch of the model's;
-        a linear probe's BatchNorm needs two images a batch; mixup and cutmix need an even batch."""
+        a linear probe's BatchNorm needs two images a batch; each mode reads one of the two pooling settings; mixup and
+        cutmix need an even batch."""
         ft, aug, batch = self.finetune, self.aug, self.optim.batch_size
         # The probe's head whitens each batch with its own statistics (BatchNorm1d, per process): one image has none.
         check(batch >= 2 or ft.mode != "linear", "optim.batch_size",
               "must be at least 2 for finetune.mode=linear: the probe's BatchNorm normalises each batch by its own statistics")  # fmt: skip
+        # A probe and kNN pool by finetune.probe_pool, a fine-tune by model.global_pool: the other one, set apart from it,
+        # was unused, unsaid, and config.yaml recorded a pooling the run did not use.
+        pool, probing = self.model.global_pool, ft.mode in ("linear", "knn")
+        check(not probing or pool in ("token", ft.probe_pool), f"model.global_pool={pool}",
+              f"is unused by finetune.mode={ft.mode}, which pools by finetune.probe_pool={ft.probe_pool}: set finetune.probe_pool={pool}")  # fmt: skip
+        check(ft.mode != "full" or ft.probe_pool in ("token", pool), f"finetune.probe_pool={ft.probe_pool}",
+              f"is unused by finetune.mode=full, which pools by model.global_pool={pool}: set model.global_pool={ft.probe_pool}")  # fmt: skip
         # timm's Mixup mixes each image with its mirror in the batch and refuses an odd batch: the loss then skipped it at
         # every step (training batches are always full), and the run trained without the mixing its config records.
         mixing = ft.mode == "full" and (aug.mixup > 0 or aug.cutmix > 0) and aug.mix_prob > 0

@@ -76,11 +76,17 @@ def sync_from_main(module: nn.Module, accelerator, buffers_only: bool = False) -
     Ranks hold different values where nothing synchronises them: a model built from a per-rank seed
     and never wrapped in DDP (a cached probe's encoder), or BatchNorm statistics, which each rank
     updates from its own batches after DDP's broadcast.
+
+    A tensor off the accelerator's device (the classifier is synchronised before it moves there) travels through it:
+    NCCL, several GPUs' backend, broadcasts CUDA tensors only ('No backend type associated with device type cpu').
     """
     if accelerator.num_processes == 1:
         return
     for tensor in module.buffers() if buffers_only else module.state_dict().values():
-        torch.distributed.broadcast(tensor, src=0)
+        moved = tensor.to(accelerator.device)  # the tensor itself where it is there already
+        torch.distributed.broadcast(moved, src=0)
+        if moved is not tensor:
+            tensor.copy_(moved)
 
 
 def save_confusion_matrix(confusion: torch.Tensor, classes: list[str], path: Path, title: str) -> Path:

@@ -7,27 +7,16 @@ from typing import Iterator
 import torch
 
 from vit.data.augment import epoch_order, eval_shard
-from vit.eval.knn import gather_shards
+from vit.eval.knn import encode
 
 
-@torch.no_grad()
 def extract_features(probe, loader, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pooled encoder features of every sample, in dataset order, on every rank.
+    """Pooled encoder features of every sample, in dataset order, on every rank: the kNN stage's (`vit.eval.knn.encode`).
 
     loader: an eval-mode BatchLoader (rank r holds the contiguous shard r) -> features (N, D) float32, labels (N,).
-    The probe runs in eval mode, so dropout or drop path can never make the cached features random.
+    The encoder runs in eval mode, so dropout or drop path can never make the cached features random.
     """
-    was_training = probe.training
-    probe.eval()
-    feats, labels = [], []
-    for images, y in loader.epoch(0):
-        with accelerator.autocast():
-            feats.append(probe.features(images).float())
-        labels.append(y)
-    probe.train(was_training)
-    local_f = torch.cat(feats) if feats else torch.zeros(0, probe.encoder.embed_dim, device=accelerator.device)
-    local_y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=accelerator.device)
-    return gather_shards(accelerator, local_f), gather_shards(accelerator, local_y)
+    return encode(probe.encoder, loader, accelerator, probe.pool, gather=True)
 
 
 class FeatureLoader:

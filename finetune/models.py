@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from vit.store.checkpoint import CLASSIFIER_FORMAT, CheckpointError, load_encoder, load_timm_weights, read_checkpoint, read_encoder
 from vit.store.checkpoint import misfits, non_finite, read_weights_file, wrong_kind
@@ -20,6 +21,7 @@ from vit.store.atomic import atomic_save
 from vit.store.hub import fixed_pos_embed, hub_reachable, is_hub_init, is_model_folder, load_hub_weights, unreachable
 from vit.models.encoder import VisionTransformer, create_model
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, run_folder_of
+from vit.eval.knn import pooled
 from vit.tools.reference import timm_vit
 
 
@@ -31,6 +33,8 @@ class LinearProbe(nn.Module):
 
     def __init__(self, encoder: VisionTransformer, num_classes: int, pool: str = "token"):
         super().__init__()
+        if pool not in ("token", "avg"):  # any other word pooled [CLS], unsaid (a classifier.pt's 'build' edited by hand)
+            raise ValueError(f"pool must be 'token' or 'avg', got {pool!r}")
         self.encoder = encoder
         self.pool = pool
         self.encoder.requires_grad_(False)
@@ -47,11 +51,17 @@ class LinearProbe(nn.Module):
 
     @torch.no_grad()
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.encoder.forward_features(x)  # (B, 1 + N, D)
-        return tokens[:, 1:].mean(1) if self.pool == "avg" else tokens[:, 0]
+        return pooled(self.encoder, x, self.pool)  # (B, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).float())
+        features = self.features(x).float()  # (B, D)
+        if self.training and features.shape[0] == 1:
+            # One image has no batch statistics (BatchNorm raised a ValueError mid-run): a training batch that the stream
+            # loader left one image of (the others did not decode, data.skip_bad_images) is normalised by the running
+            # ones, as in evaluation, and still trains the Linear.
+            norm, linear = self.head
+            return linear(F.batch_norm(features, norm.running_mean, norm.running_var, training=False, eps=norm.eps))
+        return self.head(features)
 
 
 def cifar_resnet18(num_classes: int) -> nn.Module:
@@ -208,10 +218,12 @@ def rebuild(arch: str, build: dict[str, Any]) -> nn.Module:
     raise CheckpointError(f"unknown classifier architecture {arch!r}")
 
 
-def save_classifier(path: Path, built: Built, model: nn.Module, classes: list[str], data: dict[str, Any], step: int) -> None:
+def save_classifier(path: Path, built: Built, model: nn.Module, classes: list[str], data: dict[str, Any], step: int,
+                    lineage: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """`lineage`: the run's id and its pretraining run's (`run_id`, `parent_run_id`: vit.store.lineage)."""
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     atomic_save({"format": CLASSIFIER_FORMAT, "arch": built.arch, "build": built.build, "state_dict": state,
-                 "classes": list(classes), "data": data, "step": step, "parent": built.parent}, path)  # fmt: skip
+                 "classes": list(classes), "data": data, "step": step, "parent": built.parent, **(lineage or {})}, path)  # fmt: skip
 
 
 def load_classifier(init: str, key: str | None = None) -> tuple[nn.Module, dict[str, Any]]:

@@ -273,7 +273,7 @@ def run_eval(cfg: FinetuneConfig) -> int:
         setattr(cfg.data, key, record[key])
     if record and record["dataset"] == "synthetic" and record.get("source_size"):
         cfg.data.synthetic_size = record["source_size"]  # generated images: how many is part of which ones
-    run = Run.start(cfg, stage="finetune", job_type="eval", parent=payload.get("parent"))
+    run = Run.start(cfg, stage="finetune", job_type="eval", parent=payload.get("parent"), parent_run_id=payload.get("parent_run_id"))
     if replaced:
         run.print(f"eval: the classifier's data split: {', '.join(replaced)}")
     if given := unused_in_eval(cfg):
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     check_finite_weights(cfg.finetune.init, parent_payload)
     parent = parent_payload.get("meta", {})
     tracking.inherit_group(cfg.run, parent)
-    run = Run.start(cfg, stage="finetune", job_type=job_type(cfg), parent=parent.get("run"))
+    run = Run.start(cfg, stage="finetune", job_type=job_type(cfg), parent=parent.get("run"), parent_run_id=parent.get("run_id"))
     encoder = encoder_init(cfg.finetune.init)
     if encoder is not None:
         run.use_encoder(encoder)
@@ -327,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     sync_from_main(built.model, run.accelerator)
     if cfg.finetune.mode == "knn":
         check_knn_data(cfg, data)
-    run.ready()
-    if cfg.finetune.mode == "knn":
+        run.ready()
         return run_knn(cfg, run, data, built, parent.get("run"))
+    # A training mode clears a run it replaces in `fit` (TrainLoop calls Run.ready), once `train` has built its loaders and
+    # schedule: a batch larger than the training split, or a cached probe of streamed shards, left that run whole.
     if built.arch == "linear_probe" and cfg.data.val_size == 0 and splits.test is None:
         run.warn("no validation or test split: the probe's accuracy cannot be measured")
     n_params = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
@@ -343,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         size = built.encoder_config["img_size"] if built.encoder_config is not None else data.out_size
         data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std),
                      "split": split_record(cfg.data, splits)}  # fmt: skip
-        save_classifier(run.dir / CLASSIFIER_FILE, built, trained.model, splits.train.classes, data_info, trained.progress.step)
+        save_classifier(run.dir / CLASSIFIER_FILE, built, trained.model, splits.train.classes, data_info, trained.progress.step,
+                        lineage={k: run.meta[k] for k in ("run_id", "parent_run_id")})  # fmt: skip
     flat = report_eval(run, trained.results, splits.train.classes, f"{built.arch} {cfg.finetune.mode} ({cfg.finetune.init})",
                        cfg.finetune.confusion_matrix)  # fmt: skip
     summary = run.finish(summarize(cfg, run, data, built, trained, parent, flat))

@@ -264,11 +264,12 @@ def reconstruction_figures(cfg: PretrainConfig, run: Run, t: Pretraining) -> Cal
 
 
 def encoder_meta(run: Run, splits, pretrained_on: dict) -> dict:
-    """Where the encoder came from, its wandb group (runs started from it join it), the input normalisation it expects,
-    and the split it was pretrained on (fine-tuning refuses val images seen here)."""
+    """Where the encoder came from (its run folder, and its run id: which training of that folder, `vit.store.lineage`), its
+    wandb group (runs started from it join it), the input normalisation it expects, and the split it was pretrained on
+    (fine-tuning refuses val images seen here)."""
     data = {"dataset": splits.name, "mean": list(splits.mean), "std": list(splits.std), **pretrained_on}
-    return {"run": str(run.dir), "stage": "pretrain", "git_commit": run.meta["git_commit"], "seed": run.cfg.run.seed,
-            "group": run.cfg.run.group, "data": data}  # fmt: skip
+    return {"run": str(run.dir), "run_id": run.meta["run_id"], "stage": "pretrain", "git_commit": run.meta["git_commit"],
+            "seed": run.cfg.run.seed, "group": run.cfg.run.group, "data": data}  # fmt: skip
 
 
 def save_weights(run: Run, model, step: int, splits, pretrained_on: dict) -> None:

@@ -80,3 +80,35 @@ def finetuning_loop(tmp_path, name="run", **overrides):
     data = open_run_data(cfg, run, input_size(cfg))
     t = setup_training(cfg, run, data, build_classifier(cfg, len(data.splits.train.classes), torch.device("cpu"), say=run.print))
     return TrainLoop(run, t.forward, t.optimizer, t.task.train, t.loss_fn, t.spec, Progress()), batches_forever(t.task.train)
+
+
+class Started:
+    """Stands in for `subprocess.Popen`: records each job's name; the job ends at once with exit 0."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def __call__(self, argv, **kwargs):
+        self.names.append(next(a.split("=", 1)[1] for a in argv if a.startswith("run.name=")))
+        return self
+
+    def poll(self):
+        return 0
+
+
+def image_tree(root: Path, bad=lambda split, label, i: False) -> Path:
+    """An ImageFolder tree of 3 classes (a, b, c) x (9 train + 2 test) random 16 px PNGs; `bad(split, label, i)` files do
+    not decode."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 9), ("test", 2)):
+        for label in ("a", "b", "c"):
+            (root / split / label).mkdir(parents=True)
+            for i in range(n):
+                path = root / split / label / f"{i}.png"
+                Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(path)
+                if bad(split, label, i):
+                    path.write_bytes(b"not an image")
+    return root

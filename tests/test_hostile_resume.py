@@ -119,7 +119,7 @@ def test_a_state_past_schedule_max_steps_is_refused_and_the_run_kept(source, tmp
 
 
 def test_a_finished_run_s_last_state_named_by_path_is_nothing_to_do(source, tmp_path, capsys):
-    """run.resume=auto says so (vit.train.run.check_not_done); the same state named by its path evaluated the last step
+    """run.resume=auto says so (vit.train.resumes.check_not_done); the same state named by its path evaluated the last step
     again, logged it twice in metrics.jsonl and wrote summary.json over."""
     run_dir = copy_run(source, tmp_path)
     before = snapshot(run_dir)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import Started
 
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
@@ -22,20 +23,6 @@ from vit.tools.sweep import Job, read_sweep, run_sweep
 ROOT = Path(__file__).resolve().parents[1]
 PRE, FT = str(ROOT / "configs/pretrain/cpu.yaml"), str(ROOT / "configs/finetune/cpu.yaml")
 CONFIGS = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
-
-
-class Started:
-    """Stands in for `subprocess.Popen`: records each job's name; the job ends at once with exit 0."""
-
-    def __init__(self):
-        self.names: list[str] = []
-
-    def __call__(self, argv, **kwargs):
-        self.names.append(next(a.split("=", 1)[1] for a in argv if a.startswith("run.name=")))
-        return self
-
-    def poll(self):
-        return 0
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from finetune.train import main as finetune
-from helpers import ROOT, free_port, reset_accelerate, tiny_overrides
+from helpers import ROOT, free_port, image_tree, reset_accelerate, tiny_overrides
 
 
 pytestmark = pytest.mark.slow  # every test here launches two processes
@@ -65,18 +65,8 @@ def test_knn_of_a_random_encoder_is_the_same_on_two_processes_as_on_one(tmp_path
 
 
 def image_tree_with_a_bad_image(root: Path) -> Path:
-    """An ImageFolder tree, 3 classes x (9 train + 2 test) 16 px PNGs, whose first training file does not decode."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 9), ("test", 2)):
-        for c in ("a", "b", "c"):
-            (root / split / c).mkdir(parents=True)
-            for i in range(n):
-                Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / split / c / f"{i}.png")
-    (root / "train" / "a" / "0.png").write_bytes(b"not an image")  # in rank 0's eval shard
-    return root
+    """3 classes x (9 train + 2 test) images, whose first training file does not decode (in rank 0's eval shard)."""
+    return image_tree(root, bad=lambda split, label, i: (split, label, i) == ("train", "a", 0))
 
 
 def test_knn_of_streamed_images_with_one_skipped_is_the_same_on_two_processes_as_on_one(tmp_path):

@@ -13,6 +13,11 @@ WebDataset shards on the stream loader are read in order, never indexed: their s
 positions, `trained_on` is None, and whether a later run's val images were seen is not checked
 (one warning says so).
 
+Older checkpoints record less: before the record, `encoder.pt` held `meta["data"]` as the normalisation alone
+(`{"dataset", "mean", "std"}`), and before that no `meta["data"]`. Both are "no record" (`older_record`): one warning says
+the overlap is not checked. A record that holds some of the fields this module writes and lacks others is damaged
+(`record_damage`): edited by hand or cut short, it is refused unless the overlap is allowed.
+
 An exported encoder folder (`python -m pretrain.export`) carries the same record in its config.json, under
 `pretrained_on`, as JSON (`record_to_json`: `trained_on` as base64 text), so `finetune.init=local-dir:` and
 `hf-hub:` inits of our exports are checked like their run folders. Weights that record nothing (timm's, other
@@ -33,6 +38,7 @@ from vit.data.splits import Splits
 from vit.errors import CheckpointError, DataError
 
 SPLIT_KEYS = ("dataset", "val_size", "split_seed", "train_fraction")
+RECORD_KEYS = ("fingerprint", "source_size", "trained_on")  # what says which images: a record without any is an older one
 
 
 def split_record(data_cfg: DataConfig, splits: Splits) -> dict[str, Any]:
@@ -79,6 +85,12 @@ def record_from_json(value: Any, where: str) -> dict[str, Any]:
 def unrecorded(what: str, why: str, instead: str) -> str:
     """The warning for an encoder whose training images are not recorded: why, and what would have it checked."""
     return f"{what} records no data split ({why}): whether it trained on this run's val images is not checked; {instead}"
+
+
+def older_record(record: Any) -> bool:
+    """Whether `record` is what a checkpoint from before this record holds: nothing, or the normalisation alone (a mapping
+    with none of `RECORD_KEYS`), not a damaged record."""
+    return record is None or (isinstance(record, dict) and not any(key in record for key in RECORD_KEYS))
 
 
 def record_damage(record: Any, splits: Splits) -> str | None:
@@ -128,7 +140,7 @@ def check_overlap(record: dict[str, Any] | None, splits: Splits, what: str, allo
     Returns a warning line where the overlap cannot be checked (no record, another copy of the data), else None.
     A damaged record is one CheckpointError (a warning with `allow`): it cannot say which images `what` trained on.
     """
-    if record is None or record == {}:
+    if older_record(record):
         return f"{what} records no data split (an older checkpoint): whether it trained on this run's val images is not checked"
     if damage := record_damage(record, splits):
         if not allow:

@@ -35,6 +35,7 @@ from vit.data.sources import NORMALIZATION
 from vit.store.checkpoint import encoder_from_checkpoint, non_finite, read_encoder, wrong_kind
 from vit.errors import CheckpointError, UserError
 from vit.store.hub import check_repo_id, hub_config, is_model_folder, push_folder, write_hub_folder
+from vit.store.lineage import parent_changed, run_id_of
 from vit.models.encoder import VisionTransformer, count_parameters
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, read_config, read_summary, run_folder_of
 from vit.store.values import is_finite, per_channel
@@ -81,13 +82,15 @@ def part(mapping: Any, key: str) -> dict[str, Any]:
 
 
 def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
-    """Summaries of the finished run folders beside `run_dir` whose encoder came from it (their `meta.parent`)."""
+    """Summaries of the finished run folders beside `run_dir` whose encoder came from it (their `meta.parent`), and from
+    this training of it (`meta.parent_run_id`, where both record one: a run of the folder's earlier training is not)."""
     run_dir = run_dir.resolve()  # a link to the run: its runs lie beside the run itself
-    found = []
+    found, run_id = [], run_id_of(run_dir)
     for other in sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p != run_dir):
-        parent = part(read_run_file(other, read_config), "meta").get("parent")
-        summary = read_run_file(other, read_summary)
-        if isinstance(parent, str) and parent and names_run(parent, run_dir) and summary:
+        meta = part(read_run_file(other, read_config), "meta")
+        parent, summary = meta.get("parent"), read_run_file(other, read_summary)
+        this_training = not parent_changed(meta.get("parent_run_id"), run_id)
+        if isinstance(parent, str) and parent and names_run(parent, run_dir) and summary and this_training:
             found.append({"run": other.name, **summary})
     return found
 

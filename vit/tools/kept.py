@@ -4,6 +4,12 @@ so that running the same command again keeps it instead of training it again, an
     inputs = job_inputs(job, common, extra)         # {dotted key: value as given} for the keys the job sets
     differ = job_differences(inputs, run_dir)       # ["optim.base_lr was 0.001, now 0.002", ...]; [] keeps the run
 
+A run started from a pretraining run's encoder is kept only while the folder its finetune.init names holds that very run:
+the run id it recorded (`meta.parent_run_id`, `vit.store.lineage`) against the one the folder records now. A pretraining
+folder trained again since holds the same path, other weights and another id: the run is not kept. A run from before
+run ids recorded none and is held to its init by name alone, as before (which training of that folder it started from
+cannot be told).
+
 A value is compared as the stage reads it: where YAML and the stage read a value apart (`name: 0.10` is the text
 '0.10' to a string setting, 0.1 to YAML; `save_every: 0500` is 500, not octal 320), either reading that matches the
 recorded one counts (`Spelled`), since the stage's reading depends on the setting's type, which only the stage knows.
@@ -20,6 +26,7 @@ import yaml
 from vit.config import flat_keys, override_value, read_spelled
 from vit.data.provenance import SPLIT_KEYS
 from vit.errors import ConfigError
+from vit.store.lineage import PARENT_RUN_ID, parent_change, parent_changed, run_id_of
 from vit.store.runs import is_finished, read_config
 
 if TYPE_CHECKING:
@@ -115,7 +122,25 @@ def job_differences(inputs: dict[str, Any], run_dir: Path) -> list[str]:
             differ.append(f"{key} was not recorded, now {inputs[key]!r}")
         elif not (init_name(inputs[key]) == init_name(then[key]) if key == "finetune.init" else same(inputs[key], then[key])):
             differ.append(f"{key} was {then[key]!r}, now {inputs[key]!r}")
+    if "finetune.init" in inputs and not any(d.startswith("finetune.init ") for d in differ):
+        differ[:0] = filter(None, [parent_difference(inputs["finetune.init"], meta)])
     return differ
+
+
+def parent_difference(init: Any, meta: dict[str, Any]) -> str | None:
+    """Where the run (`meta`: its config.yaml's) started from a pretraining run that the folder `init` names no longer
+    holds (trained again since: another run id), what to say; None where it does, or where either side records no id."""
+    text = str(init or "")
+    if text == "scratch" or text.startswith(("timm:", "hf-hub:", "local-dir:")):
+        return None
+    folder = Path(text).expanduser()
+    folder = folder.parent if folder.suffix == ".pt" else folder
+    if not folder.is_dir():
+        return None  # gone: its job runs again (`check_kept`), or the stage says so
+    now = run_id_of(folder)
+    if not parent_changed(meta.get(PARENT_RUN_ID), now):
+        return None
+    return f"its init {folder.name} was trained again since it started from it ({parent_change(meta[PARENT_RUN_ID], now)})"
 
 
 def init_name(init: Any) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vit.errors import UserError
+from vit.store.lineage import PARENT_RUN_ID, RUN_ID, parent_change, parent_changed
 from vit.store.runs import CONFIG_FILE, SUMMARY_FILE, RunFolder, is_run_folder, read_run
 from vit.store.values import is_finite, is_number
 from vit.tools.reading import HOST_FIELDS, brief, is_text
@@ -182,6 +183,9 @@ def pretraining_of(runs: dict[str, RunFolder], name: str, budget: float, share: 
     parent = runs.get(Path(str(init)).name) if init else None
     if parent is None or not PRETRAIN.match(parent.name):
         raise UserError(f"{ft.path} started from {init!r}, not from a finished pretraining (mae_<X>min_s<S>) beside it")
+    if parent_changed(ft.meta.get(PARENT_RUN_ID), parent.meta.get(RUN_ID)):  # the folder trained again since: other minutes
+        why = parent_change(ft.meta[PARENT_RUN_ID], parent.meta.get(RUN_ID))
+        raise UserError(f"{ft.path} started from another training of {parent.path} ({why}): its pretraining minutes are not known")
     check_budget(parent, budget * share / 100, name)
     check_budget(ft, budget * (100 - share) / 100, name)
     return parent

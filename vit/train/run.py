@@ -10,7 +10,6 @@ The run folder's files are `vit.store.runs`'s; a second run of a live folder ref
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -22,7 +21,8 @@ import torch
 
 from vit.config import RunConfig, dump_config, flat_keys, to_dict
 from vit.device import host
-from vit.errors import ConfigError, NothingToDo, UserError
+from vit.errors import ConfigError
+from vit.store.lineage import PARENT_RUN_ID, RUN_ID, git_commit, session, valid_id
 from vit.store.lock import RunLock, lock_run
 from vit.store.runs import (
     METRICS_FILE,
@@ -30,21 +30,14 @@ from vit.store.runs import (
     append_metrics,
     clear_outputs,
     holds_run,
-    is_complete_state,
-    is_finished,
     last_logged,
-    newest_state,
-    read_config,
-    read_state_progress,
-    read_summary,
-    state_dirs,
-    state_run_folder,
     write_config,
     write_summary,
 )
 from vit.train import tracking
 from vit.train.accelerator import make_accelerator, set_threads
 from vit.train.budget import outcome
+from vit.train.resumes import check_resume
 
 
 @dataclass
@@ -70,10 +63,19 @@ class Run:
     budget_spent: Any = None  # where that budget's time went after the plan (`vit.train.budget.Spent`), once training ended
     replacing: str | None = None  # run.overwrite: this run's config, written by `ready` when it clears the run it replaces
     used_encoder: Path | None = None  # the encoder.pt it starts from, told to wandb once trackers start (`ready`, replacing)
+    resumed: bool = False  # it continues the run its folder records (a wandb run of the same id)
+    logged_to: int | None = None  # a resumed run's last step logged before it: its trackers have the steps up to it already
+    tracker_failures: int = 0  # tracker calls that failed (the first is a warning; summary.json counts them)
+    new_record: str | None = None  # a resume's config.yaml with the id it continues under where that is new, written at its first record
 
     @classmethod
-    def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None) -> "Run":
+    def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None,
+              parent_run_id: str | None = None) -> "Run":  # fmt: skip
+        """`parent`, `parent_run_id`: the folder and id of the pretraining run whose encoder this run starts from, as its
+        encoder.pt records them (`vit.store.lineage`; an id edited into something else is no id)."""
         from accelerate.utils import set_seed
+
+        parent_run_id = valid_id(parent_run_id)
 
         run_cfg: RunConfig = cfg.run
         accelerator = make_accelerator(run_cfg, log_with=None if run_cfg.tracker == "none" else run_cfg.tracker)
@@ -89,36 +91,28 @@ class Run:
         lock = lock_run(run_dir) if accelerator.is_main_process else None
         try:
             replacing = check_run_dir(run_dir, run_cfg, cfg)
-            record = check_resume(run_dir, cfg, stage, accelerator.num_processes, parent)
+            record = check_resume(run_dir, cfg, stage, accelerator.num_processes, parent, parent_run_id)
+            run_id, note, logged_to, new_record = identity(accelerator, run_dir, resumed=record == "keep")
         except BaseException:
             if lock is not None:
                 lock.release()
             raise
         accelerator.wait_for_everyone()  # every rank checked the folder before the main one writes to it
         set_seed(run_cfg.seed, device_specific=True)  # each rank draws different dropout / masks
-        meta = {
-            "stage": stage,
-            "job_type": job_type or stage,
-            "git_commit": git_commit(),
-            "seed": run_cfg.seed,
-            "parent": parent,
-            "processes": accelerator.num_processes,
-            "device": str(accelerator.device),
-            "threads_per_process": threads,
-            "torch": str(torch.__version__),
-            "command": " ".join(sys.argv),
-        }
+        meta = run_meta(stage, job_type, run_cfg, accelerator, threads, parent, {RUN_ID: run_id, PARENT_RUN_ID: parent_run_id})
         run = cls(cfg=cfg, stage=stage, accelerator=accelerator, dir=run_dir, threads=threads, job_type=meta["job_type"], meta=meta,
-                  lock=lock)  # fmt: skip
+                  lock=lock, resumed=record == "keep", logged_to=logged_to, new_record=new_record)  # fmt: skip
         if replacing or record == "replace":  # the run it replaces stays as it is until the stage is set up (`ready`): input
             run.replacing = dump_config(cfg, meta)  # it refuses loses nothing
         elif accelerator.is_main_process and record == "fresh":  # a resumed run keeps the record its first process wrote
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(run_dir, dump_config(cfg, meta))
         run.print(
-            f"{stage}: run folder {run_dir} | device {accelerator.device} x {accelerator.num_processes} process(es), "
+            f"{stage}: run folder {run_dir} | run id {run_id} | device {accelerator.device} x {accelerator.num_processes} process(es), "
             f"{threads} thread(s) each | precision {run_cfg.precision} | seed {run_cfg.seed}"
         )
+        if note:
+            run.print(note)
         if run.replacing is None:  # else `ready` starts them, once the run it replaces (its tensorboard/ too) is cleared
             run.start_trackers()
         return run
@@ -164,7 +158,7 @@ class Run:
         init_kwargs: dict[str, Any] = {}
         if run_cfg.tracker == "wandb":
             os.environ.setdefault("WANDB_SILENT", "true")
-            init_kwargs["wandb"] = tracking.wandb_init_kwargs(run_cfg, self.job_type)
+            init_kwargs["wandb"] = tracking.wandb_init_kwargs(run_cfg, self.job_type, self.meta[RUN_ID], self.resumed)
             overridden = tracking.env_overridden(run_cfg, init_kwargs["wandb"])
             if overridden:
                 self.warn(f"{', '.join(overridden)}; set those run keys instead")
@@ -173,20 +167,41 @@ class Run:
             self.accelerator.init_trackers(run_cfg.project, config=config, init_kwargs=init_kwargs)
             self.trackers_on = True
         except Exception as e:  # a tracker must never take a run down: the run folder is the record
-            self.warn(f"tracker {run_cfg.tracker!r} failed to start ({type(e).__name__}: {str(e).splitlines()[0][:160]}); continuing with the run folder only")
+            self.warn(f"tracker {run_cfg.tracker!r} failed to start ({failure(e)}); continuing with the run folder only")
             self.accelerator.log_with = []
             self.accelerator.trackers = []
+
+    def tracker_failed(self, what: str, e: Exception) -> None:
+        """A tracker call failed mid-run (its service gone, its disk full): the first failure is one warning, later ones are
+        counted in summary.json, not repeated at every step; the run goes on, its folder keeps everything."""
+        self.tracker_failures += 1
+        if self.tracker_failures == 1:
+            self.warn(f"{what} failed ({failure(e)}); the run goes on and its folder keeps everything (later tracker failures "
+                      f"are counted in {SUMMARY_FILE}, not repeated)")  # fmt: skip
+
+    def write_record(self) -> None:
+        """A resume's config.yaml with the id it continues under, where that is new (`vit.store.lineage.resumed_id`), written
+        before the run's first record of its own: a resume refused before it trains leaves the folder as it was."""
+        if self.new_record is not None and self.is_main:
+            write_config(self.dir, self.new_record)
+        self.new_record = None
+
+    def sent_before(self, step: Any) -> bool:
+        """Whether the trackers got `step` before this resumed run began (logged after its state, by the run it continues):
+        sent again it would step wandb back, which drops it with a warning each time."""
+        return self.logged_to is not None and isinstance(step, (int, float)) and step <= self.logged_to
 
     def log(self, record: dict[str, Any]) -> None:
         """Append one JSON line to metrics.jsonl and send it to the trackers (main process only)."""
         if not self.is_main:
             return
+        self.write_record()
         append_metrics(self.dir, record)
-        if self.trackers_on:
+        if self.trackers_on and not self.sent_before(record.get("step")):
             try:
                 self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
             except Exception as e:
-                self.warn(f"tracker log failed ({type(e).__name__}); metrics stay in {METRICS_FILE}")
+                self.tracker_failed(f"tracker log (metrics stay in {METRICS_FILE})", e)
 
     def last_logged(self, key: str) -> Any:
         """The last value of `key` in metrics.jsonl (main process), or None."""
@@ -204,12 +219,12 @@ class Run:
         try:
             send(wrun, *args)
         except Exception as e:
-            first = (str(e).splitlines() or [""])[0][:160]
-            self.warn(f"wandb {what} failed ({type(e).__name__}: {first}); the run folder keeps it")
+            self.tracker_failed(f"wandb {what}", e)
 
     def log_images(self, images: dict[str, Path], step: int | None = None) -> None:
         """PNG figures to wandb; `step=None`: at the last logged step (a final figure)."""
-        self._to_wandb("image log", tracking.log_images, images, step)
+        if not self.sent_before(step):
+            self._to_wandb("image log", tracking.log_images, images, step)
 
     def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
         self._to_wandb("table log", tracking.log_table, name, columns, rows)
@@ -228,7 +243,8 @@ class Run:
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Write summary.json (with the run's facts) and close the trackers, which get the same final values."""
-        summary = {"stage": self.stage, "job_type": self.job_type, **summary, "processes": self.accelerator.num_processes,
+        summary = {"stage": self.stage, "job_type": self.job_type, RUN_ID: self.meta[RUN_ID], PARENT_RUN_ID: self.meta[PARENT_RUN_ID],
+                   **summary, "processes": self.accelerator.num_processes,
                    "device": str(self.accelerator.device), "threads_per_process": self.threads, "precision": self.cfg.run.precision,
                    "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir),
                    "host": host(self.accelerator.device), "memory": peak_memory(),
@@ -244,14 +260,19 @@ class Run:
         wrun = self._wandb()
         if wrun is not None:
             summary["wandb_run"] = tracking.wandb_run_dir(wrun)
+        if self.tracker_failures:
+            summary["tracker_failures"] = self.tracker_failures
         if self.is_main:
+            self.write_record()
             write_summary(self.dir, summary)
         self._to_wandb("summary", tracking.log_summary, summary)
         if self.trackers_on:
             try:
                 self.accelerator.end_training()  # the trackers, then the process group
             except Exception as e:
-                self.warn(f"tracker did not close cleanly ({type(e).__name__})")
+                self.tracker_failed("tracker close", e)
+                if self.accelerator.num_processes > 1:  # end_training stopped before it (see below)
+                    self.accelerator.state.destroy_process_group()
         elif self.accelerator.num_processes > 1:
             # Left to the interpreter's exit, gloo's threads were once torn down joinable: "terminate called without an
             # active exception", a rank aborted (SIGABRT) after its run had finished (tests/test_ranks.py, in CI).
@@ -259,6 +280,31 @@ class Run:
         if self.lock is not None:
             self.lock.release()
         return summary
+
+
+def identity(accelerator, run_dir: Path, resumed: bool) -> tuple[str, str | None, int | None, str | None]:
+    """`vit.store.lineage.session`, decided on the main process (which alone reads and writes the folder); the other ranks
+    take its id, note and step (the record is the main process's to write)."""
+    found = session(run_dir, resumed) if accelerator.is_main_process else (None, None, None, None)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        found = (*broadcast_object_list([found[:3]])[0], found[3])
+    return found
+
+
+def run_meta(stage: str, job_type: str | None, run_cfg: RunConfig, accelerator, threads: int, parent: str | None,
+             ids: dict[str, str | None]) -> dict[str, Any]:  # fmt: skip
+    """What config.yaml records under `meta`: the run's stage, identity (`ids`: its id and its parent's), and where it ran."""
+    return {"stage": stage, "job_type": job_type or stage, "git_commit": git_commit(), "seed": run_cfg.seed, "parent": parent, **ids,
+            "processes": accelerator.num_processes, "device": str(accelerator.device), "threads_per_process": threads,
+            "torch": str(torch.__version__), "command": " ".join(sys.argv)}  # fmt: skip
+
+
+def failure(e: BaseException) -> str:
+    """'Type: first line of its message' (160 characters at most); an exception without a message is its type alone."""
+    first = (str(e).splitlines() or [""])[0][:160]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def peak_memory() -> dict[str, float] | None:
@@ -316,112 +362,3 @@ def check_run_dir(run_dir: Path, run_cfg: RunConfig, cfg: Any) -> bool:
         if path is not None and path.exists() and (path.resolve() == inside or inside in path.resolve().parents):
             raise ConfigError(f"run.overwrite=true would delete {path}, which {key} reads; choose another run.name")
     return True
-
-
-# Settings a resumed run may change: where things are and how it runs, not what it trains. The rest must be what the
-# run recorded, or the result would be neither run (its config.yaml would say one thing while its first steps did another).
-RESUMABLE_CHANGES = frozenset({
-    "run.dir", "run.name", "run.resume", "run.overwrite", "run.device", "run.precision", "run.threads", "run.compile", "run.cuda_graph",
-    "run.log_every", "run.save_every", "run.save_minutes", "run.keep_states", "run.figure_every", "run.tracker", "run.wandb_mode", "run.project",
-    "run.group", "run.progress", "data.root", "data.val_root", "data.cache_dir", "data.download", "data.workers",
-    "data.memory_budget_gb", "data.eval_batch_size", "finetune.init", "schedule.max_steps",  # where a run stops: a stopped run continues past it
-})  # fmt: skip
-
-
-def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int, parent: str | None = None) -> str:
-    """Before a resume touches the folder: refuse a finished run with no state to continue from (starting afresh would
-    write over its results), a run recorded with other settings, by another stage or with another number of processes,
-    naming what differs, and a state of another run folder (`run.resume=<run>/states/step_N`) continued in a folder that
-    holds a run of its own; that state is held to its run's record, as `auto` is to this folder's. "keep" when the
-    folder's record (config.yaml) is the one to keep; "fresh" when there is none to keep; "replace" when the folder holds
-    a run that died before its first state, which this one replaces once its stage is set up (`Run.ready`)."""
-    run_cfg = cfg.run
-    if not run_cfg.resume:
-        return "fresh"
-    named = Path(run_cfg.resume).expanduser() if run_cfg.resume != "auto" else None
-    source = state_run_folder(named) if named is not None else None
-    if source is not None and source.resolve() != run_dir.resolve():
-        # A state of another run folder continues that run here: it is held to that run's record, as `auto` is to this one's.
-        check_recorded(source, cfg, stage, processes, instead="start a fresh run without run.resume", parent=parent)
-    if named is not None and is_complete_state(named) and (source is None or source.resolve() != run_dir.resolve()) and holds_run(run_dir):
-        # The other run's steps (or a copied state's) would write over this run's weights and summary, and mix their metrics.
-        whose = f"continues the run {source}" if source is not None else "continues a state copied away from its run"
-        raise ConfigError(f"run.resume={run_cfg.resume} {whose}, and run folder {run_dir} holds another run; "
-                          f"continue it under a new run.name, or resume {run_dir} itself with run.resume=auto")  # fmt: skip
-    if not holds_run(run_dir):
-        return "fresh"
-    if run_cfg.resume == "auto" and not state_dirs(run_dir):
-        if is_finished(run_dir):  # starting afresh would write over its results
-            raise ConfigError(f"run folder {run_dir} holds a finished run and no resume state to continue from; choose another "
-                              "run.name, or pass run.overwrite=true (without run.resume) to run it again")  # fmt: skip
-        return "replace"  # it died before its first state: its records would mix with this fresh run's
-    if not check_recorded(run_dir, cfg, stage, processes, parent=parent):
-        return "fresh"
-    if run_cfg.resume == "auto" or is_complete_state(named):
-        check_not_done(run_dir, cfg, named if run_cfg.resume != "auto" else None)
-    return "keep"
-
-
-def check_not_done(run_dir: Path, cfg: Any, state: Path | None = None) -> None:
-    """NothingToDo for a finished run whose newest state (or `state`, a state of it named by run.resume) is the step it
-    finished at, resumed with what it ran (`schedule.max_steps` too; a higher one goes on): the resume would only
-    evaluate that step again and write over its records (summary.json's timings, a second record of the step)."""
-    summary, which = read_summary(run_dir) if is_finished(run_dir) else None, "its newest state" if state is None else "this state's"
-    state = state or newest_state(run_dir)
-    if not summary or state is None or read_state_progress(state).get("step") != summary.get("steps"):
-        return
-    if ((read_config(run_dir) or {}).get("schedule") or {}).get("max_steps") == cfg.schedule.max_steps:
-        raise NothingToDo(f"run.resume={cfg.run.resume}: {run_dir} finished at step {summary['steps']}, {which}: nothing to resume; "
-                          f"its results are in {run_dir / SUMMARY_FILE} (run.overwrite=true without run.resume trains it again)")  # fmt: skip
-
-
-def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead: str = "choose another run.name",
-                   parent: str | None = None) -> bool:  # fmt: skip
-    """Refuse to continue the run recorded in `run_dir`'s config.yaml by another stage, with another number of processes,
-    from another parent run (`parent`: the pretraining run of the encoder `finetune.init` names now) or with settings
-    other than `RESUMABLE_CHANGES`, naming what differs (`instead`: the other way out the message offers). False when
-    there is no record to compare."""
-    try:
-        recorded = read_config(run_dir)
-    except UserError:
-        recorded = None
-    if recorded is None:
-        return False  # no record to keep: this run writes one
-    then = recorded.pop("meta", None) or {}
-    if then.get("stage", stage) != stage:
-        raise ConfigError(f"run.resume: {run_dir} holds a {then['stage']} run, not a {stage} one; {instead}")
-    if then.get("processes", processes) != processes:  # the effective batch, and with it the schedule's steps and learning rate
-        raise ConfigError(f"run.resume: the run in {run_dir} was started with {then['processes']} process(es), this one has {processes}: "
-                          f"resume it with {then['processes']} (its effective batch and schedule), or {instead}")  # fmt: skip
-    if then.get("parent", parent) != parent:  # finetune.init may name a moved folder, not another run's encoder
-        was, now = (f"the encoder of {p}" if p else "no pretraining run's encoder" for p in (then["parent"], parent))
-        raise ConfigError(f"run.resume: the run in {run_dir} was started from {was}, and finetune.init now names {now}; resume it "
-                          f"with the init it recorded in config.yaml, or {instead}")  # fmt: skip
-    # finetune.init may change on a resume where it names a moved folder; a name (scratch, timm:, hf-hub:) names weights
-    was_init, init = (str((c.get("finetune") or {}).get("init") or "") for c in (recorded, to_dict(cfg)))
-    if was_init != init and any(i == "scratch" or i.startswith(("timm:", "hf-hub:")) for i in (was_init, init)):
-        raise ConfigError(f"run.resume: the run in {run_dir} was started from finetune.init={was_init}, and this one names {init}; "
-                          f"resume it with the init it recorded in config.yaml, or {instead}")  # fmt: skip
-    shown = setting_differences(flat_keys(recorded), flat_keys(to_dict(cfg)))
-    if shown:
-        raise ConfigError(f"run.resume: the run in {run_dir} was started with other settings ({shown}); resume it with "
-                          f"the settings it recorded in config.yaml, or {instead}")  # fmt: skip
-    return True
-
-
-def setting_differences(before: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """`key old -> new, ...` for the dotted settings a resume may not change (all but `RESUMABLE_CHANGES`), the first
-    five named; None where none differ."""
-    differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
-              if key not in RESUMABLE_CHANGES and now.get(key) != before.get(key)]  # fmt: skip
-    return ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "") if differ else None
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5)
-        commit = out.stdout.strip() if out.returncode == 0 else "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5)
-        return commit + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"

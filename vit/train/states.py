@@ -4,7 +4,7 @@ renamed when complete, so `run.resume=auto` never picks up a half-written one; t
 
 Beside the progress, `trainer.json` records the run that saved the state (under `RECORD_KEY`: its stage, processes and
 settings): a state resumed away from its run folder (a copy) is held to them, as `run.resume=auto` is to the folder's
-config.yaml (`vit.train.run.check_recorded`)."""
+config.yaml (`vit.train.resumes.check_recorded`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ from vit.store.runs import (
     trim_states,
 )
 from vit.store.values import is_count, is_finite
-from vit.train.run import Run, setting_differences
+from vit.train.resumes import setting_differences
+from vit.train.run import Run
 
 RECORD_KEY = "saved_by"  # trainer.json's record of the run that saved the state; no field of `Progress`
 RNG_FILES = "random_states_*.pkl"  # Accelerate writes one per process: a state without a record still says how many saved it
@@ -178,6 +179,19 @@ PROGRESS_FIELDS = {f.name: f for f in dataclasses.fields(Progress)}
 COUNTS = ("step", "epoch", "batch", "images", "nan_skips")
 
 
+def holds_position(run_dir: Path, progress: Progress) -> bool:
+    """Whether `run_dir` has a complete state of `progress.step` saved where the run stands now: not one saved before that
+    step's epoch ended (a signal at the epoch's last step, then a resume that closed the epoch), which would close it again."""
+    path = state_path(run_dir, progress.step)
+    if not is_complete_state(path):
+        return False
+    try:
+        saved = read_state_progress(path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and (saved.get("epoch"), saved.get("batch")) == (progress.epoch, progress.batch)
+
+
 def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
     """The progress in a state's trainer.json, checked field by field (a CheckpointError naming the first one that no
     run writes), and the record of the run that saved it (None in a state saved before records)."""
@@ -201,7 +215,7 @@ def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
 
 def check_fits(run: Run, path: Path, progress: Progress, record: dict[str, Any] | None) -> None:
     """Refuse a sound state that this run is not to continue (see `load_state`): a ConfigError naming what differs. (A
-    copy continued over another run, and a finished run's last step, are refused before: `vit.train.run.check_resume`.)"""
+    copy continued over another run, and a finished run's last step, are refused before: `vit.train.resumes.check_resume`.)"""
     named = f"run.resume={run.cfg.run.resume}: the state {path}"
     now = run.accelerator.num_processes
     then = record["processes"] if record is not None else len(list(path.glob(RNG_FILES))) or now

@@ -29,22 +29,33 @@ ARTIFACT_FILE = ENCODER_FILE  # the file's name inside the artifact: producer an
 ARTIFACT_NAME_MAX = 128  # wandb refuses a longer artifact name
 
 
-def wandb_init_kwargs(run_cfg, job_type: str) -> dict[str, Any]:
+def wandb_init_kwargs(run_cfg, job_type: str, run_id: str | None = None, resumed: bool = False) -> dict[str, Any]:
     """`wandb.init` arguments: one wandb directory per `run.dir` (wandb adds `wandb/` below it). They win over the user's
     WANDB_MODE, WANDB_DIR, ... (an argument overrides its variable), so the run goes where its config.yaml says;
-    `env_overridden` names the variables they override."""
-    return {
+    `env_overridden` names the variables they override.
+
+    The wandb run's id is the run's (`vit.store.lineage`): every session of one run (each resume) logs into one wandb run,
+    and two runs, a run folder trained again among them, never share one. A resumed session says `resume="allow"`: online
+    wandb continues the run; offline it writes another `offline-run-<time>-<id>` folder whose record says it resumes, so
+    `wandb sync <run.dir>/wandb` appends it to the same run. (A fresh run passes no `resume`: its id is new.)"""
+    kwargs = {
         "name": run_cfg.name,
         "group": run_cfg.group,
         "job_type": job_type,
         "dir": str(Path(run_cfg.dir).expanduser()),
         "mode": run_cfg.wandb_mode,
     }
+    if run_id is not None:
+        kwargs["id"] = run_id
+    if resumed:
+        kwargs["resume"] = "allow"
+    return kwargs
 
 
 # The environment variables that a `wandb.init` argument of ours overrides, and the run key that sets the argument.
 WANDB_ENV = {"WANDB_MODE": ("mode", "run.wandb_mode"), "WANDB_DIR": ("dir", "run.dir"), "WANDB_PROJECT": (None, "run.project"),
-             "WANDB_NAME": ("name", "run.name"), "WANDB_RUN_GROUP": ("group", "run.group")}  # fmt: skip
+             "WANDB_NAME": ("name", "run.name"), "WANDB_RUN_GROUP": ("group", "run.group"),
+             "WANDB_RUN_ID": ("id", "meta.run_id")}  # fmt: skip
 # wandb's older names of its modes: WANDB_MODE=dryrun is offline, and was said to be overridden by run.wandb_mode=offline.
 WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online"}
 
@@ -55,7 +66,7 @@ def env_overridden(run_cfg, kwargs: dict[str, Any]) -> list[str]:
     out = []
     for var, (arg, key) in WANDB_ENV.items():
         given = os.environ.get(var)
-        ours = run_cfg.project if arg is None else kwargs[arg]
+        ours = run_cfg.project if arg is None else kwargs.get(arg)
         if not given or ours is None:
             continue
         if var == "WANDB_DIR":
@@ -134,15 +145,17 @@ def encoder_artifact(path: Path):
     source = Path(meta.get("run") or path.parent).name
     name = artifact_name(f"encoder-{source}")
     metadata = {"format": payload["format"], "step": payload.get("step"), "encoder": payload["config"],
-                "run": meta.get("run"), "git_commit": meta.get("git_commit")}  # fmt: skip
+                "run": meta.get("run"), "run_id": meta.get("run_id"), "git_commit": meta.get("git_commit")}  # fmt: skip
     return wandb.Artifact(name, type="model", metadata=metadata)
 
 
 def artifact_name(text: str) -> str:
-    """`text` in wandb's artifact-name alphabet and length. A name cut to length ends in a hash of the whole text, so two
-    long run names that share their start do not share an artifact name."""
+    """`text` in wandb's artifact-name alphabet and length. A name cut to length, or with characters replaced (a run named
+    in another script, with spaces or ':'), ends in a hash of the whole text, so two run names that share their start, or
+    read alike once replaced ('mae ü' and 'mae ö'), do not share an artifact name: wandb would file two runs' encoders as
+    versions of one artifact."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", text)
-    if len(name) > ARTIFACT_NAME_MAX:
+    if name != text or len(name) > ARTIFACT_NAME_MAX:
         digest = hashlib.sha256(text.encode(errors="surrogateescape")).hexdigest()[:8]
         name = f"{name[: ARTIFACT_NAME_MAX - len(digest) - 1]}-{digest}"
     return name

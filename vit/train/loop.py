@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from vit.device import BusySampler, synchronize
 from vit.errors import UserError
-from vit.store.runs import is_complete_state, newest_state, state_path, write_budget
+from vit.store.runs import newest_state, write_budget
 from vit.train.budget import Spent, StepMeter, make_plan, measure_seconds
 from vit.train.graph import StepGraph, step_autocast
 from vit.train.guard import LossRing
@@ -29,7 +29,7 @@ from vit.train.optim import set_lr
 from vit.train.run import Run
 from vit.train.schedule import LoopSpec
 from vit.train.signals import Preempted, SignalGuard
-from vit.train.states import Progress, save_state
+from vit.train.states import Progress, holds_position, save_state
 
 
 class NonFiniteLoss(UserError):
@@ -59,7 +59,9 @@ def fit(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, loader, lo
     """
     loop = TrainLoop(run, model, optimizer, loader, loss_fn, spec, progress or Progress())
     with SignalGuard() as signals:
-        while loop.progress.epoch < spec.epoch_limit and loop.progress.step < spec.stop_step:
+        # A state saved at an epoch's last step (by a signal, or at the run's last step) comes before that epoch's end: a
+        # run resumed from it closes the epoch (its evaluation, figures and count) even where no step is left to train.
+        while loop.progress.epoch < spec.epoch_limit and (loop.progress.step < spec.stop_step or loop.epoch_end_due()):
             if not loop.train_epoch(signals):
                 break  # stop_step reached mid-epoch
             loop.end_epoch(on_epoch_end)
@@ -136,6 +138,11 @@ class TrainLoop:
         self.prepare = getattr(loss_fn, "prepare", None)
         autocast = step_autocast(device, run.accelerator.mixed_precision)
         self.graph = StepGraph(model, optimizer, loss_fn, autocast, run.cfg.optim.clip_grad) if run.cuda_graph else None
+
+    def epoch_end_due(self) -> bool:
+        """Whether the current epoch's steps are all done and its end is not (a state saved at its last step)."""
+        p = self.progress
+        return p.batch > 0 and (len(self.loader) - p.batch) // self.accum == 0
 
     def train_epoch(self, signals: SignalGuard) -> bool:
         """The optimiser steps left in the current epoch; False when `spec.stop_step` cut it short."""
@@ -402,6 +409,10 @@ class TrainLoop:
         self.busy.stop()
         self.run.gpu_busy = self.busy.mean()
         self.check_finite()
+        if self.window.steps:
+            # Steps since the last record, where none fell at the last step (a budget spent before its step time was
+            # measured stops the run where it stands): else their loss is never logged, and final_loss is an older record's.
+            self.run.log(self.record())
         self.losses.close()
         if self.graph is not None:
             if self.run.graph_capture is None:  # the run ended within its eager steps
@@ -413,7 +424,7 @@ class TrainLoop:
         if self.spec.budget is not None and self.spec.planned_steps is None:  # summary.json's budget had no plan, unsaid
             self.run.warn(f"schedule.max_steps={self.spec.max_steps} stopped the run at step {p.step}, before its step time was measured: "
                           "no budget plan was made, and the learning rate never decayed")  # fmt: skip
-        if not is_complete_state(state_path(self.run.dir, p.step)):
+        if not holds_position(self.run.dir, p):
             save_state(self.run, p)
         return p
 

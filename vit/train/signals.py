@@ -4,7 +4,13 @@ and stops cleanly (`Preempted`) instead of dying mid-step."""
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
+
+# A signal this soon after the first is the same stop delivered twice, not a second one: a launcher or a script that
+# passes SIGTERM on to its stage (quickstart, torchrun's agent) while the scheduler or systemd also sends it to every
+# process of the job, or of its control group. Taken as "stop now", it left the stage without a resume state.
+REPEAT_SECONDS = 1.0
 
 
 class Preempted(Exception):
@@ -16,6 +22,7 @@ class SignalGuard:
 
     def __init__(self):
         self.received: int | None = None
+        self.received_at: float | None = None  # time.monotonic() of the first signal
         self.previous: dict[int, Any] = {}
 
     def __enter__(self):
@@ -27,9 +34,13 @@ class SignalGuard:
         return self
 
     def handle(self, signum, frame) -> None:
-        if self.received is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.received = signum
+        now = time.monotonic()
+        if self.received is None:
+            self.received, self.received_at = signum, now
+            return
+        if now - self.received_at < REPEAT_SECONDS:  # the first one, delivered again by another path
+            return
+        raise KeyboardInterrupt  # a second signal: stop now
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():

@@ -167,6 +167,20 @@ def test_accuracy_against_pretraining_length_groups_seeds_and_puts_the_random_pr
         assert hi - lo > 100
 
 
+def test_accuracy_against_pretraining_length_leaves_out_a_run_whose_encoder_folder_was_trained_again(tmp_path):
+    """A probe records its encoder's run id: where that folder now holds another training (another id, other minutes),
+    the probe was placed at the new training's minutes."""
+    root = tmp_path / "runs"
+    write_run(root, "mae", {"stage": "pretrain", "job_type": "pretrain", "run_id": "b" * 16},
+              {"stage": "pretrain", "wall_time_sec": 600.0, "epochs": 3}, [])  # fmt: skip
+    for name, parent_id in (("probe_then", "a" * 16), ("probe_now", "b" * 16), ("probe_older", None)):
+        meta = {"stage": "finetune", "job_type": "linprobe", "parent": str(root / "mae"), "parent_run_id": parent_id}
+        write_run(root, name, meta, {"stage": "finetune", "job_type": "linprobe", "parent": str(root / "mae"), "final_val_top1": 0.5}, [])
+    runs = compare.load_runs([str(root)])
+    points = compare.pretraining_points(runs, [compare.row(r) for r in runs])
+    assert points == {"linprobe": {10.0: [0.5, 0.5]}}  # probe_now, and probe_older (no id recorded: by name, as before)
+
+
 def test_a_resumed_runs_redone_steps_replace_the_first_attempt_and_epoch_lines_get_a_time(tmp_path):
     metrics = [{"step": s, "loss": 1.0, "time": float(s)} for s in (1, 2, 3, 4)]  # crashed after step 4, state saved at step 2
     metrics += [{"step": s, "loss": 2.0, "time": s + 0.5} for s in (3, 4, 5)] + [{"step": 5, "val_loss": 9.0}]

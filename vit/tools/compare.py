@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from vit.device import host_label
 from vit.errors import UserError
+from vit.store.lineage import PARENT_RUN_ID, RUN_ID, parent_changed
 from vit.store.runs import CLASSIFICATION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder, is_run_folder
 from vit.tools import plots
 from vit.tools.reading import Series, last_value, load_runs, mistyped_host_field, series
@@ -283,17 +284,19 @@ def pretraining_points(runs: list[RunFolder], rows: list[dict[str, Any]]) -> dic
 
     Returns {job type: {minutes: [val top-1 of each run, e.g. one per seed]}}. The parent must be one
     of the finished pretraining runs given; a linear probe of a random encoder (init scratch) is the
-    point at 0 minutes.
+    point at 0 minutes. A run whose parent folder holds another training now (its run id differs) is left out: its
+    encoder's minutes are not known.
     """
-    minutes = {r.name: r.summary["wall_time_sec"] / 60 for r in runs
-               if r.group == "pretrain" and r.finished and r.summary.get("wall_time_sec") is not None}  # fmt: skip
+    pretraining = {r.name: r for r in runs if r.group == "pretrain" and r.finished and r.summary.get("wall_time_sec") is not None}
+    by_name = {r.name: r for r in runs}
     points: dict[str, dict[float, list[float]]] = {}
     for r in rows:
         if r["stage"] not in ("linprobe", "finetune") or r["val_top1"] is None or not r["status"].startswith("finished"):
             continue
-        parent = short_run(r["parent"])
-        if parent in minutes:
-            x = minutes[parent]
+        parent = pretraining.get(short_run(r["parent"]))
+        recorded = by_name[r["name"]].meta.get(PARENT_RUN_ID) if r["name"] in by_name else None
+        if parent is not None and not parent_changed(recorded, parent.meta.get(RUN_ID)):
+            x = parent.summary["wall_time_sec"] / 60
         elif r["stage"] == "linprobe" and r["init"] == "scratch":
             x = 0.0
         else:

@@ -116,8 +116,9 @@ class DataConfig:
     image_column: str = "image"  # hf: the column holding the images
     label_column: str | None = "label"  # hf: the column holding class labels; null (or a dataset without it): unlabelled
     val_root: str | None = None  # webdataset: shards of the val split; none: the first val_size samples of the last shards
-    val_size: int = 5000  # seeded, class-balanced validation split carved from the training split
-    split_seed: int = 0
+    val_size: int = 5000  # validation split carved from the training split: seeded and class-balanced (webdataset: the first
+    #   val_size samples of the last shards, whichever loader reads them)
+    split_seed: int = 0  # the val carve's seed (and data.train_fraction's); shards' val split uses none
     train_fraction: float = 1.0  # seeded class-balanced subset of the training split, for quick experiments
     synthetic_size: int = 1024  # images in the synthetic dataset (training split before the val split)
     crop_scale: tuple[float, float] = (0.35, 1.0)  # random-resized-crop area range

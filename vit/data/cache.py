@@ -28,8 +28,9 @@ from vit.data.splits import ImageSet
 from vit.errors import DataError
 from vit.store.atomic import atomic_save, nearest_existing
 
-FORMAT_VERSION = 4  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs;
-#   3: each split's CRC-32 and the names and sizes of its files; 4: torchvision's Resize + CenterCrop, .ppm and .pgm files)
+FORMAT_VERSION = 5  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs;
+#   3: each split's CRC-32 and the names and sizes of its files; 4: torchvision's Resize + CenterCrop, .ppm and .pgm files;
+#   5: the images each shard gave, `ImageSet.parts`, which place the shards' val split)
 
 
 def cache_path(cfg: DataConfig, source: Path | str, extra: tuple = ()) -> Path:
@@ -87,7 +88,7 @@ def _read_cache(path: Path) -> tuple[dict[str, ImageSet], list[tuple[str, str]]]
         if payload.get("format") != FORMAT_VERSION:
             raise ValueError(f"format {payload.get('format')}, expected {FORMAT_VERSION}")
         classes = list(payload["classes"])
-        splits = {split: ImageSet(v["images"], v["labels"], classes, v["identity"]) for split, v in payload["splits"].items()}
+        splits = {split: ImageSet(v["images"], v["labels"], classes, v["identity"], v["parts"]) for split, v in payload["splits"].items()}
         for split, images in splits.items():
             if _crc(images) != payload["splits"][split]["crc"]:  # torch.load reads changed bytes back without a word
                 raise ValueError(f"the {split} images are not the ones written (CRC-32 differs)")
@@ -103,7 +104,10 @@ def _write_cache(path: Path, result: dict[str, ImageSet], skipped: list[tuple[st
     payload = {
         "format": FORMAT_VERSION,
         "classes": list(result["train"].classes),
-        "splits": {split: {"images": s.images, "labels": s.labels, "identity": s.identity, "crc": _crc(s)} for split, s in result.items()},
+        "splits": {
+            split: {"images": s.images, "labels": s.labels, "identity": s.identity, "parts": s.parts, "crc": _crc(s)}
+            for split, s in result.items()
+        },
         "skipped": [list(b) for b in skipped],
     }
     try:

@@ -5,7 +5,8 @@
     splits.describe()                       # sizes for summary.json
 
 The validation split is carved from the training split, class-balanced, by a generator seeded with `data.split_seed`
-(a source's own val split replaces it); `data.train_fraction` then keeps a seeded, class-balanced subset of the rest.
+(a source's own val split replaces it; shards fix its positions, `val_index`); `data.train_fraction` then keeps a seeded,
+class-balanced subset of the rest.
 Every random choice of the data (splits, epoch orders, augmentations) draws from `seeded_generator`.
 """
 
@@ -34,6 +35,9 @@ class ImageSet:
     # Decoded from files: their names and sizes, in order (`PathReader.identity`), so `fingerprint` names the files
     # as the stream loader's does, whatever size they were decoded to. None for arrays and subsets.
     identity: str | None = None
+    # Decoded from shards: the images each shard gave, in shard order, which place the val split the stream loader holds
+    # out (`vit.data.sources.shards.shard_val_index`). None otherwise and for subsets.
+    parts: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.ndim != 4 or self.images.shape[1] != 3:
@@ -106,15 +110,18 @@ class Splits:
 
 
 def carve_splits(cfg: DataConfig, raw: dict[str, Any], source_fingerprint: str, normalization: tuple[tuple, tuple], loader: str = "memory",
-                 image_size: int | None = None) -> Splits:  # fmt: skip
+                 image_size: int | None = None, val_index: torch.Tensor | None = None) -> Splits:  # fmt: skip
     """{"train", "val"?, "test"?} sets -> Splits: the seeded val split carved from train unless the source has its own,
-    then `data.train_fraction` of the rest; works on ImageSets and FileSets alike (both have `labels`, `subset`).
-    `normalization`: the source's (mean, std)."""
+    or the positions in train `val_index` ((K,) int64) where the source fixes them; then `data.train_fraction` of the
+    rest; works on ImageSets and FileSets alike (both have `labels`, `subset`). `normalization`: the source's (mean, std)."""
     train, val = raw["train"], raw.get("val")
     check_held_out(raw, cfg.root or f"data.dataset={cfg.dataset}")
     source = SourceIndex(source_fingerprint, len(train), torch.arange(len(train)), None)
     if val is None:
-        val_index, train_index = carve_val(train.labels, train.classes, cfg.val_size, cfg.split_seed)
+        if val_index is None:
+            val_index, train_index = carve_val(train.labels, train.classes, cfg.val_size, cfg.split_seed)
+        else:
+            train_index = the_rest(len(train), val_index)
         train, val = train.subset(train_index), train.subset(val_index)
         source.train, source.val = train_index, val_index
     if cfg.train_fraction < 1.0:
@@ -213,9 +220,7 @@ def carve_val(labels: torch.Tensor, classes: list[str], val_size: int, seed: int
         if n <= val_size:
             raise DataError(f"the source has {n} images; data.val_size={val_size} needs at least {val_size + 1}")
         val_index = torch.randperm(n, generator=seeded_generator("val", seed))[:val_size].sort().values
-        keep = torch.ones(n, dtype=torch.bool)
-        keep[val_index] = False
-        return val_index, keep.nonzero().flatten()
+        return val_index, the_rest(n, val_index)
     num_classes = len(classes)
     per_class = val_size // num_classes
     if per_class == 0:
@@ -230,9 +235,14 @@ def carve_val(labels: torch.Tensor, classes: list[str], val_size: int, seed: int
             raise DataError(f"class {classes[c]!r} has {have} training images; data.val_size={val_size} needs {want} of it")
         picked.append(members[torch.randperm(members.shape[0], generator=generator)[:counts[c]]])
     val_index = torch.cat(picked).sort().values
-    keep = torch.ones(labels.shape[0], dtype=torch.bool)
-    keep[val_index] = False
-    return val_index, keep.nonzero().flatten()
+    return val_index, the_rest(labels.shape[0], val_index)
+
+
+def the_rest(n: int, index: torch.Tensor) -> torch.Tensor:
+    """The sorted positions of range(n) not in `index` ((K,) int64) -> (n - K,) int64."""
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[index] = False
+    return keep.nonzero().flatten()
 
 
 def stratified_subset(labels: torch.Tensor, num_classes: int, fraction: float, seed: int) -> torch.Tensor:

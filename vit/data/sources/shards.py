@@ -4,7 +4,8 @@ plus an optional `<key>.cls` holding the class index as text, read in order with
 Their sample counts (and the classes their `.cls` files name) are read once from the tar headers, which needs no image
 data, and cached next to the decoded data. Shards are never indexed: training reads them in order (`ShardSet`), and the
 val split is decoded into memory from `data.val_root`'s first samples, or from the last shards' first samples, which
-training then leaves out.
+training then leaves out. The memory loader holds out the same samples (`shard_val_index`), so a run pretrained under
+one loader and fine-tuned under the other never evaluates on images it trained on.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from vit.data.cache import cached
 from vit.data.decode import BadImage, decode_image
 from vit.data.files import UNLABELLED, ShardSet, SizeCheck
 from vit.data.sources.base import IMAGENET_MEAN, IMAGENET_STD, Source
-from vit.data.splits import ImageSet, SourceIndex, Splits, seeded_generator
+from vit.data.splits import ImageSet, SourceIndex, Splits, carve_splits, fingerprint, seeded_generator
 from vit.errors import DataError, UserError
 
 
@@ -51,6 +52,16 @@ class Shards(Source):
         identity = repr(shards_identity(shards.urls))
         return cached(cfg, identity, lambda bad: read_shards(shards.urls, cfg, bad, shards.classes), skipped, where=cfg.root)
 
+    def memory_splits(self) -> Splits:
+        # Not the seeded carve of the other sources: the stream loader's val split (`shard_splits`), so that neither
+        # loader trains on the other's val images (streamed shards record no positions for the overlap check to read).
+        skipped: list[tuple[str, str]] = []
+        raw = self.read(skipped)
+        held = shard_val_index(raw["train"].parts, self.cfg.val_size, self.cfg.root)
+        splits = carve_splits(self.cfg, raw, fingerprint(raw["train"]), self.normalization, val_index=held)
+        splits.bad_images = skipped
+        return splits
+
     def stream_splits(self, out_size: int, bad: Any, listed=None) -> Splits:
         return shard_splits(self.cfg, out_size, bad, self.normalization)
 
@@ -64,13 +75,14 @@ def read_shards(urls: list[str], cfg: DataConfig, bad: list, classes: list[str])
     """Every sample of the shards, in order, decoded (`data.loader=memory` for shards small enough); `classes`: those
     the scan of their headers found (`open_shards`)."""
     check = SizeCheck()
-    arrays, labels = [], []
+    arrays, labels, gave = [], [], dict.fromkeys(urls, 0)
     try:
         samples = list(decoded_samples(urls, cfg, bad, check))
     except (tarfile.TarError, EOFError, OSError) as e:  # webdataset's reader raises tarfile's errors as they come
         first = (str(e).strip().splitlines() or [""])[0]
         raise DataError(f"the shards {cfg.root} are not readable tar files ({type(e).__name__}: {first})") from None
-    for arr, label in samples:
+    for url, arr, label in samples:
+        gave[url] += 1
         arrays.append(arr)
         labels.append(label)
     if not arrays:
@@ -79,12 +91,29 @@ def read_shards(urls: list[str], cfg: DataConfig, bad: list, classes: list[str])
     if any(labelled) and not all(labelled):
         raise DataError(f"some samples of {cfg.root} have .cls labels and some do not: label all of them or none")
     stacked = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
-    return {"train": ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), list(classes))}
+    return {"train": ImageSet(stacked, torch.tensor(labels, dtype=torch.int64), list(classes), parts=list(gave.values()))}
+
+
+def shard_val_index(parts: list[int], val_size: int, root: str) -> torch.Tensor:
+    """The val split `shard_splits` streams, as positions among every decoded sample (`parts[i]` of them from shard i,
+    in order): the first samples of the last shard, then of the one before, and so on, `val_size` in all, in that order
+    -> (val_size,) int64. Samples that do not decode (`data.skip_bad_images`) are neither val nor training images under
+    either loader, and the next ones take their place."""
+    if val_size >= sum(parts):
+        raise DataError(f"the shards {root} hold {sum(parts)} samples that decode; data.val_size={val_size} needs more")
+    picked, end = [], sum(parts)
+    for size in reversed(parts):
+        take = min(val_size - sum(len(p) for p in picked), size)
+        if take == 0:
+            break
+        picked.append(torch.arange(end - size, end - size + take))
+        end -= size
+    return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.int64)
 
 
 def decoded_samples(urls: list[str], cfg: DataConfig, bad: list, check: SizeCheck):
-    """(image (H, W, 3) uint8, label) of every sample of `urls` that decodes, in order; the others appended to `bad`
-    (`data.skip_bad_images`) or raised."""
+    """(shard url, image (H, W, 3) uint8, label) of every sample of `urls` that decodes, in order; the others appended to
+    `bad` (`data.skip_bad_images`) or raised."""
     for sample in shard_samples(urls):
         found = sample_image(sample)
         name = f"{sample.get('__url__')}:{sample['__key__']}"
@@ -98,7 +127,7 @@ def decoded_samples(urls: list[str], cfg: DataConfig, bad: list, check: SizeChec
             bad.append((name, str(e)))
             continue
         check(name, arr)
-        yield arr, sample_label(sample)
+        yield sample["__url__"], arr, sample_label(sample)
 
 
 def shard_head(shards: ShardSet, count: int, out_size: int, skip_bad: bool, bad: Any,

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pretrain.model import MaskedAutoencoder, patchify, unpatchify
+from vit.models.presets import num_visible
 
 
 def image_row(images: torch.Tensor, padding: int = 2, fill: float = 1.0) -> torch.Tensor:
@@ -41,17 +42,18 @@ def reconstruct(mae: MaskedAutoencoder, images: torch.Tensor, mean, std, seed: i
         mu, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
         pred = raw * (var + 1e-6) ** 0.5 + mu  # un-normalised with each hidden patch's true statistics
     m = mask.unsqueeze(-1)  # (B, L, 1)
-    visible = f"{1 - mae.mask_ratio:.0%}"
+    # The count the masking keeps, floor(L * (1 - ratio)): the ratio's share said 10% where 0.9 of 16 patches shows 1.
+    visible = f"{num_visible(mae.num_patches, mae.mask_ratio)} of {mae.num_patches} patches visible"
     rows = [images.float(), unpatchify(target * (1 - m), p, mae.in_chans), unpatchify(pred, p, mae.in_chans),
             unpatchify(target * (1 - m) + pred * m, p, mae.in_chans)]  # fmt: skip
     if mae.norm_pix_loss:
-        labels = ["original", f"masked input ({visible} of the patches)",
+        labels = ["original", f"masked input\n({visible})",
                   "reconstruction, each patch scaled\nwith the TRUE mean and variance\nof the patch it hides",
                   "the same with the visible\npatches pasted back",
                   "raw output: what the model\npredicts (per-patch normalised)"]  # fmt: skip
         rows.append(unpatchify(raw, p, mae.in_chans))
     else:
-        labels = ["original", f"masked input ({visible} of the patches)", "reconstruction",
+        labels = ["original", f"masked input\n({visible})", "reconstruction",
                   "reconstruction with the\nvisible patches pasted back"]  # fmt: skip
     mean_t = torch.tensor(mean, device=images.device).view(1, -1, 1, 1)
     std_t = torch.tensor(std, device=images.device).view(1, -1, 1, 1)

@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     def on_epoch_end(epoch: int, progress) -> dict[str, float]:
         epoch_seconds = time.perf_counter() - clock["epoch"]
         metrics = {}
-        last = epoch == t.spec.epoch_limit
+        # The epoch where training stops (its schedule's last, or where schedule.max_steps falls on an epoch's end) evaluates
+        # both: final_evaluation then takes its numbers, which are of the encoder that encoder.pt holds.
+        last = epoch == t.spec.epoch_limit or progress.step >= t.spec.stop_step
         if t.val_loader is not None and ((cfg.mae.val_every and epoch % cfg.mae.val_every == 0) or last):
             metrics["val_loss"] = validation_loss(t.mae, t.val_loader, run, cfg.run.seed)
             run.print(f"epoch {epoch}: val loss {metrics['val_loss']:.4f}")

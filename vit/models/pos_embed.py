@@ -34,21 +34,28 @@ def sincos_2d(dim: int, grid_size: int, cls_token: bool = True) -> torch.Tensor:
     return table
 
 
-def resample_pos_embed(pos_embed: torch.Tensor, new_grid: int, num_prefix_tokens: int = 1) -> torch.Tensor:
+def resample_pos_embed(pos_embed: torch.Tensor, new_grid: int, num_prefix_tokens: int = 1,
+                       old_grid: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
     """Resize a learned positional embedding to another patch grid by bicubic interpolation.
 
-    pos_embed: (1, P + G*G, D) -> (1, P + new_grid**2, D); the P prefix ([CLS]) rows are kept as they are.
+    pos_embed: (1, P + H*W, D) -> (1, P + new_grid**2, D); the P prefix ([CLS]) rows are kept as they are. `old_grid`
+    (H, W): the grid the table was trained on (a timm model's may be H != W); None: a square one, read from its length.
     """
     if new_grid < 1:
         raise ValueError(f"new_grid must be positive, got {new_grid}")
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
-    old = math.isqrt(grid.shape[1])
-    if old * old != grid.shape[1]:
-        raise ValueError(f"positional embedding has {grid.shape[1]} patch positions, not a square grid")
-    if old == new_grid:
+    if old_grid is None:
+        side = math.isqrt(grid.shape[1])
+        if side * side != grid.shape[1]:
+            raise ValueError(f"positional embedding has {grid.shape[1]} patch positions, not a square grid")
+        old_grid = (side, side)
+    height, width = old_grid
+    if height * width != grid.shape[1]:
+        raise ValueError(f"positional embedding has {grid.shape[1]} patch positions, not a {height}x{width} grid")
+    if old_grid == (new_grid, new_grid):
         return pos_embed
     dim = grid.shape[-1]
-    grid = grid.reshape(1, old, old, dim).permute(0, 3, 1, 2).float()  # (1, D, G, G)
+    grid = grid.reshape(1, height, width, dim).permute(0, 3, 1, 2).float()  # (1, D, H, W), row-major as the patches
     # Antialiased both ways, as timm's `resample_abs_pos_embed`: with bicubic, `antialias` also changes upsampling (it
     # switches to PIL's kernel), so timm's weights must resample with it to match what timm itself loads.
     grid = F.interpolate(grid, size=(new_grid, new_grid), mode="bicubic", align_corners=False, antialias=True)

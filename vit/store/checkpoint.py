@@ -93,6 +93,7 @@ def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str
     state = payload.get("state_dict")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path} is damaged: its 'state_dict' is missing or not a mapping of names to tensors")
+    payload["state_dict"] = unwrapped_keys(state, path)
     if fmt != CLASSIFIER_FORMAT and not isinstance(payload.get("config"), dict):
         raise CheckpointError(f"{path} is damaged: its encoder 'config' is missing or not a mapping")
     return payload
@@ -208,7 +209,8 @@ def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callabl
     missing, unexpected = model.load_state_dict(state, strict=False)
     head_keys = {k for k in model.state_dict() if k.startswith("head.")}
     if unexpected or set(missing) != head_keys:
-        raise CheckpointError(f"{path} does not match the encoder: missing {sorted(set(missing) - head_keys)}, unexpected {sorted(unexpected)}")
+        lost = some(sorted(set(missing) - head_keys))
+        raise CheckpointError(f"{path} does not match the encoder: missing {lost}, unexpected {some(sorted(unexpected))}")
     return payload
 
 
@@ -239,8 +241,10 @@ def encoder_from_checkpoint(path: str | os.PathLike, **overrides) -> VisionTrans
     return model
 
 
-def adapt_timm_state_dict(state_dict: dict[str, torch.Tensor], model: VisionTransformer) -> dict[str, torch.Tensor]:
+def adapt_timm_state_dict(state_dict: dict[str, torch.Tensor], model: VisionTransformer,
+                          grid: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Make a timm ViT state_dict fit `model`: resample positional and patch embeddings, drop a mismatched head.
+    `grid`: the (H, W) patch grid the weights' table was trained on, where their config says (None: square, from its length).
 
     Returns a new dict that `model.load_state_dict(..., strict=False)` takes with only the head missing
     (when the number of classes differs) and nothing unexpected.
@@ -254,9 +258,11 @@ def adapt_timm_state_dict(state_dict: dict[str, torch.Tensor], model: VisionTran
     if w is not None and w.ndim == 4 and w.shape[-2] == w.shape[-1] != model.patch_embed.patch_size:
         out["patch_embed.proj.weight"] = resample_patch_embed(w, model.patch_embed.patch_size)
     pos = out.get("pos_embed")
-    if pos is not None and pos.ndim == 3 and pos.shape != target["pos_embed"].shape:
+    square = (model.patch_embed.grid_size,) * 2
+    # A 4x16 table has the length of an 8x8 one: read as square it would load (or resample) with every position moved.
+    if pos is not None and pos.ndim == 3 and (pos.shape != target["pos_embed"].shape or grid not in (None, square)):
         try:
-            out["pos_embed"] = resample_pos_embed(pos, model.patch_embed.grid_size, model.num_prefix_tokens)
+            out["pos_embed"] = resample_pos_embed(pos, square[0], model.num_prefix_tokens, grid)
         except ValueError as e:  # no [CLS] row (timm's no_embed_class), register tokens, a cut table
             raise CheckpointError(f"timm weights do not fit this encoder: their pos_embed {tuple(pos.shape)} is not a [CLS] "
                                   f"row followed by a square patch grid ({e})") from None  # fmt: skip
@@ -267,9 +273,10 @@ def adapt_timm_state_dict(state_dict: dict[str, torch.Tensor], model: VisionTran
     return out
 
 
-def load_timm_weights(model: VisionTransformer, state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Load timm ViT weights into our encoder; returns the missing keys (only the head may be missing)."""
-    adapted = adapt_timm_state_dict(state_dict, model)
+def load_timm_weights(model: VisionTransformer, state_dict: dict[str, torch.Tensor], grid: tuple[int, int] | None = None) -> list[str]:
+    """Load timm ViT weights into our encoder; returns the missing keys (only the head may be missing). `grid`: as for
+    `adapt_timm_state_dict`."""
+    adapted = adapt_timm_state_dict(state_dict, model, grid)
     wrong = misfits(adapted, model)
     if wrong:  # load_state_dict would raise a RuntimeError listing every tensor
         raise CheckpointError(f"timm weights do not fit this encoder (weights != encoder): {wrong}")
@@ -330,7 +337,24 @@ def read_weights_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             sd = sd[key]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{path} holds no state_dict of tensors")
-    return sd
+    return unwrapped_keys(sd, path)
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's, in either order (timm's `clean_state_dict`)
+
+
+def unwrapped_keys(state: dict[str, torch.Tensor], path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """`state` with the key prefixes of a wrapped module's state_dict removed: weights saved from a DDP or compiled model
+    (`_orig_mod.blocks.0...`) load as timm loads them, not as hundreds of missing and unexpected keys."""
+    out = {}
+    for key, value in state.items():
+        name = key
+        while name.startswith(WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        if name in out:
+            raise CheckpointError(f"{path} holds the weight {name!r} twice (also as {key!r}): the weights of two models in one file")
+        out[name] = value
+    return out
 
 
 def unwrap(model: nn.Module) -> nn.Module:

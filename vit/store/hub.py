@@ -7,6 +7,7 @@ A folder holds what `timm.create_model("local-dir:DIR")` and the Hub read as the
                         "model_args": {...}, "pretrained_cfg": {"input_size", "mean", "std", "interpolation",
                         "crop_pct", ...}, "label_names": [...] (a classifier)}
     README.md           the model card (written by `vit.store.export`)
+    model.safetensors.index.json and its shards: read in place of model.safetensors (a large model's Hub repo)
 
 An encoder's config.json also holds `pretrained_on`: the data split it was pretrained on (`vit.data.provenance`,
 as JSON), so fine-tuning from the folder checks val images against it as it does from the run folder; timm
@@ -39,6 +40,7 @@ from vit.models.pos_embed import sincos_2d
 
 WEIGHTS_FILE = "model.safetensors"
 LEGACY_WEIGHTS_FILE = "pytorch_model.bin"  # what older Hub repos hold instead
+INDEX_FILE = "model.safetensors.index.json"  # weights sharded over several files: {"weight_map": {key: file name}}
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
 PROVENANCE_KEY = "pretrained_on"  # config.json: the data split an encoder was pretrained on (`vit.data.provenance`)
@@ -253,16 +255,20 @@ def hub_folder(init: str) -> Path:
 
     files = []
     if hub_reachable():
-        for name in (CONFIG_FILE, WEIGHTS_FILE, LEGACY_WEIGHTS_FILE):
+        pending = [CONFIG_FILE, WEIGHTS_FILE, LEGACY_WEIGHTS_FILE, INDEX_FILE]
+        while pending:
+            name = pending.pop(0)
             try:
                 files.append(hf_hub_download(repo_id, name, revision=revision or None))
             except Exception as e:
-                if name != CONFIG_FILE and isinstance(e, EntryNotFoundError):
+                if name in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE, INDEX_FILE) and isinstance(e, EntryNotFoundError):
                     continue  # the other weights file may be there
                 raise CheckpointError(
                     f"finetune.init={init}: download of {name} failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
                 ) from None
-            if name != CONFIG_FILE:
+            if name == INDEX_FILE:  # sharded weights: its shards next, and nothing else
+                pending = sorted(set(shard_map(Path(files[-1])).values()))
+            elif name in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE):
                 break
     else:
         found = try_to_load_from_cache(repo_id, CONFIG_FILE, revision=revision or None)
@@ -307,16 +313,42 @@ def read_hub_config(folder: Path) -> tuple[dict[str, Any], Path]:
         raise CheckpointError(f"{config_path} is not readable JSON ({type(e).__name__})") from None
     if not isinstance(config, dict) or not isinstance(config.get("architecture"), str):
         raise CheckpointError(f"{config_path} is not a timm model config (no 'architecture')")
-    weights = next((folder / n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE) if (folder / n).is_file()), None)
+    weights = next((folder / n for n in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE, INDEX_FILE) if (folder / n).is_file()), None)
     if weights is None:
-        raise CheckpointError(f"{folder} holds no weights ({WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE})")
+        raise CheckpointError(f"{folder} holds no weights ({WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE}), nor a sharded {INDEX_FILE}")
     return config, weights
 
 
 def read_hub_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """config.json and the weights of a timm / Hub folder; a missing, corrupt or foreign folder is one CheckpointError."""
     config, weights = read_hub_config(Path(folder))
-    return config, read_weights_file(weights)
+    return config, read_shards(weights) if weights.name == INDEX_FILE else read_weights_file(weights)
+
+
+def shard_map(index: Path) -> dict[str, str]:
+    """{key: shard file name} of a sharded safetensors index; a damaged one, or a shard outside its folder, is a CheckpointError."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{index} is not readable JSON with a 'weight_map' ({type(e).__name__})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: its 'weight_map' is not a mapping of weight names to shard file names")
+    for shard in weight_map.values():
+        if Path(shard).name != shard or shard in (".", ".."):  # only files beside the index are read
+            raise CheckpointError(f"{index} names the shard {shard!r}: expected a file name in the same folder")
+    return weight_map
+
+
+def read_shards(index: Path) -> dict[str, torch.Tensor]:
+    """The weights a sharded safetensors index lists, each from the shard it names; a weight not where it says is refused."""
+    weight_map, state = shard_map(index), {}
+    for shard in sorted(set(weight_map.values())):
+        tensors = read_weights_file(index.parent / shard)
+        wanted = {k for k, v in weight_map.items() if v == shard}
+        if lost := sorted(wanted - set(tensors)):
+            raise CheckpointError(f"{index} lists {lost[0]!r} in {shard}, which does not hold it: the shards are incomplete")
+        state.update((k, tensors[k]) for k in wanted)
+    return state
 
 
 def timm_architecture(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -367,6 +399,7 @@ def timm_architecture(config: dict[str, Any], where: str) -> dict[str, Any]:
         "num_heads": block.attn.num_heads,
         "mlp_ratio": block.mlp.fc1.out_features / m.embed_dim,
         "qkv_bias": block.attn.qkv.bias is not None,
+        "grid": tuple(m.patch_embed.grid_size),  # (H, W) patches: the layout of its positional table, where its weights agree
     }
 
 
@@ -385,17 +418,28 @@ def load_hub_weights(model: VisionTransformer, init: str) -> Path:
         raise CheckpointError(f"finetune.init={init} is a different encoder; to load it set {' '.join(diff)}")
     if bad := non_finite(state):  # a fine-tune from them stops at its first non-finite loss, a kNN run reports 0% (as from an encoder.pt)
         raise CheckpointError(f"finetune.init={init} holds weights that are not finite (NaN or inf): {bad}: the folder is damaged")
-    load_timm_weights(model, {**state, **fixed_pos_embed(model, state, init)})
+    table, (height, width) = state.get("pos_embed"), stored["grid"]
+    # The config's grid, unless the weights' table is of another length (a config.json that disagrees): then a square one.
+    grid = stored["grid"] if table is not None and table.ndim == 3 and table.shape[1] == 1 + height * width else None
+    fixed = fixed_pos_embed(model, state, init, grid)  # a sin-cos table recomputed for the model's own grid
+    try:
+        load_timm_weights(model, {**state, **fixed}, None if fixed else grid)
+    except CheckpointError as e:  # its config.json describes this encoder (checked above): the weights disagree with it
+        raise CheckpointError(f"finetune.init={init}: its weights are not the encoder its {CONFIG_FILE} describes: {e}") from None
     return folder
 
 
-def fixed_pos_embed(model: VisionTransformer, state: dict[str, torch.Tensor], init: str) -> dict[str, torch.Tensor]:
+def fixed_pos_embed(model: VisionTransformer, state: dict[str, torch.Tensor], init: str,
+                    grid: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """For a model with a fixed sin-cos table (model.pos_embed=sincos): {} where `state` holds none or a table that is no
     [CLS] row and square grid (load_timm_weights names that), the table recomputed for the model's grid where `state`
-    holds a sin-cos one (not interpolated), and a learned table refused, as `load_encoder` does: it would load frozen."""
+    holds a sin-cos one (not interpolated), and a learned table refused, as `load_encoder` does: it would load frozen.
+    `grid`: the (H, W) grid of the table (its config's); a table of an H != W grid is no sin-cos table of this project."""
     table = state.get("pos_embed")
     if model.config["pos_embed"] != "sincos" or table is None or table.ndim != 3 or table.shape[-1] != model.embed_dim:
         return {}
+    if grid is not None and grid[0] != grid[1]:
+        raise learned_table(f"finetune.init={init}")
     grid = math.isqrt(max(table.shape[1] - 1, 0))
     if grid < 1 or grid * grid + 1 != table.shape[1]:
         return {}

@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import ROOT, Started, reset_accelerate, tiny_overrides
 
 from finetune.config import FinetuneConfig
 from finetune.train import main as finetune
-from helpers import ROOT, Started, reset_accelerate, tiny_overrides
 from pretrain.config import PretrainConfig
 from pretrain.train import main as pretrain
 from vit.config import RunConfig, dump_config, load_config
@@ -272,8 +272,8 @@ def test_a_sweep_keeps_a_fine_tune_only_while_its_init_holds_the_run_it_started_
             in str(e.value))  # fmt: skip
     # quickstart asks the same question of a stage's finished run
     inputs = job_inputs(ft, ["run.tracker=none"], []) | {"finetune.init": str(out / "pre" / "encoder.pt")}
-    assert job_differences(inputs, out / "ft") == ["its init pre was trained again since it started from it "
-                                                   "(run aaaaaaaaaaaaaaaa then, now run bbbbbbbbbbbbbbbb)"]  # fmt: skip
+    assert job_differences(inputs, out / "ft") == [("its init pre was trained again since it started from it "
+                                                   "(run aaaaaaaaaaaaaaaa then, now run bbbbbbbbbbbbbbbb)")]  # fmt: skip
 
 
 def test_old_run_folders_without_ids_are_kept_by_name_as_before(tmp_path, started):
@@ -488,8 +488,8 @@ def test_an_older_encoder_is_fine_tuned_with_one_warning(mae, tmp_path, capsys):
     torch.save(payload, old / "encoder.pt")
     assert run(finetune, ft_args(tmp_path, "knn", old, **{"finetune.mode": "knn"})) == 0
     assert [line for line in warnings(capsys.readouterr().err) if "data split" in line] == [
-        f"warning: the encoder {old / 'encoder.pt'} records no data split (an older checkpoint): whether it trained on this run's "
-        "val images is not checked"]  # fmt: skip
+        (f"warning: the encoder {old / 'encoder.pt'} records no data split (an older checkpoint): whether it trained on this run's "
+        "val images is not checked")]  # fmt: skip
 
 
 @pytest.mark.slow

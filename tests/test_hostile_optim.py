@@ -53,7 +53,7 @@ class MAELARS(torch.optim.Optimizer):
     """MAE's util/lars.py."""
 
     def __init__(self, params, lr=0, weight_decay=0, momentum=0.9, trust_coefficient=0.001):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, trust_coefficient=trust_coefficient))
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "trust_coefficient": trust_coefficient})
 
     @torch.no_grad()
     def step(self):
@@ -100,7 +100,7 @@ def assert_same_groups(ours: dict, ref: dict) -> None:
 # --------------------------------------------------------------------------- parameter groups
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(global_pool="avg"), dict(pos_embed="sincos"), dict(depth=1), dict(depth=12)])
+@pytest.mark.parametrize("kwargs", [{}, {"global_pool": "avg"}, {"pos_embed": "sincos"}, {"depth": 1}, {"depth": 12}])
 @pytest.mark.parametrize("layer_decay", [0.75, 0.65, 1.0])
 def test_layer_decay_of_our_vit_is_maes_param_groups_lrd_for_every_parameter(kwargs, layer_decay):
     model = create_model("vit_cifar_tiny", num_classes=10, **kwargs)
@@ -310,8 +310,8 @@ def test_lars_follows_maes_lars_step_for_step_on_zero_weights_zero_gradients_vec
         for o in (opt, ref_opt):
             for g in o.param_groups:
                 g["lr"] = lr
-        for k in shapes:
-            grad = torch.zeros(shapes[k]) if k == "zero_g" else torch.randn(shapes[k])
+        for k, shape in shapes.items():
+            grad = torch.zeros(shape) if k == "zero_g" else torch.randn(shape)
             ours[k].grad, ref[k].grad = grad.clone(), grad.clone()
         opt.step()
         ref_opt.step()

@@ -3,8 +3,8 @@
 import json
 
 import torch
-
 from helpers import tiny_overrides
+
 from pretrain.model import MaskedAutoencoder
 from pretrain.train import main
 from vit.models.encoder import VisionTransformer

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torchvision.io  # noqa: F401  decode.py imports it lazily; data workers forked from here then need not (2 s each)
 
-from helpers import reset_accelerate
+from helpers import Started, reset_accelerate
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -21,6 +21,23 @@ def fresh_accelerate_state():
     """Each test's in-process runs start with a clean Accelerate state."""
     yield
     reset_accelerate()
+
+
+@pytest.fixture
+def started(monkeypatch) -> Started:
+    """A sweep's jobs start as `Started` (nothing runs) and its waits take no time."""
+    from vit.tools import sweep
+
+    fake = Started()
+    monkeypatch.setattr(sweep.subprocess, "Popen", fake)
+    waits = []
+
+    def sleep(seconds):  # a sweep that waits for nothing fails the test instead of hanging it
+        waits.append(seconds)
+        assert len(waits) < 1000, "the sweep waits for a job that never starts"
+
+    monkeypatch.setattr(sweep.time, "sleep", sleep)
+    return fake
 
 
 # --------------------------------------------------------------------------- on-disk data fixtures (tests/test_data.py)

@@ -83,17 +83,22 @@ def finetuning_loop(tmp_path, name="run", **overrides):
 
 
 class Started:
-    """Stands in for `subprocess.Popen`: records each job's name; the job ends at once with exit 0."""
+    """Stands in for `subprocess.Popen` in a sweep (the `started` fixture): records each job's command line and options;
+    the job ends at once with exit 0."""
 
     def __init__(self):
-        self.names: list[str] = []
+        self.calls: list[tuple[list[str], dict]] = []
 
     def __call__(self, argv, **kwargs):
-        self.names.append(next(a.split("=", 1)[1] for a in argv if a.startswith("run.name=")))
+        self.calls.append((argv, kwargs))
         return self
 
     def poll(self):
         return 0
+
+    @property
+    def names(self) -> list[str]:
+        return [next(a.split("=", 1)[1] for a in argv if a.startswith("run.name=")) for argv, _ in self.calls]
 
 
 def image_tree(root: Path, bad=lambda split, label, i: False) -> Path:

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import ROOT, Started, reset_accelerate, tiny_overrides
+from helpers import ROOT, reset_accelerate, tiny_overrides
 
 from finetune.config import FinetuneConfig
 from finetune.train import main as finetune
@@ -39,7 +39,6 @@ from vit.data.splits import SourceIndex
 from vit.errors import ConfigError
 from vit.store.lineage import ID_PATTERN, parent_changed, resumed_id, run_id_of
 from vit.store.runs import read_config, write_config, write_summary
-from vit.tools import sweep
 from vit.tools.kept import job_differences, job_inputs
 from vit.tools.sweep import Job, run_sweep
 from vit.train.tracking import artifact_name, env_overridden, wandb_init_kwargs
@@ -232,14 +231,6 @@ def test_a_fine_tune_whose_encoder_was_trained_again_is_not_resumed_from_the_new
     assert {p.name: p.stat().st_mtime_ns for p in ft.iterdir()} == before  # refused before anything was written
     assert run(finetune, ft_args(tmp_path, "ft", mae, **{"run.overwrite": True})) == 0  # the way out it names
     assert meta(ft)["parent_run_id"] == summary(ft)["parent_run_id"] == second
-
-
-@pytest.fixture
-def started(monkeypatch) -> Started:
-    fake = Started()
-    monkeypatch.setattr(sweep.subprocess, "Popen", fake)
-    monkeypatch.setattr(sweep.time, "sleep", lambda seconds: None)
-    return fake
 
 
 def finish_job(out: Path, job: Job, **ids) -> Path:

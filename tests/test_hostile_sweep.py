@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import Started
 
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
@@ -23,20 +22,6 @@ from vit.tools.sweep import Job, read_sweep, run_sweep
 ROOT = Path(__file__).resolve().parents[1]
 PRE, FT = str(ROOT / "configs/pretrain/cpu.yaml"), str(ROOT / "configs/finetune/cpu.yaml")
 CONFIGS = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
-
-
-@pytest.fixture
-def started(monkeypatch) -> Started:
-    fake = Started()
-    monkeypatch.setattr(sweep.subprocess, "Popen", fake)
-    calls = []
-
-    def sleep(seconds):  # a sweep that waits for nothing fails the test instead of hanging it
-        calls.append(seconds)
-        assert len(calls) < 1000, "the sweep waits for a job that never starts"
-
-    monkeypatch.setattr(sweep.time, "sleep", sleep)
-    return fake
 
 
 def finish_run(out: Path, job: Job) -> Path:

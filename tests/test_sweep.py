@@ -31,33 +31,6 @@ def write_sweep(path: Path, jobs: list[dict], common: list[str] | None = None) -
     return path
 
 
-class Started:
-    """Stands in for `subprocess.Popen`: records each job's command line and options; the job ends at once with `code`."""
-
-    def __init__(self, code: int = 0):
-        self.calls: list[tuple[list[str], dict]] = []
-        self.code = code
-
-    def __call__(self, argv, **kwargs):
-        self.calls.append((argv, kwargs))
-        return self
-
-    def poll(self):
-        return self.code
-
-    @property
-    def names(self) -> list[str]:
-        return [next(a.split("=", 1)[1] for a in argv if a.startswith("run.name=")) for argv, _ in self.calls]
-
-
-@pytest.fixture
-def started(monkeypatch) -> Started:
-    fake = Started()
-    monkeypatch.setattr(sweep.subprocess, "Popen", fake)
-    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
-    return fake
-
-
 def finish_run(out: Path, job: Job, common: list[str], extra: list[str]) -> Path:
     """The run folder `python -m pretrain` leaves for `job` run by a sweep into `out`: its resolved config, with
     run.precision `auto` recorded as what it became, the command in `meta`, and a summary."""

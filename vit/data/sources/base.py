@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vit.config import DataConfig
 from vit.data.decode import first_image_size
 from vit.data.files import FileSet, files_fingerprint
@@ -44,12 +46,18 @@ class Source:
         raise NotImplementedError
 
     def memory_splits(self) -> Splits:
-        """The whole dataset in memory, split: the seeded val split carved from train, then `data.train_fraction`."""
+        """The whole dataset in memory, split: the seeded val split carved from train (or the positions `held_out` fixes),
+        then `data.train_fraction`."""
         skipped: list[tuple[str, str]] = []
         raw = self.read(skipped)
-        splits = carve_splits(self.cfg, raw, fingerprint(raw["train"]), self.normalization)
+        splits = carve_splits(self.cfg, raw, fingerprint(raw["train"]), self.normalization, val_index=self.held_out(raw["train"]))
         splits.bad_images = skipped
         return splits
+
+    def held_out(self, train: ImageSet) -> torch.Tensor | None:
+        """The positions in the decoded `train` the val split is, where the source fixes them ((K,) int64); None: the
+        seeded class-balanced carve."""
+        return None
 
     # ------------------------------------------------------------------ the stream loader
 

@@ -27,7 +27,7 @@ from vit.data.cache import cached
 from vit.data.decode import BadImage, decode_image
 from vit.data.files import UNLABELLED, ShardSet, SizeCheck
 from vit.data.sources.base import IMAGENET_MEAN, IMAGENET_STD, Source
-from vit.data.splits import ImageSet, SourceIndex, Splits, carve_splits, fingerprint, seeded_generator
+from vit.data.splits import ImageSet, SourceIndex, Splits, seeded_generator
 from vit.errors import DataError, UserError
 
 
@@ -52,15 +52,10 @@ class Shards(Source):
         identity = repr(shards_identity(shards.urls))
         return cached(cfg, identity, lambda bad: read_shards(shards.urls, cfg, bad, shards.classes), skipped, where=cfg.root)
 
-    def memory_splits(self) -> Splits:
+    def held_out(self, train: ImageSet) -> torch.Tensor:
         # Not the seeded carve of the other sources: the stream loader's val split (`shard_splits`), so that neither
         # loader trains on the other's val images (streamed shards record no positions for the overlap check to read).
-        skipped: list[tuple[str, str]] = []
-        raw = self.read(skipped)
-        held = shard_val_index(raw["train"].parts, self.cfg.val_size, self.cfg.root)
-        splits = carve_splits(self.cfg, raw, fingerprint(raw["train"]), self.normalization, val_index=held)
-        splits.bad_images = skipped
-        return splits
+        return shard_val_index(train.parts, self.cfg.val_size, self.cfg.root)
 
     def stream_splits(self, out_size: int, bad: Any, listed=None) -> Splits:
         return shard_splits(self.cfg, out_size, bad, self.normalization)
@@ -101,13 +96,13 @@ def shard_val_index(parts: list[int], val_size: int, root: str) -> torch.Tensor:
     either loader, and the next ones take their place."""
     if val_size >= sum(parts):
         raise DataError(f"the shards {root} hold {sum(parts)} samples that decode; data.val_size={val_size} needs more")
-    picked, end = [], sum(parts)
+    picked, left, end = [], val_size, sum(parts)
     for size in reversed(parts):
-        take = min(val_size - sum(len(p) for p in picked), size)
+        take = min(left, size)
         if take == 0:
             break
         picked.append(torch.arange(end - size, end - size + take))
-        end -= size
+        left, end = left - take, end - size
     return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.int64)
 
 

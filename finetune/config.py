@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from vit.config import AugmentConfig, StageConfig, check, check_temperature, section
@@ -71,6 +71,25 @@ class FinetuneConfig(StageConfig):
     finetune: FinetuneSection = section(FinetuneSection)
     aug: AugmentConfig = section(AugmentConfig)
 
+    def unused(self) -> list[str]:
+        """The settings, changed from their defaults, that this mode does not read, each with why: a probe trains its head
+        alone on the data's crop and flip (or on cached features), and kNN trains nothing. Said, not refused: a probe or kNN
+        run is often a fine-tune's config with `finetune.mode` changed. (Eval mode says its own: `unused_in_eval`.)"""
+        ft, default = self.finetune, FinetuneSection()
+        if ft.mode == "eval":
+            return []
+        said = [] if ft.mode == "knn" else super().unused()
+        if ft.mode in ("linear", "knn"):
+            why = "a probe's head trains on the data's crop and flip alone" if ft.mode == "linear" else "kNN trains nothing"
+            said += [f"aug.{key}={value} ({why})" for key, value in changed(self.aug, AugmentConfig())]
+        if ft.layer_decay not in (None, default.layer_decay) and (ft.mode != "full" or ft.arch == "resnet18"):
+            where = f"finetune.arch={ft.arch}" if ft.mode == "full" else f"finetune.mode={ft.mode}"
+            said.append(f"finetune.layer_decay={ft.layer_decay:g} ({where} has no encoder layers to decay)")
+        for key, mode in (("probe_cache", "linear"), ("knn_k", "knn"), ("knn_temperature", "knn")):
+            if ft.mode != mode and getattr(ft, key) != getattr(default, key):
+                said.append(f"finetune.{key}={getattr(ft, key)} (read by finetune.mode={mode} only)")
+        return said
+
     def validate(self) -> None:
         """What the sections cannot check alone: patch dropout must leave each image at least one patch of the model's;
         a linear probe's BatchNorm needs two images a batch; each mode reads one of the two pooling settings; mixup and
@@ -97,3 +116,8 @@ class FinetuneConfig(StageConfig):
             # The count the encoder's patch dropout keeps: int(N * (1 - drop rate)), drop rate = 1 - patch_keep.
             check(int(patches * (1 - (1.0 - keep))) >= 1, "finetune.patch_keep",
                    f"{keep:g} keeps no patch of the model's {patches}: it must be at least 1/{patches}")  # fmt: skip
+
+
+def changed(section_: object, default: object) -> list[tuple[str, object]]:
+    """(key, value) of each field of a config section that differs from `default`'s."""
+    return [(f.name, getattr(section_, f.name)) for f in fields(section_) if getattr(section_, f.name) != getattr(default, f.name)]

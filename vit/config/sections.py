@@ -199,6 +199,16 @@ class OptimConfig:
         check(self.grad_accum_steps > 0, "optim.grad_accum_steps", "must be positive")
         check(self.clip_grad is None or self.clip_grad > 0, "optim.clip_grad", "must be positive")
 
+    def unused(self) -> list[str]:
+        """The settings, changed from their defaults, that `name` does not read: momentum is SGD's and LARS's, betas are
+        AdamW's. Said, not refused: a recipe switches its optimiser by `optim.name` alone."""
+        default = OptimConfig()
+        if self.name == "adamw" and self.momentum != default.momentum:
+            return [f"optim.momentum={self.momentum:g} (optim.name=adamw reads optim.betas)"]
+        if self.name != "adamw" and tuple(self.betas) != default.betas:
+            return [f"optim.betas={list(self.betas)} (optim.name={self.name} reads optim.momentum)"]
+        return []
+
 
 @dataclass
 class ScheduleConfig:
@@ -311,6 +321,10 @@ class StageConfig:
     optim: OptimConfig = section(OptimConfig)
     schedule: ScheduleConfig = section(ScheduleConfig)
     run: RunConfig = section(RunConfig)
+
+    def unused(self) -> list[str]:
+        """The settings, changed from their defaults, that this run will not read, each with why (`Run.start` says them)."""
+        return self.optim.unused()
 
 
 @dataclass

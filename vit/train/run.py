@@ -113,6 +113,9 @@ class Run:
         )
         if note:
             run.print(note)
+        unused = getattr(cfg, "unused", list)()  # settings this run will not read: said once, in the log, not refused
+        if unused:
+            run.warn(f"not used by this run: {'; '.join(unused)}")
         if run.replacing is None:  # else `ready` starts them, once the run it replaces (its tensorboard/ too) is cleared
             run.start_trackers()
         return run

@@ -30,7 +30,12 @@ def image_row(images: torch.Tensor, padding: int = 2, fill: float = 1.0) -> torc
 
 @torch.no_grad()
 def reconstruct(mae: MaskedAutoencoder, images: torch.Tensor, mean, std, seed: int = 0) -> tuple[torch.Tensor, list[str]]:
-    """images: (B, C, H, W) normalised -> rows (R, B, C, H, W) in [0, 1] and the R row labels (R = 5 with norm_pix_loss, else 4)."""
+    """images: (B, C, H, W) normalised -> rows (R, B, C, H, W) in [0, 1] and the R row labels (R = 5 with norm_pix_loss, else 4).
+
+    mean, std: C numbers each, the normalisation of `images`.
+    """
+    if not len(mean) == len(std) == mae.in_chans:  # 3 of them broadcast a grey image into three channels of other scales
+        raise ValueError(f"mean and std need {mae.in_chans} values each (one per channel), got {len(mean)} and {len(std)}")
     mae.eval()
     noise = torch.rand(images.shape[0], mae.num_patches, generator=torch.Generator().manual_seed(seed))
     _, pred, mask = mae(images, noise=noise)
@@ -73,6 +78,8 @@ def save_reconstruction_figure(mae: MaskedAutoencoder, images: torch.Tensor, mea
     rows, labels = reconstruct(mae, images, mean, std, seed)  # (R, B, C, H, W)
     num_rows, n = rows.shape[:2]
     fig, axes = plt.subplots(num_rows, 1, figsize=(2.4 + 0.75 * n, 0.85 * num_rows), dpi=100, squeeze=False)
+    # One channel is grey: imshow took an (H, W, 1) image for data, drawn in false colour scaled to each row's own range.
+    rows = rows.expand(-1, -1, 3, -1, -1) if rows.shape[2] == 1 else rows
     for ax, row, label in zip(axes[:, 0], rows.cpu(), labels):
         ax.imshow(image_row(row).permute(1, 2, 0).numpy(), interpolation="nearest")
         ax.set_xticks([])

@@ -20,11 +20,13 @@ from vit.models.pos_embed import sincos_2d
 
 
 def patchify(imgs: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """imgs: (B, C, H, W) -> (B, L, p*p*C), patches row-major, pixels (row, col, channel) within a patch."""
+    """imgs: (B, C, H, H) -> (B, L, p*p*C), patches row-major, pixels (row, col, channel) within a patch."""
     B, C, H, W = imgs.shape
     p = patch_size
-    if H % p or W % p:
+    if p < 1 or H % p or W % p:
         raise ValueError(f"image size {H}x{W} is not divisible by patch size {p}")
+    if H != W:  # as MAE's and Hugging Face's: `unpatchify` read an 8x32 image's 1x4 patches as a 2x2 grid, a 16x16 image
+        raise ValueError(f"image size {H}x{W} is not square: patches carry no grid shape for `unpatchify` to restore")
     h, w = H // p, W // p
     x = imgs.reshape(B, C, h, p, w, p)
     x = x.permute(0, 2, 4, 3, 5, 1)  # (B, h, w, p, p, C)
@@ -61,9 +63,8 @@ class MaskedAutoencoder(nn.Module):
         super().__init__()
         if encoder.num_classes != 0:
             raise ValueError("MAE needs a headless encoder (num_classes=0)")
-        if decoder_embed_dim % decoder_num_heads:
-            raise ValueError(f"decoder_num_heads={decoder_num_heads} does not divide decoder_embed_dim={decoder_embed_dim}")
-        self._check_args(encoder, decoder_embed_dim, mask_ratio, norm_pix_loss)
+        self._check_decoder(decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio)
+        self._check_args(encoder, mask_ratio, norm_pix_loss)
         self.encoder = encoder
         self.patch_size = encoder.patch_embed.patch_size
         self.in_chans = encoder.config["in_chans"]
@@ -100,10 +101,22 @@ class MaskedAutoencoder(nn.Module):
         # only the positional table is exempt, and the paper's fixed sin-cos one is frozen anyway.
         return {"encoder.pos_embed"}
 
+    @staticmethod
+    def _check_decoder(dim: int, depth: int, num_heads: int, mlp_ratio: float) -> None:
+        # A mae.pt with a damaged decoder config was a ZeroDivisionError traceback (0 heads or width), not a CheckpointError;
+        # depth -1 built no block and an MLP ratio of 0 blocks without an MLP, silently (the encoder refuses both).
+        for key, value, least in (("decoder_embed_dim", dim, 1), ("decoder_depth", depth, 0), ("decoder_num_heads", num_heads, 1)):
+            if value < least:
+                raise ValueError(f"{key} must be at least {least}, got {value}")
+        if dim % 4:
+            raise ValueError(f"decoder_embed_dim={dim} is not a multiple of 4, which the decoder's 2-D sin-cos table needs")
+        if dim % num_heads:
+            raise ValueError(f"decoder_num_heads={num_heads} does not divide decoder_embed_dim={dim}")
+        if int(dim * mlp_ratio) < 1:
+            raise ValueError(f"mlp_ratio={mlp_ratio:g} gives the decoder's MLP no hidden unit at decoder_embed_dim={dim}")
+
     @classmethod
-    def _check_args(cls, encoder: VisionTransformer, decoder_embed_dim: int, mask_ratio: float, norm_pix_loss: bool) -> None:
-        if decoder_embed_dim % 4:
-            raise ValueError(f"decoder_embed_dim={decoder_embed_dim} is not a multiple of 4, which the decoder's 2-D sin-cos table needs")
+    def _check_args(cls, encoder: VisionTransformer, mask_ratio: float, norm_pix_loss: bool) -> None:
         drop = encoder.config.get("patch_drop_rate", 0.0)
         if drop > 0:
             # It dropped some of the visible tokens after the masking: the decoder put the rest at the places of others
@@ -123,6 +136,8 @@ class MaskedAutoencoder(nn.Module):
 
     def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float, noise: torch.Tensor | None = None):
         """imgs: (B, C, H, W) -> latent (B, 1 + K, D), mask (B, L), ids_restore (B, L); `noise` (B, L) fixes the masks."""
+        if imgs.ndim != 4 or imgs.shape[1] != self.in_chans:  # else a matmul error of the visible patches' sizes
+            raise ValueError(f"expected images (B, {self.in_chans}, H, W), got {tuple(imgs.shape)}")
         ids_keep, ids_restore, mask = random_masking(imgs.shape[0], self.num_patches, mask_ratio, imgs.device, noise)
         latent = self.encoder.forward_features(imgs, ids_keep)
         return latent, mask, ids_restore
@@ -132,7 +147,7 @@ class MaskedAutoencoder(nn.Module):
 
         only_masked: predict the masked patches alone (the loss needs no more): the last
         block, the norm and the prediction run on those tokens only, and the visible rows
-        of `pred` are zero.
+        of `pred` are zero. A decoder of no block predicts every row (it has no last block to cut).
         """
         x = self.decoder_embed(latent)  # (B, 1 + K, Dd)
         B, T, Dd = x.shape
@@ -155,8 +170,9 @@ class MaskedAutoencoder(nn.Module):
         return pred.scatter(1, ids_masked.unsqueeze(-1).expand_as(pred_masked), pred_masked)  # (B, L, p*p*C)
 
     def target(self, imgs: torch.Tensor) -> torch.Tensor:
-        """What the decoder predicts: imgs (B, C, H, W) -> (B, L, p*p*C), per-patch normalised with `norm_pix_loss`."""
-        target = patchify(imgs, self.patch_size)
+        """What the decoder predicts: imgs (B, C, H, W) -> (B, L, p*p*C) in float32, per-patch normalised with `norm_pix_loss`."""
+        # In float32 whatever the images' dtype: a patch's mean and variance in bf16 moved the target by up to 0.03.
+        target = patchify(imgs.float(), self.patch_size)
         if self.norm_pix_loss:
             mean = target.mean(dim=-1, keepdim=True)
             var = target.var(dim=-1, keepdim=True)
@@ -166,13 +182,13 @@ class MaskedAutoencoder(nn.Module):
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean squared error per patch, averaged over masked patches only (visible ones do not count)."""
         target = self.target(imgs)
-        per_patch = (pred.float() - target.float()).pow(2).mean(dim=-1)  # (B, L)
+        per_patch = (pred.float() - target).pow(2).mean(dim=-1)  # (B, L)
         return (per_patch * mask).sum() / mask.sum()
 
     def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None, noise: torch.Tensor | None = None):
         """imgs: (B, C, H, W) -> loss (), pred (B, L, p*p*C), mask (B, L) with 1 = masked.
 
-        In training mode the visible rows of `pred` are zero (see `forward_decoder`).
+        In training mode the visible rows of `pred` are zero where the decoder has a block (see `forward_decoder`).
         `noise` (B, L), uniform from a seeded CPU generator, fixes the masks, e.g. for a comparable validation loss.
         """
         ratio = self.mask_ratio if mask_ratio is None else mask_ratio

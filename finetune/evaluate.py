@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,14 +13,19 @@ from vit.tools.plots import pyplot, save
 
 
 class Tally:
-    """An evaluation's running sums on the device: the confusion counts (int64, row = true class), the top-5 hits and
-    the summed loss (float32): exact or close, and on every device (MPS has no float64). Adding a batch never makes the
-    host wait for the device (torch.bincount would: it reads its input's largest value on the host), so a GPU's
-    evaluation queues its batches ahead as training does."""
+    """An evaluation's running sums on the device: the confusion counts (int64, row = true class), the images of each
+    true class, the top-5 hits and the summed loss (float32): exact or close, and on every device (MPS has no float64).
+    Adding a batch never makes the host wait for the device (torch.bincount would: it reads its input's largest value on
+    the host), so a GPU's evaluation queues its batches ahead as training does.
+
+    An image whose logits are not all finite (an fp16 overflow) predicts no class: it is no hit, not in the confusion
+    counts, and in its class's count of images. topk ranks NaN above every number, so a NaN row "predicted" some class
+    and hit it one time in C (top-5: five in C)."""
 
     def __init__(self, num_classes: int, device: torch.device):
         self.num_classes = num_classes
         self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)  # (C * C,)
+        self.images = torch.zeros(num_classes, dtype=torch.long, device=device)  # (C,) images of each true class
         self.top5_hits = torch.zeros((), dtype=torch.long, device=device)
         self.loss_sum = torch.zeros((), device=device)
 
@@ -30,10 +36,12 @@ class Tally:
             logits = model(images)
         logits = logits.float()
         self.loss_sum += nn.functional.cross_entropy(logits, labels, reduction="sum")
+        finite = logits.isfinite().all(dim=1)  # (B,)
         top = logits.topk(min(5, self.num_classes), dim=1).indices  # (B, k)
-        self.top5_hits += (top == labels.unsqueeze(1)).any(dim=1).sum()
+        self.top5_hits += ((top == labels.unsqueeze(1)).any(dim=1) & finite).sum()
         cells = labels * self.num_classes + top[:, 0]
-        self.confusion.index_put_((cells,), torch.ones_like(cells), accumulate=True)
+        self.confusion.index_put_((cells,), finite.long(), accumulate=True)
+        self.images.index_put_((labels,), torch.ones_like(labels), accumulate=True)
 
 
 def scorer(model: nn.Module, num_classes: int, accelerator) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -46,7 +54,8 @@ def scorer(model: nn.Module, num_classes: int, accelerator) -> Callable[[torch.T
 def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
     """Accuracy of `model` over every sample of `loader` (each rank holds a disjoint shard).
 
-    Returns {"top1", "top5", "loss", "count", "per_class": [C], "confusion": (C, C) counts, rows = true class}.
+    Returns {"top1", "top5", "loss", "count", "per_class": [C], "confusion": (C, C) counts, rows = true class,
+    "non_finite": images whose logits were not finite (no hits, left out of the confusion counts)}.
     """
     was_training = model.training
     model.eval()
@@ -55,11 +64,12 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
     for images, labels in loader.epoch(0):
         tally.add(model, images, labels, accelerator)
     confusion = accelerator.reduce(tally.confusion, reduction="sum").view(num_classes, num_classes)
+    seen = accelerator.reduce(tally.images, reduction="sum")
     top5_hits = accelerator.reduce(tally.top5_hits, reduction="sum")
     loss_sum = accelerator.reduce(tally.loss_sum, reduction="sum")
     model.train(was_training)
-    count = int(confusion.sum().item())
-    per_class = (confusion.diag() / confusion.sum(1).clamp(min=1)).tolist()
+    count = int(seen.sum().item())
+    per_class = (confusion.diag() / seen.clamp(min=1)).tolist()
     return {
         "top1": confusion.diag().sum().item() / max(count, 1),
         "top5": top5_hits.item() / max(count, 1),
@@ -67,6 +77,7 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
         "count": count,
         "per_class": per_class,
         "confusion": confusion.cpu(),
+        "non_finite": count - int(confusion.sum().item()),
     }
 
 
@@ -89,21 +100,47 @@ def sync_from_main(module: nn.Module, accelerator, buffers_only: bool = False) -
             tensor.copy_(moved)
 
 
+# The figure's cells shrink with the number of classes so that its side stays at most MAX_SIDE inches: at 0.55 inch a
+# class, 1000 classes made a 55,000-pixel square whose drawing took tens of GiB (300 classes: 10 GiB and a minute), and
+# 1,200 passed Agg's limit of 65,536 pixels (a ValueError after the training, where summary.json was to be written).
+MAX_SIDE = 20.0  # inches, at `vit.tools.plots.DPI`
+MAX_LABELS = 40  # class names per axis; with more classes, every n-th is named
+MAX_NAME = 24  # characters of a class name shown; a longer one ends in an ellipsis
+
+
+def plain_text(text: str, limit: int | None = None) -> str:
+    """`text` as matplotlib shows it literally: a '$' pair made it mathtext (a class named '$x^$' stopped the figure
+    with a ParseSyntaxException), shortened to `limit` characters."""
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 1] + "\u2026"
+    return text.replace("$", r"\$")
+
+
 def save_confusion_matrix(confusion: torch.Tensor, classes: list[str], path: Path, title: str) -> Path:
-    """A PNG heatmap of row-normalised counts (rows: true class, columns: predicted)."""
+    """A PNG heatmap of row-normalised counts (rows: true class, columns: predicted), at most MAX_SIDE inches of cells
+    on a side whatever the number of classes; class names (shortened to MAX_NAME characters) on both axes, every
+    n-th one where there are more than MAX_LABELS."""
     plt = pyplot()
     rates = confusion.double() / confusion.sum(1, keepdim=True).clamp(min=1)
     n = len(classes)
-    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * n, 0.8 + 0.5 * n), dpi=100)
-    ax.imshow(rates.numpy(), cmap="Blues", vmin=0, vmax=1)
-    ax.set_xticks(range(n), classes, rotation=60, ha="right", fontsize=8)
-    ax.set_yticks(range(n), classes, fontsize=8)
+    step = -(-n // MAX_LABELS)  # every class named up to MAX_LABELS of them
+    ticks = list(range(0, n, step))
+    names = [plain_text(str(classes[i]), MAX_NAME) for i in ticks]
+    cell = min(0.55, MAX_SIDE / max(n, 1))  # inches a class
+    margin = 0.065 * max((len(name) for name in names), default=0)  # the names' room, beside and below the cells
+    fig, ax = plt.subplots(figsize=(1.0 + cell * n + margin, 0.8 + cell * n * 0.9 + 0.9 * margin), dpi=100)
+    ax.imshow(rates.numpy(), cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    ax.set_xticks(ticks, names, rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(ticks, names, fontsize=8)
     if n <= 20:
         for i in range(n):
             for j in range(n):
                 ax.text(j, i, f"{rates[i, j]:.2f}", ha="center", va="center", fontsize=6, color="white" if rates[i, j] > 0.5 else "black")
-    ax.set_xlabel("predicted")
+    ax.set_xlabel("predicted" if step == 1 else f"predicted (one class in {step} named)")
     ax.set_ylabel("true")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return save(fig, path)
+    ax.set_title(plain_text(title), fontsize=9, wrap=True)
+    with warnings.catch_warnings():
+        # A name in a script DejaVu Sans lacks (CJK, say) is drawn as boxes, and warned once per glyph, per figure.
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        fig.tight_layout()
+        return save(fig, path)

@@ -260,6 +260,9 @@ def load_classifier(init: str, key: str | None = None) -> tuple[nn.Module, dict[
         found = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "", wrong]
         raise CheckpointError(f"{path} does not match the {payload['arch']} classifier it records (checkpoint != classifier): "
                               f"{'; '.join(f for f in found if f)}")  # fmt: skip
+    if bad := non_finite(state):  # eval scored its NaN logits as one hit in C classes (topk ranks NaN first), and exit 0
+        raise CheckpointError(f"{path} holds weights that are not finite (NaN or inf): {bad}: the classifier diverged or the file "
+                              "is damaged; nothing was written")  # fmt: skip
     model.load_state_dict(state, strict=True)
     return model, payload
 

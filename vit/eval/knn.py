@@ -75,16 +75,33 @@ def knn_scores(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Ten
 
     Each query's k nearest bank features by cosine similarity s vote for their labels with weight exp(s / temperature),
     divided by the query's largest weight exp(s_max / temperature): the same ranking of the classes, and no overflow.
+    A class no neighbour voted for scores 0; so may one whose votes are too small for float32 (`knn_log_scores` ranks
+    those too).
     """
-    bank = F.normalize(bank.float(), dim=1)
+    return knn_log_scores(bank, bank_labels, queries, num_classes, k, temperature).exp()
+
+
+def knn_log_scores(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, num_classes: int, k: int = 20,
+                   temperature: float = 0.07) -> torch.Tensor:  # fmt: skip
+    """The log of `knn_scores`: bank (M, D), bank_labels (M,), queries (Q, D) -> (Q, num_classes), -inf where no
+    neighbour voted. Never underflows: the ranking is exact at any temperature."""
+    return log_votes(F.normalize(bank.float(), dim=1), bank_labels, queries, num_classes, k, temperature)
+
+
+def log_votes(unit_bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, num_classes: int, k: int,
+              temperature: float) -> torch.Tensor:  # fmt: skip
+    """`knn_log_scores` against a bank already L2-normalised (float32), so that a chunked vote normalises it once."""
     queries = F.normalize(queries.float(), dim=1)
-    sim, index = (queries @ bank.T).topk(min(k, bank.shape[0]), dim=1)  # (Q, k), most similar first
-    # exp(1 / temperature) passes float32's maximum below temperature 0.0113: every vote near the top would be inf,
-    # and the classes tie. Shifting by the row's maximum scales a query's votes alike, so its ranking stays exact.
-    # The floor keeps a far neighbour's vote above zero after exp underflows: a score of 0 means no neighbour voted.
-    weights = ((sim - sim[:, :1]) / temperature).exp().clamp(min=torch.finfo(torch.float32).tiny)  # (Q, k), in (0, 1]
-    scores = torch.zeros(queries.shape[0], num_classes, device=queries.device)
-    return scores.scatter_add_(1, bank_labels[index], weights)
+    sim, index = (queries @ unit_bank.T).topk(min(k, unit_bank.shape[0]), dim=1)  # (Q, k), most similar first
+    # Each vote's log weight relative to the query's nearest neighbour, (s - s_max) / T <= 0. exp() of it underflows
+    # float32 below -103 (T = 0.01 and a cosine 1.04 below the nearest): a sum of such votes, floored or lost, outranked
+    # a class with one nearer vote. So each class's votes are summed relative to its own largest one (log-sum-exp).
+    logw = (sim - sim[:, :1]) / temperature  # (Q, k)
+    labels = bank_labels[index]  # (Q, k)
+    peak = torch.full((queries.shape[0], num_classes), -torch.inf, device=queries.device)
+    peak.scatter_reduce_(1, labels, logw, reduce="amax")  # (Q, C): each class's largest log weight, -inf: no vote
+    summed = torch.zeros_like(peak).scatter_add_(1, labels, (logw - peak.gather(1, labels)).exp())  # (Q, C), >= 1 or 0
+    return peak + summed.log()  # -inf + log 0 = -inf where no neighbour voted
 
 
 def knn_accuracy(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, labels: torch.Tensor, num_classes: int,
@@ -98,11 +115,12 @@ def knn_accuracy(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.T
     """
     # [top-1 hits, top-5 hits, queries], int64 (MPS has no float64), summed on the device: the host reads them once
     hits = torch.tensor([0, 0, queries.shape[0]], dtype=torch.long, device=queries.device)
+    unit_bank = F.normalize(bank.float(), dim=1)  # once, not once per chunk
     for lo in range(0, queries.shape[0], chunk):  # (chunk, M) similarities at a time keeps memory flat
-        scores = knn_scores(bank, bank_labels, queries[lo : lo + chunk], num_classes, k, temperature)
+        scores = log_votes(unit_bank, bank_labels, queries[lo : lo + chunk], num_classes, k, temperature)
         ranked = scores.topk(min(5, num_classes), dim=1)  # (chunk, 5)
         y = labels[lo : lo + chunk].unsqueeze(1)
-        hit = (ranked.indices == y) & (ranked.values > 0)  # (chunk, 5)
+        hit = (ranked.indices == y) & (ranked.values > -torch.inf)  # (chunk, 5)
         hits[:2] += torch.stack([hit[:, 0].sum(), hit.any(1).sum()])
     if accelerator is not None and accelerator.num_processes > 1:
         hits = accelerator.reduce(hits, reduction="sum")

@@ -22,7 +22,7 @@ from finetune.config import AugmentConfig
 from finetune.features import FeatureLoader
 from finetune.models import LinearProbe
 from vit.data.augment import BatchLoader
-from vit.tools.bench import NUM_CLASSES, Case, Settings, Step, bench_images, classify, our_defaults, stream_step
+from vit.tools.bench import NUM_CLASSES, Case, Settings, Step, bench_images, classify, compile_note, our_defaults, stream_step
 from vit.tools.bench_cases import Pipeline, pipeline_overrides, stage_pipeline
 from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
@@ -33,6 +33,7 @@ from vit.train.loop import batches_forever
 from vit.train.run import Run
 from vit.models.encoder import create_model, flops_per_image
 from vit.data.randaug import make_ops
+from vit.errors import ConfigError
 from vit.tools.reference import timm_vit, usual_loader
 
 PIPELINE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "cpu.yaml"  # the recipe the pipeline section runs
@@ -52,10 +53,11 @@ def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable
     def ref() -> Step:
         model = timm_vit(cfg)
         batches = usual_loader(images(), s.e2e_batch, True, s.workers, CIFAR10_MEAN, CIFAR10_STD)
-        return stream_step(model, classify, batches, device, precision)
+        return stream_step(model, classify, batches, device, precision, s.compile_ref)  # --compile-ref: every reference alike
 
     return Case(f"e2e/finetune/{precision}", "e2e", precision, s.e2e_batch, ours=ours, ref=ref,
-                ref_name=f"torchvision PIL transforms (TrivialAugment, erasing) + DataLoader({s.workers} workers) + timm ViT",
+                ref_name=f"torchvision PIL transforms (TrivialAugment, erasing) + DataLoader({s.workers} workers) + timm ViT"
+                         + compile_note(s.compile_ref, device),
                 flops_per_image=flops_per_image(cfg))  # fmt: skip
 
 
@@ -101,6 +103,16 @@ class HeadTrainer:
                 loss.backward()
                 optimizer.step()
 
+    def warm_up(self, x: torch.Tensor, device: torch.device) -> None:
+        """One batch through the encoder with autograd on and off and one head backward, on neither probe's clock: their
+        one-time costs (kernel choice, CUDA handles, first allocations) fell on the uncached probe, which runs first."""
+        with self.autocast():
+            self.probe.head(self.probe.features(x).float()).float().sum().backward()
+            with torch.no_grad():
+                self.probe.features(x)
+        self.probe.head.zero_grad(set_to_none=True)
+        synchronize(device)
+
     @torch.no_grad()
     def accuracy(self, batches, features_of) -> float:
         self.probe.eval()
@@ -112,14 +124,32 @@ class HeadTrainer:
         return hits / total
 
 
-def probe_benchmark(s: Settings, device: torch.device, precision: str) -> dict:
+def probe_sizes(s: Settings, available: int) -> tuple[int, int]:
+    """(train, val) images of the probe section: `s.probe_images` and a quarter as many, drawn from `available` images.
+
+    A ConfigError where they do not fit: an empty val split ended the run in a ZeroDivisionError, and one cut short by the
+    images there was reported at the size asked for.
+    """
+    n_train, n_val = s.probe_images, s.probe_images // 4
+    where = f"--data {s.data}" if s.data else "the synthetic images"
+    if n_val < 1:
+        raise ConfigError(f"--probe-images {n_train}: the probe needs at least 4 (a quarter as many again make its val split)")
+    if n_train < s.e2e_batch:
+        raise ConfigError(f"--probe-images {n_train} is fewer than a batch (--e2e-batch {s.e2e_batch})")
+    if n_train + n_val > available:
+        raise ConfigError(f"--probe-images {n_train}: the probe needs {n_train} + {n_val} val images; {where} hold {available}")
+    return n_train, n_val
+
+
+def probe_benchmark(s: Settings, device: torch.device, precision: str, data: ImageSet | None = None) -> dict:
     """Train the same linear head on the same frozen encoder twice: on cached features, and through the encoder every step.
 
     Same head initialisation, same per-epoch batch order, no augmentation: the two must agree
     in accuracy; the wall times (features included for the cached probe) give the speed-up.
+    `data`: `bench_images(s)`, where the caller has it already.
     """
-    data = bench_images(s)
-    n_train, n_val = s.probe_images, s.probe_images // 4
+    data = bench_images(s) if data is None else data
+    n_train, n_val = probe_sizes(s, len(data))
     # A seeded random subset: image files are stored class by class, so the first N would be one class.
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(s.seed))
     train, val = data.subset(order[:n_train]), data.subset(order[n_train : n_train + n_val])
@@ -130,7 +160,7 @@ def probe_benchmark(s: Settings, device: torch.device, precision: str) -> dict:
     batch = s.e2e_batch
 
     identity = dict(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip=False)  # no augmentation: both probes see the same inputs
-    synchronize(device)
+    heads.warm_up(next(BatchLoader(val, batch, train=False, **common).epoch(0))[0], device)
     start = time.perf_counter()
     heads.train(BatchLoader(train, batch, train=True, seed=s.seed, **identity, **common).epoch, probe.features)
     uncached_acc = heads.accuracy(BatchLoader(val, batch, train=False, **common).epoch(0), probe.features)

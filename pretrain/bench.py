@@ -20,7 +20,8 @@ import torch
 from pretrain.config import PRESET_DECODERS
 from pretrain.model import MaskedAutoencoder
 from vit.data.augment import BatchLoader
-from vit.tools.bench import MODELS, Case, Settings, Step, compile_note, models, our_defaults, reconstruct, stream_step, training_step
+from vit.tools.bench import MODELS, Case, Settings, Step, Unavailable, compile_note, models, our_defaults, reconstruct, stream_step
+from vit.tools.bench import training_step
 from vit.tools.bench_cases import Pipeline, pipeline_overrides, stage_pipeline
 from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
@@ -36,7 +37,10 @@ PIPELINE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "pretrain" /
 
 
 def our_mae(preset: str, overrides: dict, norm_pix_loss: bool = True) -> MaskedAutoencoder:
-    encoder = create_model(preset, num_classes=0, **overrides)
+    """Our MAE with the sizes of `preset` and its `PRESET_DECODERS` decoder, as the pretraining recipes build it: a fixed
+    sin-cos position table (`model.pos_embed: sincos`), like both references' (a learned one trained (1 + L) x D more weights
+    a step than they do)."""
+    encoder = create_model(preset, num_classes=0, **{"pos_embed": "sincos", **overrides})
     return MaskedAutoencoder(encoder, **PRESET_DECODERS[preset], mask_ratio=MASK_RATIO, norm_pix_loss=norm_pix_loss)
 
 
@@ -61,11 +65,12 @@ def mae_flops_per_image(preset: str, overrides: dict) -> float:
 
 
 def mae_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[Case]:
-    """A pretraining step of our MAE against the official-style reference and, where transformers is installed,
-    against Hugging Face's ViTMAE, per model (`vit.tools.bench.models`) and precision."""
+    """A pretraining step of our MAE against the official-style reference and against Hugging Face's ViTMAE, per model
+    (`vit.tools.bench.models`) and precision. Where transformers is not installed the ViTMAE cases are listed with the
+    reason they are skipped (the report says so rather than leaving them out)."""
     cases = []
     ours_kw = our_defaults(device)
-    hf_here = importlib.util.find_spec("transformers") is not None
+    hf_skip = None if importlib.util.find_spec("transformers") is not None else "transformers is not installed (pip install transformers)"
     for label in models(s, device):
         preset, overrides = MODELS[label]
         img = overrides.get("img_size", PRESETS[preset]["img_size"])
@@ -76,18 +81,24 @@ def mae_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[
             cases.append(Case(f"mae/{label}/{precision}", "mae", precision, s.batch, ours=ours,
                               ref=lambda step=step, p=preset, o=overrides: step(reference_mae(p, o), compile=s.compile_ref),
                               ref_name="models_mae-style MAE on timm Blocks" + compile_note(s.compile_ref, device), flops_per_image=flops))  # fmt: skip
-            if hf_here:
-                hf = partial(training_step, loss_fn=hf_reconstruct, batch=s.batch, img_size=img, device=device, precision=precision, seed=s.seed)
-                cases.append(Case(f"mae-hf/{label}/{precision}", "mae", precision, s.batch, ours=ours,
-                                  ref=lambda hf=hf, p=preset, o=overrides: hf(huggingface_mae(p, o), compile=s.compile_ref),
-                                  ref_name="Hugging Face transformers ViTMAEForPreTraining (SDPA)" + compile_note(s.compile_ref, device),
-                                  flops_per_image=flops))  # fmt: skip
+            hf = partial(training_step, loss_fn=hf_reconstruct, batch=s.batch, img_size=img, device=device, precision=precision,
+                         seed=s.seed)
+            cases.append(Case(f"mae-hf/{label}/{precision}", "mae", precision, s.batch, ours=ours,
+                              ref=lambda hf=hf, p=preset, o=overrides: hf(huggingface_mae(p, o), compile=s.compile_ref),
+                              ref_name="Hugging Face transformers ViTMAEForPreTraining (SDPA)" + compile_note(s.compile_ref, device),
+                              flops_per_image=flops, skip=hf_skip))  # fmt: skip
     return cases
 
 
 def huggingface_mae(preset: str, overrides: dict):
-    """Hugging Face's ViTMAE with the sizes of our preset encoder and its `PRESET_DECODERS` decoder (norm_pix_loss on)."""
+    """Hugging Face's ViTMAE with the sizes of our preset encoder and its `PRESET_DECODERS` decoder (norm_pix_loss on).
+    `Unavailable` where transformers cannot be imported (installed, but broken or too old): its case is skipped."""
     cfg, dec = {**PRESETS[preset], **overrides}, PRESET_DECODERS[preset]
+    try:  # the import alone: an error while building the model is not a reason to skip
+        importlib.import_module("transformers.models.vit_mae.modeling_vit_mae")
+    except (ImportError, RuntimeError) as e:  # transformers' lazy modules raise RuntimeError for a submodule that fails
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Unavailable(f"transformers cannot be imported: {first}") from e
     return hf_vitmae(cfg["img_size"], cfg["patch_size"], cfg["embed_dim"], cfg["depth"], cfg["num_heads"], cfg["mlp_ratio"],
                      dec["decoder_embed_dim"], dec["decoder_depth"], dec["decoder_num_heads"], MASK_RATIO)  # fmt: skip
 
@@ -122,8 +133,9 @@ def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable
     def ref() -> Step:
         model = reference_mae("vit_cifar_tiny", {})
         batches = usual_loader(images(), s.e2e_batch, False, s.workers, CIFAR10_MEAN, CIFAR10_STD)
-        return stream_step(model, reconstruct, batches, device, precision)
+        return stream_step(model, reconstruct, batches, device, precision, s.compile_ref)  # --compile-ref: every reference alike
 
     return Case(f"e2e/pretrain/{precision}", "e2e", precision, s.e2e_batch, ours=ours, ref=ref,
-                ref_name=f"torchvision PIL transforms + DataLoader({s.workers} workers) + official-style MAE",
+                ref_name=f"torchvision PIL transforms + DataLoader({s.workers} workers) + official-style MAE"
+                         + compile_note(s.compile_ref, device),
                 flops_per_image=mae_flops_per_image("vit_cifar_tiny", {}))  # fmt: skip

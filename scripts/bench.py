@@ -79,12 +79,13 @@ LEAST = {"threads": 1, "batch": 1, "warmup": 1, "rounds": 1, "steps": 1, "gemm":
          "probe_epochs": 1, "stream_images": 1, "stream_batch": 1}  # fmt: skip
 
 
-def make_cases(s: bench.Settings, device: torch.device) -> list[bench.Case]:
-    """Every case this run measures, in order, before `--only` filtering."""
+def make_cases(s: bench.Settings, device: torch.device, images=None) -> list[bench.Case]:
+    """Every case this run measures, in order, before `--only` filtering. `images`: a cached `bench.bench_images(s)`
+    (made here where not given), shared by the e2e, augment and probe sections."""
     precisions = bench.case_precisions(device)
     if s.quick:
         precisions = precisions[-1:]  # the smoke run: the device's own precision alone (bf16 where native)
-    images = functools.cache(lambda: bench.bench_images(s))  # decoded once, shared by the e2e and augment cases
+    images = images or functools.cache(lambda: bench.bench_images(s))  # decoded once
     e2e = [pretrain_bench.e2e_case(s, device, precisions[-1], images), finetune_bench.e2e_case(s, device, precisions[-1], images)]
     pipeline = [pretrain_bench.pipeline_case(s, device), finetune_bench.pipeline_case(s, device)]
     return bench_cases.encoder_cases(s, device, precisions) + pretrain_bench.mae_cases(s, device, precisions) + e2e + pipeline \
@@ -169,20 +170,24 @@ def main(argv: list[str] | None = None) -> int:
         bench.seed_everything(s.seed)
         print(json.dumps(bench.host_step_memory(case, side, s.warmup)))
         return 0
-    info = bench.machine(device, threads)
-    print(bench.machine_line(info), flush=True)
+    info = bench_cases.machine(device, threads)
+    print(bench_cases.machine_line(info), flush=True)
 
-    cases, with_probe = bench.select_cases(make_cases(s, device), args.only)
+    images = functools.cache(lambda: bench.bench_images(s))
+    cases, with_probe = bench.select_cases(make_cases(s, device, images), args.only)
+    bench_cases.check_sizes(cases, s, images)  # before any measuring: each stopped the run at its own case
+    if with_probe:  # a probe that could not be drawn from the images stopped the run at its end
+        finetune_bench.probe_sizes(s, len(images()))
     precisions = bench.gemm_precisions(cases, device)
     measured = bench.run_cases(cases, s, device, precisions, memory_command=[sys.executable, __file__, *argv])
     probe = None
     if with_probe:
-        probe = finetune_bench.probe_benchmark(s, device, precisions[-1])
+        probe = finetune_bench.probe_benchmark(s, device, precisions[-1], images())
         print(finetune_bench.probe_line(probe), flush=True)
 
     wall = time.perf_counter() - start
     print()
-    print(bench.markdown(measured["cases"], measured["gemm"]))
+    print(bench_cases.markdown(measured["cases"], measured["gemm"]))
     if probe is not None:
         print("\n" + finetune_bench.probe_markdown(probe))
     print(f"\nwall time {wall:.1f} s | command: python scripts/bench.py {' '.join(argv)}")

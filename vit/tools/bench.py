@@ -19,7 +19,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from vit.config import DataConfig, ModelConfig, OptimConfig
 from vit.data.sources import load_splits
 from vit.data.splits import ImageSet
-from vit.device import BusySampler, cpu_model_and_flags, synchronize
+from vit.device import BusySampler, synchronize
 from vit.errors import ConfigError
 from vit.train.accelerator import compile_mode, native_bf16
 from vit.train.graph import StepGraph, graph_unfit, step_autocast
@@ -109,6 +108,12 @@ class Case:
     ref_name: str
     flops_per_image: float | None = None  # matmul FLOPs of one training image, for utilisation
     extra: Callable[[], dict] | None = None  # called once after the timing: more facts for the case's result
+    skip: str | None = None  # why a side cannot be built here (a dependency missing): reported as skipped, not run
+
+
+class Unavailable(Exception):
+    """Raised by a side's builder that cannot be built here (a dependency missing or broken): its case is reported as
+    skipped with this reason, and the run goes on."""
 
 
 def models(s: Settings, device: torch.device) -> list[str]:
@@ -215,12 +220,16 @@ def bench_images(s: Settings) -> ImageSet:
 
 def select_cases(cases: list[Case], only: str | None) -> tuple[list[Case], bool]:
     """The cases `--only` names (any of its comma-separated substrings in a case's name; None: all), and whether the
-    probe section runs too (it is not a case: `--only probe`). An `--only` that selects neither is a ConfigError."""
+    probe section runs too (it is not a case: `--only probe`). An `--only` that selects neither, or a part of it that
+    selects nothing (a misspelt section beside a right one was dropped unsaid), is a ConfigError."""
     parts = None if only is None else [o for o in only.split(",") if o]
     chosen = [c for c in cases if parts is None or any(o in c.name for o in parts)]
     with_probe = parts is None or any("probe" in o for o in parts)
     if not chosen and not with_probe:
         raise ConfigError(f"--only {only!r} matches no case")
+    unmatched = [o for o in parts or () if "probe" not in o and not any(o in c.name for c in cases)]
+    if unmatched:
+        raise ConfigError(f"--only {only!r}: {', '.join(map(repr, unmatched))} matches no case")
     return chosen, with_probe
 
 
@@ -342,6 +351,23 @@ def run_case(case: Case, device: torch.device, s: Settings) -> dict:
     return result
 
 
+def measure(case: Case, device: torch.device, s: Settings) -> dict:
+    """`run_case`, or where a side cannot be built here (`case.skip`, or its builder raised `Unavailable`) the case's
+    facts with "skipped": the reason, in place of its measurements."""
+    try:
+        if case.skip is not None:
+            raise Unavailable(case.skip)
+        return run_case(case, device, s)
+    except Unavailable as e:
+        return {"name": case.name, "section": case.section, "precision": case.precision, "batch": case.batch, "reference": case.ref_name,
+                "skipped": str(e)}  # fmt: skip
+
+
+def measured(results: list[dict]) -> list[dict]:
+    """The results that hold measurements (not those of skipped cases)."""
+    return [r for r in results if "skipped" not in r]
+
+
 def gemm_peak(device: torch.device, precision: str, n: int, rounds: int) -> dict:
     """FLOP/s of an n x n x n matmul in `precision`: every sample, and the best one as the attainable peak."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -378,70 +404,42 @@ def run_cases(cases: list[Case], s: Settings, device: torch.device, precisions: 
         print(f"GEMM {precision} {s.gemm}^3: {peaks[precision]['peak_flops_per_s'] / 1e12:.3f} TFLOP/s peak", flush=True)
     results = []
     for i, case in enumerate(cases, 1):
-        r = run_case(case, device, s)
+        r = measure(case, device, s)
         results.append(r)
+        if "skipped" in r:
+            print(f"[{i}/{len(cases)}] {case.name}: skipped ({r['skipped']})", flush=True)
+            continue
         busy = "".join(f", {side} GPU busy {fmt_busy(r[side]['gpu_busy_percent'])}" for side in SIDES if r[side]["gpu_busy_percent"] is not None)
         reads = f", host reads {r['host_reads']} in {r['host_read_steps']} loop steps between records" if "host_reads" in r else ""
         print(f"[{i}/{len(cases)}] {case.name}: ours {r['ours']['median_images_per_s']:.1f} img/s, "
-              f"ref {r['ref']['median_images_per_s']:.1f} img/s, ratio {r['ratio']:.2f}x{busy}{reads}", flush=True)  # fmt: skip
+              f"ref {r['ref']['median_images_per_s']:.1f} img/s, ratio {fmt_ratio(r['ratio'])}{busy}{reads}", flush=True)  # fmt: skip
     if device.type == "cpu":
         # CPU memory is not counted by the allocator: each side's steps run alone in a child process (not e2e's: its
         # reference spreads over DataLoader workers). The timings are done and a resident set is its own process's, so
         # the children run side by side; most of each one's time is its imports.
-        sides = [(case, r, side) for case, r in zip(cases, results) if case.section in ("encoder", "mae") for side in SIDES]
+        sides = [(case, r, side) for case, r in zip(cases, results) if case.section in ("encoder", "mae") and "skipped" not in r
+                 for side in SIDES]  # fmt: skip
         with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
             for (case, r, side), mib in zip(sides, pool.map(lambda j: host_memory_of(j[0], j[2], memory_command), sides)):
                 r[side]["peak_memory_mib"] = mib
-    for r in results:
+    for r in measured(results):
         for side in SIDES:
             r[side]["utilisation"] = utilisation(r, side, peaks)
     return {"gemm": peaks, "cases": results}
 
 
-# --------------------------------------------------------------------------- report
-
-
-def machine(device: torch.device, threads: int) -> dict:
-    import timm
-
-    cpu, flags = cpu_model_and_flags()
-    info = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "usable_cores": usable_cores(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "timm": timm.__version__, "threads": threads,
-            "device": device.type, "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-    return info
-
-
-def machine_line(info: dict) -> str:
-    return (f"device {info['device']}{' (' + info['device_name'] + ')' if 'device_name' in info else ''} | cpu {info['cpu']} | "
-            f"{info['usable_cores']} usable cores | torch threads {info['threads']} | torch {info['torch']} | timm {info['timm']}")  # fmt: skip
+# --------------------------------------------------------------------------- report (the tables: vit.tools.bench_cases)
 
 
 def fmt_busy(percent: float | None) -> str:
     return "n/a" if percent is None else f"{percent:.0f}%"
 
 
-def fmt_mem(mib: float | None) -> str:
-    return "n/a" if mib is None else f"{mib:.0f} MiB"
-
-
-def markdown(results: list[dict], peaks: dict[str, dict]) -> str:
-    """The cases and the GEMM peaks as two markdown tables."""
-    gpu = any(r[side].get("gpu_busy_percent") is not None for r in results for side in SIDES)
-    lines = ["| case | batch | K x rounds | ours img/s | ref img/s | ours / ref | ours util | ref util | ours mem | ref mem |"
-             + (" ours GPU busy | ref GPU busy |" if gpu else ""),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]  # fmt: skip
-    for r in results:
-        util = {side: utilisation(r, side, peaks) for side in SIDES}
-        lines.append(
-            f"| {r['name']} | {r['batch']} | {r['steps_per_round']} x {r['rounds']} | {r['ours']['median_images_per_s']:.1f} | "
-            f"{r['ref']['median_images_per_s']:.1f} | {r['ratio']:.2f}x | "
-            + " | ".join("n/a" if util[s] is None else f"{100 * util[s]:.1f}%" for s in SIDES)
-            + f" | {fmt_mem(r['ours']['peak_memory_mib'])} | {fmt_mem(r['ref']['peak_memory_mib'])} |"
-            + ("".join(f" {fmt_busy(r[side].get('gpu_busy_percent'))} |" for side in SIDES) if gpu else "")
-        )
-    lines += ["", "| GEMM | n | peak TFLOP/s | median TFLOP/s |", "|---|---:|---:|---:|"]
-    for p in peaks.values():
-        lines.append(f"| {p['precision']} | {p['n']} | {p['peak_flops_per_s'] / 1e12:.3f} | {p['median_flops_per_s'] / 1e12:.3f} |")
-    return "\n".join(lines)
+def fmt_ratio(ratio: float) -> str:
+    """ours / ref to 3 decimals, or more where rounding would carry it onto 1 or across it: 0.9996 as "1.000x" read as a
+    tie, and a goal of 1.3x read as met by 1.296 at 2 decimals."""
+    for digits in range(3, 10):
+        text = f"{ratio:.{digits}f}"
+        if (float(text) < 1) == (ratio < 1) and (float(text) > 1) == (ratio > 1):
+            break
+    return text + "x"

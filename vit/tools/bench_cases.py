@@ -1,7 +1,7 @@
 """The benchmark's cases that live in the library: the encoder step against timm's, a stage's training loop against its
 own bare step (the pipeline section's machinery; each stage builds its loop in `pretrain.bench` and `finetune.bench`),
 augmenting many batches in one pass against one at a time, and reading image files with the stream loader against
-torchvision's. The measuring is `vit.tools.bench`.
+torchvision's; and the report's tables. The measuring is `vit.tools.bench`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import os
+import platform
 import shutil
 import tempfile
 import time
@@ -20,9 +22,27 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from vit.device import count_host_reads, synchronize
+from vit.device import count_host_reads, cpu_model_and_flags, synchronize
+from vit.errors import ConfigError
 from vit.models.encoder import create_model, flops_per_image
-from vit.tools.bench import MODELS, NUM_CLASSES, Case, Settings, Step, classify, compile_note, models, our_defaults, training_step
+from vit.tools.bench import (
+    MODELS,
+    NUM_CLASSES,
+    SIDES,
+    Case,
+    Settings,
+    Step,
+    classify,
+    compile_note,
+    fmt_busy,
+    fmt_ratio,
+    measured,
+    models,
+    our_defaults,
+    training_step,
+    usable_cores,
+    utilisation,
+)
 from vit.tools.reference import timm_vit
 from vit.train.accelerator import resolve_precision
 from vit.train.loop import TrainLoop, batches_forever
@@ -190,23 +210,38 @@ AUGMENT_POLICIES = (("trivial", {"policy": "trivial"}), ("randaug-erase", {"poli
 def augment_cases(s: Settings, device: torch.device, images: Callable[[], Any]) -> list[Case]:
     """Training batches of images held on `device` (`images()`, an ImageSet): crop, flip, the policy's ops and
     normalisation, as `BatchLoader` makes them at `s.e2e_batch`, many batches to a pass on the device (ours, its
-    default) against one batch at a time (`pass_floats = 0`, what it did before). A step is one batch; each side keeps
-    its own iterator, so its passes carry across the timed blocks."""
+    default) against one batch at a time (`pass_floats = 0`, what it did before).
+
+    A step is a whole epoch over the images of one pass of ours (fewer where the images hold fewer batches), on both
+    sides: with a step of one batch, the batches of a pass made in the warm-up or in another timed block were handed
+    out free (the quick run read ours at millions of images/s). `case.batch` is set to that epoch's images on building.
+    """
     from vit.config import AugmentConfig
     from vit.data.augment import BatchLoader
     from vit.data.randaug import make_ops
     from vit.data.sources import CIFAR10_MEAN, CIFAR10_STD
 
-    def side(policy: dict, pass_floats: int | None) -> Step:
-        loader = BatchLoader(images(), s.e2e_batch, device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32, train=True,
-                             seed=s.seed, ops=make_ops(AugmentConfig(mixup=0.0, cutmix=0.0, **policy)))  # fmt: skip
-        if pass_floats is not None:
-            loader.pass_floats = pass_floats
-        batches = batches_forever(loader)
-        return lambda: next(batches)
+    def loader(data, policy: dict) -> BatchLoader:
+        return BatchLoader(data, s.e2e_batch, device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32, train=True,
+                           seed=s.seed, ops=make_ops(AugmentConfig(mixup=0.0, cutmix=0.0, **policy)))  # fmt: skip
 
-    return [Case(f"augment/{label}/fp32", "augment", "fp32", s.e2e_batch, ours=partial(side, policy, None), ref=partial(side, policy, 0),
-                 ref_name="the same loader, one batch per pass on the device") for label, policy in AUGMENT_POLICIES]  # fmt: skip
+    def side(case: Case, policy: dict, pass_floats: int | None) -> Step:
+        data = images()
+        one_batch = data.subset(torch.arange(s.e2e_batch))  # ours' pass size depends on the batch's shape, not on the images
+        batches = max(1, min(loader(one_batch, policy).chunk_batches(), len(data) // s.e2e_batch))
+        case.batch = batches * s.e2e_batch
+        made = loader(data.subset(torch.arange(case.batch)), policy)
+        if pass_floats is not None:
+            made.pass_floats = pass_floats
+        return epoch_step(made.epoch, device)
+
+    cases = []
+    for label, policy in AUGMENT_POLICIES:
+        case = Case(f"augment/{label}/fp32", "augment", "fp32", s.e2e_batch, ours=None, ref=None,
+                    ref_name="the same loader, one batch per pass on the device")  # fmt: skip
+        case.ours, case.ref = partial(side, case, policy, None), partial(side, case, policy, 0)
+        cases.append(case)
+    return cases
 
 
 # --------------------------------------------------------------------------- streaming image files
@@ -287,3 +322,66 @@ def epoch_step(epoch_batches: Callable[[int], Iterator], device: torch.device) -
             labels.to(device, non_blocking=True)
 
     return step
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def check_sizes(cases: list[Case], s: Settings, images: Callable[[], Any]) -> None:
+    """Before any measuring, a ConfigError where a selected case cannot draw one batch: an e2e, augment or pipeline batch
+    larger than the images (`images()`), or a stream epoch of no batch. Each stopped the run at its case, after the minutes
+    of the cases before it."""
+    sections = {c.section for c in cases}
+    if sections & {"e2e", "augment", "pipeline"} and s.e2e_batch > len(images()):
+        where = f"--data {s.data}" if s.data else "the synthetic images"
+        raise ConfigError(f"--e2e-batch {s.e2e_batch} is more than the {len(images())} images of {where}")
+    if "stream" in sections and s.stream_images < s.stream_batch:
+        raise ConfigError(f"--stream-images {s.stream_images} is fewer than a batch (--stream-batch {s.stream_batch}): "
+                          "an epoch of no batch")
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine(device: torch.device, threads: int) -> dict:
+    import timm
+
+    cpu, flags = cpu_model_and_flags()
+    info = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "usable_cores": usable_cores(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "timm": timm.__version__, "threads": threads,
+            "device": device.type, "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def machine_line(info: dict) -> str:
+    return (f"device {info['device']}{' (' + info['device_name'] + ')' if 'device_name' in info else ''} | cpu {info['cpu']} | "
+            f"{info['usable_cores']} usable cores | torch threads {info['threads']} | torch {info['torch']} | timm {info['timm']}")  # fmt: skip
+
+
+def fmt_mem(mib: float | None) -> str:
+    return "n/a" if mib is None else f"{mib:.0f} MiB"
+
+
+def markdown(results: list[dict], peaks: dict[str, dict]) -> str:
+    """The measured cases and the GEMM peaks as two markdown tables, each skipped case as a line after the first."""
+    cases = measured(results)
+    gpu = any(r[side].get("gpu_busy_percent") is not None for r in cases for side in SIDES)
+    lines = ["| case | batch | K x rounds | ours img/s | ref img/s | ours / ref | ours util | ref util | ours mem | ref mem |"
+             + (" ours GPU busy | ref GPU busy |" if gpu else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]  # fmt: skip
+    for r in cases:
+        util = {side: utilisation(r, side, peaks) for side in SIDES}
+        lines.append(
+            f"| {r['name']} | {r['batch']} | {r['steps_per_round']} x {r['rounds']} | {r['ours']['median_images_per_s']:.1f} | "
+            f"{r['ref']['median_images_per_s']:.1f} | {fmt_ratio(r['ratio'])} | "
+            + " | ".join("n/a" if util[s] is None else f"{100 * util[s]:.1f}%" for s in SIDES)
+            + f" | {fmt_mem(r['ours']['peak_memory_mib'])} | {fmt_mem(r['ref']['peak_memory_mib'])} |"
+            + ("".join(f" {fmt_busy(r[side].get('gpu_busy_percent'))} |" for side in SIDES) if gpu else "")
+        )
+    lines += [f"\nskipped {r['name']}: {r['skipped']}" for r in results if "skipped" in r]
+    lines += ["", "| GEMM | n | peak TFLOP/s | median TFLOP/s |", "|---|---:|---:|---:|"]
+    for p in peaks.values():
+        lines.append(f"| {p['precision']} | {p['n']} | {p['peak_flops_per_s'] / 1e12:.3f} | {p['median_flops_per_s'] / 1e12:.3f} |")
+    return "\n".join(lines)

@@ -5,7 +5,7 @@
 - `ReferenceMAE`: MAE as facebookresearch/mae `models_mae.py` builds it (timm blocks, argsort
   masking, gather), in its own fields rather than around our encoder.
 - `hf_vitmae(...)`: Hugging Face transformers' `ViTMAEForPreTraining` with the same sizes (an optional
-  dependency: None where transformers is not installed).
+  dependency: ImportError where transformers is not installed).
 - `usual_loader`: the data pipeline most ViT/MAE code writes: torchvision transforms on PIL
   images in DataLoader workers.
 """
@@ -144,13 +144,12 @@ class ReferenceMAE(nn.Module):
 
 
 def hf_vitmae(img_size: int, patch_size: int, embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, decoder_embed_dim: int,
-              decoder_depth: int, decoder_num_heads: int, mask_ratio: float = 0.75, norm_pix_loss: bool = True) -> nn.Module | None:  # fmt: skip
+              decoder_depth: int, decoder_num_heads: int, mask_ratio: float = 0.75, norm_pix_loss: bool = True) -> nn.Module:  # fmt: skip
     """Hugging Face's `ViTMAEForPreTraining` with these sizes, as its users build it (SDPA attention, LayerNorm eps 1e-6 as
-    ours); `model(pixel_values=imgs).loss` is its loss. None where transformers is not installed."""
-    try:
-        from transformers import ViTMAEConfig, ViTMAEForPreTraining
-    except ImportError:
-        return None
+    ours); `model(pixel_values=imgs).loss` is its loss. ImportError where transformers is not installed (or cannot be
+    imported)."""
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+
     config = ViTMAEConfig(image_size=img_size, patch_size=patch_size, num_channels=3, hidden_size=embed_dim, num_hidden_layers=depth,
                           num_attention_heads=num_heads, intermediate_size=int(embed_dim * mlp_ratio), qkv_bias=True, layer_norm_eps=1e-6,
                           decoder_hidden_size=decoder_embed_dim, decoder_num_hidden_layers=decoder_depth,

@@ -54,7 +54,8 @@ def scorer(model: nn.Module, num_classes: int, accelerator) -> Callable[[torch.T
 def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
     """Accuracy of `model` over every sample of `loader` (each rank holds a disjoint shard).
 
-    Returns {"top1", "top5", "loss", "count", "per_class": [C], "confusion": (C, C) counts, rows = true class,
+    Returns {"top1", "top5", "loss", "count", "per_class": [C] (None for a class
+    with no image), "confusion": (C, C) counts, rows = true class,
     "non_finite": images whose logits were not finite (no hits, left out of the confusion counts)}.
     """
     was_training = model.training
@@ -69,7 +70,8 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
     loss_sum = accelerator.reduce(tally.loss_sum, reduction="sum")
     model.train(was_training)
     count = int(seen.sum().item())
-    per_class = (confusion.diag() / seen.clamp(min=1)).tolist()
+    # A class with no image here has no accuracy: None (null in summary.json), where 0.0 read as "never right".
+    per_class = [hits / n if n else None for hits, n in zip(confusion.diag().tolist(), seen.tolist())]
     return {
         "top1": confusion.diag().sum().item() / max(count, 1),
         "top5": top5_hits.item() / max(count, 1),

@@ -198,7 +198,7 @@ def reference_evaluate(logits, labels, num_classes):
         confusion[y][ranked[0]] += 1
         top1 += ranked[0] == y
         top5 += y in ranked[:5]
-    per_class = [confusion[c][c] / seen[c] if seen[c] else 0.0 for c in range(num_classes)]
+    per_class = [confusion[c][c] / seen[c] if seen[c] else None for c in range(num_classes)]
     return top1 / n, top5 / n, loss / n, per_class, confusion
 
 

@@ -154,17 +154,36 @@ def random_resized_crop_flip(images: torch.Tensor, boxes: torch.Tensor, flips: t
 
 
 def resample(images: torch.Tensor, theta: torch.Tensor, out_size: int) -> torch.Tensor:
-    """images (B, C, H, W) float through the affine maps theta (B, 2, 3) (`crop_flip_theta`) -> (B, C, out_size, out_size)."""
+    """images (B, C, H, W) float through the affine maps theta (B, 2, 3) (`crop_flip_theta`) -> (B, C, out_size, out_size);
+    each output reads only the pixels of its box, as torchvision's crop-then-resize does."""
+    height, width = images.shape[-2:]
     grid = F.affine_grid(theta, [images.shape[0], images.shape[1], out_size, out_size], align_corners=False)  # (B, S, S, 2)
+    # torchvision crops, then resizes: an upscaled crop's outer rows and columns read its own edge pixels, never the
+    # pixels beyond its box (bilinear taps there mixed up to half of the outside neighbour into the crop's border).
+    # So each image's sample points stay between its box's first and last pixel centres, in the grid's units.
+    # (Python scalars, not a tensor from a list: that would be a blocking host-to-device copy each pass.)
+    half = torch.stack([theta[:, 0, 0].abs() - 1.0 / width, theta[:, 1, 1].abs() - 1.0 / height], dim=-1).clamp(min=0.0)  # (B, 2)
+    centre = theta[:, :, 2]  # (B, 2): the box's centre; half: its half-size less half a pixel
+    grid = torch.maximum(torch.minimum(grid, (centre + half)[:, None, None]), (centre - half)[:, None, None])
     # border padding: a box edge that float rounding pushes a hair outside the image reads the edge pixel, not zeros.
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 def resize(images: torch.Tensor, out_size: int) -> torch.Tensor:
-    """Bilinear resize (antialiased when shrinking) to a square: (B, C, H, W) float -> (B, C, out_size, out_size); no-op at that size."""
-    if images.shape[-2:] == (out_size, out_size):
+    """torchvision's `Resize(out_size)` + `CenterCrop(out_size)` on tensors: the shorter side to out_size (bilinear,
+    antialiased when shrinking), then the centred square. (B, C, H, W) float -> (B, C, out_size, out_size); no-op at that size.
+
+    Not a squash to the square: the memory loader keeps same-sized images of another aspect as they are, and
+    squashing them gave evaluation other shapes than training's crops and the stored images' own centre crop."""
+    height, width = images.shape[-2:]
+    if (height, width) == (out_size, out_size):
         return images
-    return F.interpolate(images, size=(out_size, out_size), mode="bilinear", align_corners=False, antialias=True)
+    long = int(out_size * max(height, width) / min(height, width))  # torchvision's rounding (down)
+    size = (long, out_size) if width <= height else (out_size, long)
+    if size != (height, width):
+        images = F.interpolate(images, size=size, mode="bilinear", align_corners=False, antialias=True)
+    top, left = round((size[0] - out_size) / 2.0), round((size[1] - out_size) / 2.0)  # torchvision: round half to even
+    return images[..., top : top + out_size, left : left + out_size]
 
 
 class ChunkOp:
@@ -283,7 +302,7 @@ class BatchLoader(Loader):
     train=True: a seeded permutation per epoch, shared by all ranks; rank r takes perm[r::world_size],
     cut so that every rank has the same number of full batches (drop_last); each batch is
     randomly cropped, flipped, resized to `out_size` and normalised.
-    train=False: every sample once, in order, unaugmented (resized only if the stored size is not
+    train=False: every sample once, in order, unaugmented (`resize`: torchvision's Resize + CenterCrop, only if the stored size is not
     `out_size`), normalised; the last batch may be smaller. Rank r holds the contiguous slice
     `eval_shard(N, r, world_size)` (`self.shard`), without padding, so sums over ranks
     (`accelerator.reduce(..., "sum")`) count every sample exactly once. To collect per-sample outputs

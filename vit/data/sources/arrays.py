@@ -24,6 +24,7 @@ import torch
 
 from vit.config import DataConfig
 from vit.data.cache import cache_dir
+from vit.data.files import FileSet
 from vit.data.sources.base import Source, existing_root, is_archive
 from vit.data.sources.trees import ImageTree, read_tree_cached
 from vit.data.splits import ImageSet, seeded_generator
@@ -51,6 +52,12 @@ class Cifar(ImageTree):
 
     def read(self, skipped: list) -> dict[str, ImageSet]:
         return _load_cifar(self.cfg, skipped)
+
+    def file_sets(self) -> dict[str, FileSet]:
+        # The stream loader lists the tree the memory loader reads: it must refuse what that refuses.
+        sets = super().file_sets()
+        _check_class_count(self.cfg, sets["train"].classes)
+        return sets
 
 
 class Mnist(Source):
@@ -140,9 +147,7 @@ def _load_cifar(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
                 return _read_cifar_pickles(folder, spec)
         if is_archive(root) or (root / "train").is_dir():
             raw = read_tree_cached(cfg, root, skipped)
-            if len(raw["train"].classes) != spec.num_classes:
-                found = len(raw["train"].classes)
-                raise DataError(f"{root} holds {found} class folders, expected the {spec.num_classes} {spec.title} classes")
+            _check_class_count(cfg, raw["train"].classes)
             return raw
         if root.is_file():
             raise DataError(f"data.root {root} is a file; expected a {spec.folder} folder, a train/<class>/ tree or a .tar.gz of one")
@@ -156,6 +161,12 @@ def _load_cifar(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
         raise DataError(f"no local {spec.title} copy found at {where} (expected {expected}) and data.download is false")
     _download(spec.title, spec.torchvision_class, downloads, where)
     return _read_cifar_pickles(downloads / spec.folder, spec)
+
+
+def _check_class_count(cfg: DataConfig, classes: list[str]) -> None:
+    spec = _CIFAR[cfg.dataset]
+    if len(classes) != spec.num_classes:
+        raise DataError(f"{Path(cfg.root).expanduser()} holds {len(classes)} class folders, expected the {spec.num_classes} {spec.title} classes")
 
 
 def _read_cifar_pickles(folder: Path, spec: _CifarSpec) -> dict[str, ImageSet]:
@@ -176,6 +187,7 @@ def _read_cifar_pickles(folder: Path, spec: _CifarSpec) -> dict[str, ImageSet]:
                 raise DataError(f"{folder / file} is not a {spec.title} batch: expected {expected} ({type(e).__name__}: {e})") from None
             if lab.shape != (arr.shape[0],):
                 raise DataError(f"{folder / file} has {arr.shape[0]} images but {lab.shape[0]} labels")
+            check_labels(lab, len(classes), folder / file)
             data.append(arr)
             labels.append(lab)
         return ImageSet(torch.from_numpy(np.concatenate(data)), torch.from_numpy(np.concatenate(labels)), classes)
@@ -184,6 +196,15 @@ def _read_cifar_pickles(folder: Path, spec: _CifarSpec) -> dict[str, ImageSet]:
     if (folder / spec.test_file).is_file():
         result["test"] = read((spec.test_file,))
     return result
+
+
+def check_labels(labels: np.ndarray, num_classes: int, path: Path) -> None:
+    """Refuse a label (N,) outside 0..num_classes-1: read as it is, it would index past the classifier's outputs at the
+    first batch that holds it (a device-side assert on a GPU), far from the file that holds it."""
+    bad = (labels < 0) | (labels >= num_classes)
+    if bad.any():
+        i = int(bad.nonzero()[0][0])
+        raise DataError(f"{path} has the label {int(labels[i])} at row {i}, outside the {num_classes} classes 0..{num_classes - 1}")
 
 
 class _CifarUnpickler(pickle.Unpickler):
@@ -258,6 +279,7 @@ def _read_idx_folder(raw: Path) -> dict[str, ImageSet]:
         labels = torch.from_numpy(read_idx(label_file, ndim=1).astype(np.int64))  # (N,)
         if labels.shape[0] != images.shape[0]:
             raise DataError(f"{label_file} has {labels.shape[0]} labels for the {images.shape[0]} images of {image_file}")
+        check_labels(labels.numpy(), len(classes), label_file)
         images = images.unsqueeze(1).expand(-1, 3, -1, -1).contiguous()  # (N, 1, H, W) -> (N, 3, H, W), grey replicated
         result[split] = ImageSet(images, labels, classes)
     return result

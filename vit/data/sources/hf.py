@@ -18,8 +18,9 @@ from vit.data.splits import ImageSet
 from vit.errors import DataError
 
 # Bump when `hf_files` reads other splits from the same dataset, so the memory loader's caches of the old ones are not
-# reused (2: a split whose labels are withheld is left out; it was cached with labels -1).
-SPLITS_VERSION = 2
+# reused (2: a split whose labels are withheld is left out; it was cached with labels -1; 3: a split with a ClassLabel of its
+# own is labelled by its class names, it was read by its integers).
+SPLITS_VERSION = 3
 
 
 class HuggingFace(Source):
@@ -200,8 +201,13 @@ def _hf_labels(ds, column: str, classes: list[str], where: str) -> torch.Tensor:
     """Class indices (N,) of `column`: names are looked up in the train split's `classes`, integers must index them. A
     value that is neither is refused: as -1 (unlabelled) it would stop the run at its first evaluation, or count wrong."""
     values = ds[column]
-    if values and isinstance(values[0], str):
-        index = {c: i for i, c in enumerate(classes)}
+    index = {c: i for i, c in enumerate(classes)}
+    names = getattr(ds.features[column], "names", None)
+    if names and [str(n) for n in names] != classes:
+        # A split with a ClassLabel of its own (a test split lacking a class, or listing them in another order, as
+        # splits loaded one by one give): its integers index its names, not the train split's; names are matched.
+        values = [index.get(str(names[v]), names[v]) if isinstance(v, int) and 0 <= v < len(names) else v for v in values]
+    elif values and isinstance(values[0], str):
         values = [index.get(v, v) for v in values]
     bad = [v for v in values if not (isinstance(v, int) and 0 <= v < len(classes))]
     if bad:

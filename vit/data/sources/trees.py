@@ -127,12 +127,17 @@ def read_archive(archive: Path, image_size: int | None, skip_bad: bool, bad: lis
                     # Unpacked, it would land outside the tree (or, `tar` stripping the '/' or '..', onto another image).
                     raise DataError(f"{archive} holds the member {member.name!r}, a path outside the archive's folder; "
                                     "pack the tree with paths relative to it (tar -C <root> -czf ...)")  # fmt: skip
-                if any(p.startswith(".") for p in parts):
-                    continue  # hidden files and folders (macOS ._* twins, .ipynb_checkpoints) are not images or classes
-                if len(parts) >= 3 and parts[0] not in SPLIT_NAMES and parts[1] in SPLIT_NAMES:
+                wrapped = len(parts) >= 3 and parts[0] not in SPLIT_NAMES and parts[1] in SPLIT_NAMES
+                if any(p.startswith(".") for p in parts[:3 if wrapped else 2]):
+                    continue  # hidden folders (.ipynb_checkpoints) are no split or class
+                if wrapped:
                     parts = parts[1:]  # one wrapping folder, e.g. cifar10/train/cat/0001.png
                 if not parts or parts[0] not in SPLIT_NAMES:
                     continue
+                if len(parts) >= 3:  # a member below a class folder: the folder is there, listed as a member or not (tar of files)
+                    class_dirs.add((parts[0], parts[1]))
+                if any(p.startswith(".") for p in parts):
+                    continue  # hidden files and folders (macOS ._* twins) are not images
                 if member.issym() or member.islnk():  # a stream has no way back to the target: left out, it would be lost unsaid
                     raise DataError(f"{archive}: {member.name} is a link to {member.linkname}; an archive's images and class "
                                     "folders must be plain files and folders (tar -h packs what links point to)")  # fmt: skip

@@ -36,9 +36,11 @@ def reconstruct(mae: MaskedAutoencoder, images: torch.Tensor, mean, std, seed: i
     """
     if not len(mean) == len(std) == mae.in_chans:  # 3 of them broadcast a grey image into three channels of other scales
         raise ValueError(f"mean and std need {mae.in_chans} values each (one per channel), got {len(mean)} and {len(std)}")
+    was_training = mae.training  # given back: a notebook's model stays in the mode it was in
     mae.eval()
     noise = torch.rand(images.shape[0], mae.num_patches, generator=torch.Generator().manual_seed(seed))
     _, pred, mask = mae(images, noise=noise)
+    mae.train(was_training)
     raw = pred.float()  # (B, L, p*p*C): per-patch normalised pixels with norm_pix_loss, else normalised pixels
     p = mae.patch_size
     target = patchify(images.float(), p)  # (B, L, p*p*C)

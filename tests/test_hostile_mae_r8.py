@@ -155,3 +155,11 @@ def test_a_grey_mae_is_drawn_in_grey_with_its_own_one_channel_normalisation(tmp_
     pixels = np.asarray(Image.open(path).convert("RGB")).astype(int)
     assert (pixels[..., 0] == pixels[..., 1]).all() and (pixels[..., 1] == pixels[..., 2]).all()  # grey, labels included
     assert len(np.unique(pixels)) > 10  # and not blank
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_drawing_a_reconstruction_gives_the_model_its_mode_back(training):
+    """It left a training model in eval mode: dropout and drop path off for a notebook's next steps."""
+    mae = tiny_mae().train(training)
+    reconstruct(mae, torch.randn(2, 3, 16, 16), [0.5] * 3, [0.25] * 3)
+    assert mae.training is training and all(m.training is training for m in mae.modules())

@@ -27,6 +27,10 @@ def layer_norm(dim: int) -> nn.LayerNorm:
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The tokens at `index` of each sample: x (B, T, D), index (B, M) -> (B, M, D)."""
+    if index.ndim != 2 or index.shape[0] != x.shape[0]:
+        # torch.gather takes an index of fewer rows: a (1, M) index for 4 images embedded the first image alone, and a
+        # block's queries mixed the tokens of one image into the others, without a word.
+        raise ValueError(f"index has shape {tuple(index.shape)}, expected (batch, tokens) with batch = {x.shape[0]}")
     return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
@@ -238,8 +242,9 @@ def check_config(cfg: dict) -> None:
     for key in ("img_size", "patch_size", "embed_dim", "in_chans", "num_heads"):
         if cfg[key] < 1:  # patch_size=0 (num_heads=0) was a ZeroDivisionError; img_size=0 an encoder of no patch
             raise ValueError(f"{key} must be positive, got {cfg[key]}")
-    if cfg["depth"] < 0:
-        raise ValueError(f"depth must be 0 or more, got {cfg['depth']}")
+    for key in ("depth", "num_classes"):  # num_classes=-1 built a headless encoder (pooled features for logits), unsaid
+        if cfg[key] < 0:
+            raise ValueError(f"{key} must be 0 or more, got {cfg[key]}")
     if cfg["img_size"] % cfg["patch_size"]:
         raise ValueError(f"img_size={cfg['img_size']} is not divisible by patch_size={cfg['patch_size']}")
     if cfg["pos_embed"] not in ("learned", "sincos"):

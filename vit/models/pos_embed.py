@@ -44,6 +44,8 @@ def resample_pos_embed(pos_embed: torch.Tensor, new_grid: int, num_prefix_tokens
     if new_grid < 1:
         raise ValueError(f"new_grid must be positive, got {new_grid}")
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    if grid.shape[1] == 0:  # a 0x0 grid passed the square check, and interpolation raised a RuntimeError past the callers' ValueError
+        raise ValueError(f"positional embedding {tuple(pos_embed.shape)} has no patch position after its {num_prefix_tokens} prefix rows")
     if old_grid is None:
         side = math.isqrt(grid.shape[1])
         if side * side != grid.shape[1]:
@@ -84,5 +86,5 @@ def resample_patch_embed(weight: torch.Tensor, new_size: int) -> torch.Tensor:
     inverse = torch.linalg.pinv(resize_matrix.T)  # (s*s, p*p)
     d, c = weight.shape[:2]
     flat = weight.reshape(d * c, old * old).double()  # (D*C, p*p)
-    new = flat @ inverse.T  # (D*C, s*s)
+    new = flat @ inverse.T.to(flat.device)  # (D*C, s*s); the resize matrix is built on the CPU, the kernel may be a GPU's
     return new.reshape(d, c, new_size, new_size).to(weight.dtype)

@@ -243,22 +243,22 @@ def last_logged(run_dir: Path, key: str) -> Any:
     return values[-1] if values else None
 
 
-def trim_metrics(path: Path, step: int) -> int:
-    """Drop the records of metrics.jsonl logged after `step` (and a line cut off by a kill); returns how many.
+def trim_metrics(path: Path, step: int, at_step: float = math.inf) -> int:
+    """Drop the records of metrics.jsonl after `step`, those of `step` past the first `at_step`, and a line cut off by a kill; returns how many.
 
     A run resumed from the state of step S repeats the steps after S and logs them again, so
     without this the file would hold those steps twice.
     """
     if not path.is_file():
         return 0
-    kept, dropped = [], 0
+    kept, dropped, seen = [], 0, 0  # seen: records of `step`
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, RecursionError):
             dropped += 1
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+        if isinstance(record, dict) and isinstance(at := record.get("step"), int) and (at > step or (at == step and (seen := seen + 1) > at_step)):
             dropped += 1
             continue
         kept.append(line + "\n")

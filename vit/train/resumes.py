@@ -79,7 +79,10 @@ def check_not_done(run_dir: Path, cfg: Any, state: Path | None = None) -> None:
     state = state or newest_state(run_dir)
     if not summary or state is None or read_state_progress(state).get("step") != summary.get("steps"):
         return
-    if ((read_config(run_dir) or {}).get("schedule") or {}).get("max_steps") == cfg.schedule.max_steps:
+    # The max_steps config.yaml records is its first process's: a run resumed with another stopped where that one said,
+    # and resumed again with it, has nothing to train either.
+    max_steps = cfg.schedule.max_steps
+    if ((read_config(run_dir) or {}).get("schedule") or {}).get("max_steps") == max_steps or max_steps == summary["steps"]:
         raise NothingToDo(f"run.resume={cfg.run.resume}: {run_dir} finished at step {summary['steps']}, {which}: nothing to resume; "
                           f"its results are in {run_dir / SUMMARY_FILE} (run.overwrite=true without run.resume trains it again)")  # fmt: skip
 

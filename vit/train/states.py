@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from vit.store.runs import (
     is_complete_state,
     newest_state,
     partial_state_path,
+    read_metrics,
     read_state_progress,
     state_dirs,
     state_path,
@@ -55,6 +57,9 @@ class Progress:
     best: dict[str, float] = field(default_factory=dict)
     planned_steps: int | None = None  # the step count a time budget fixed (kept across resumes)
     plan: dict[str, Any] | None = None  # that budget's whole plan (`vit.train.budget.BudgetPlan`), for the summary
+    # metrics records of `step` logged when the state was saved: a resume drops those logged after it (a finished run's
+    # final evaluation, logged again by a resume from its last state), as it drops the records of later steps
+    logged: int | None = None
 
     def epochs_done(self, batches_per_epoch: int) -> float:
         """The epochs trained, the current one's consumed micro-batches counted: a metrics record's `epoch`."""
@@ -77,6 +82,7 @@ def save_state(run: Run, progress: Progress) -> Path:
         acc.save_state(str(tmp))
         acc.wait_for_everyone()
         if acc.is_main_process:
+            progress.logged = sum(1 for record in read_metrics(run.dir)[0] if record["step"] == progress.step)
             complete_state(tmp, final, {**progress.__dict__, RECORD_KEY: state_record(run)})
     except Exception as e:
         reason = storage_failure(e, tmp.parent)  # before the partial state frees its space
@@ -89,9 +95,22 @@ def save_state(run: Run, progress: Progress) -> Path:
         raise StorageError(f"cannot write the resume state {tmp}: {reason}; it is removed and {kept}; free some space, "
                            "then resume with run.resume=auto") from None  # fmt: skip
     if acc.is_main_process:
+        drop_later_states(run, final)
         trim_states(run.dir, run.cfg.run.keep_states)
     acc.wait_for_everyone()
     return final
+
+
+def drop_later_states(run: Run, saved: Path) -> None:
+    """Delete the states of steps after the one just `saved`: those of a run this one resumed before (an unreadable newest
+    state passed over, or an older state named by run.resume), whose records were trimmed. Kept, they counted as the
+    newest for `run.keep_states`, which deleted the states this run saves (all of them under keep_states=1), and a later
+    `run.resume=auto` tried them first: the unreadable one again, or a sound one of the other run's steps."""
+    later = [path for path in state_dirs(run.dir) if path.name > saved.name]  # state_dirs orders by name, which is by step
+    for path in later:
+        shutil.rmtree(path, ignore_errors=True)
+    if later:
+        run.print(f"resume: removed {len(later)} state(s) of the run before this one, after its step: {', '.join(p.name for p in later)}")
 
 
 def state_record(run: Run) -> dict[str, Any]:
@@ -133,7 +152,7 @@ def load_state(run: Run) -> Progress | None:
         # setup and the steps lost after the state are not counted.
         run.started -= progress.train_time
         if run.is_main:
-            dropped = trim_metrics(run.dir / METRICS_FILE, progress.step)
+            dropped = trim_metrics(run.dir / METRICS_FILE, progress.step, math.inf if progress.logged is None else progress.logged)
             if dropped:
                 run.print(f"resume: dropped {dropped} metrics record(s) logged after step {progress.step}; they are logged again")
         return progress
@@ -201,7 +220,8 @@ def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
     record = saved.pop(RECORD_KEY, None)
     checks = {**{name: lambda v: is_count(v) for name in COUNTS}, "best": lambda v: isinstance(v, dict),
               "train_time": lambda v: is_finite(v) and v >= 0,
-              "planned_steps": lambda v: v is None or (is_count(v) and v > 0), "plan": lambda v: v is None or isinstance(v, dict)}  # fmt: skip
+              "planned_steps": lambda v: v is None or (is_count(v) and v > 0), "plan": lambda v: v is None or isinstance(v, dict),
+              "logged": lambda v: v is None or is_count(v)}  # fmt: skip
     for name, value in saved.items():
         if name not in PROGRESS_FIELDS:
             raise CheckpointError(f"{STATE_FILE} has a field {name!r} that no state of this project holds")

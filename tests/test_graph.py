@@ -176,6 +176,7 @@ def test_a_gpu_process_keeps_few_cpu_threads_unless_told(monkeypatch):
     from vit.train.accelerator import GPU_HOST_THREADS, set_threads
 
     monkeypatch.setattr(accelerator.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(accelerator.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)  # all 16 usable
     before = torch.get_num_threads()
     try:
         assert set_threads(RunConfig(), Device("cuda")) == GPU_HOST_THREADS == torch.get_num_threads()

@@ -17,6 +17,12 @@ import torch
 from vit.errors import ConfigError
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask (a `taskset`, a cluster scheduler's allocation), which
+    `os.cpu_count()` ignores (it counts the machine's: 128 threads on a node of which the job was given 8)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def mps_available() -> bool:
     return hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
 
@@ -119,7 +125,7 @@ def host(device: torch.device) -> dict:
     Minutes (a time budget) only compare between runs whose `host_label` is the same."""
     cpu, flags = cpu_model_and_flags()
     info = {"cpu": cpu, "cpu_flags": flags, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
+            "usable_cores": usable_cores(), "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -147,8 +153,8 @@ def count_host_reads(device: torch.device) -> Iterator[dict]:
     on CUDA its "where" lists the lines that waited).
 
     CUDA: every synchronising call, as torch's sync debug mode reports it. Elsewhere (no device to wait for, so
-    the calls that would wait on one are counted): `.item()`, `.tolist()`, `.numpy()`, `.cpu()` and a tensor's truth
-    or number value."""
+    the calls that would wait on one are counted): `.item()`, `.tolist()`, `.numpy()`, `.cpu()`, a tensor's truth or
+    number value (an index too: `x[:n]`, `range(n)` of a tensor `n`) and `torch.equal` / `allclose` / `is_nonzero`."""
     counter = {"reads": 0}
     if device.type == "cuda":
         where: list[str] = []
@@ -157,6 +163,7 @@ def count_host_reads(device: torch.device) -> Iterator[dict]:
             if "synchroniz" in str(message):
                 where.append(caller_outside_torch(filename, lineno))
 
+        before = torch.cuda.get_sync_debug_mode()  # a caller's own mode ("error" in a test) is given back, not reset
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = seen  # called in the waiting thread, so its stack names the caller
@@ -164,24 +171,32 @@ def count_host_reads(device: torch.device) -> Iterator[dict]:
             try:
                 yield counter
             finally:
-                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.set_sync_debug_mode(before)
         counter["reads"] = len(where)
         counter["where"] = sorted(set(where))
         return
-    names = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")
-    originals = {name: getattr(torch.Tensor, name) for name in names}
+    # A tensor used as an index (`__index__`) or compared whole (`equal`) is read as surely as by `.item()`: a step
+    # that sliced by a device tensor counted no read here and waited for the GPU every step there.
+    methods = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__complex__", "is_nonzero",
+               "equal", "allclose")  # fmt: skip
+    read_by = [(torch.Tensor, name) for name in methods] + [(torch, name) for name in ("equal", "allclose", "is_nonzero")]
+    # (owner, name, what to put back: None where the name was inherited, as most of the Tensor's are, and is deleted again)
+    originals = [(owner, name, vars(owner).get(name)) for owner, name in read_by]
 
     def counting(original):
-        def read(self, *args, **kwargs):
+        def read(*args, **kwargs):
             counter["reads"] += 1
-            return original(self, *args, **kwargs)
+            return original(*args, **kwargs)
 
         return read
 
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, counting(original))
+    for owner, name, _ in originals:
+        setattr(owner, name, counting(getattr(owner, name)))
     try:
         yield counter
     finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+        for owner, name, original in originals:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)

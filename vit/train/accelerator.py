@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from vit.config import RunConfig
+from vit.device import usable_cores
 from vit.errors import ConfigError, SaidElsewhere, UserError
 from vit.store.runs import TENSORBOARD_DIR
 from vit.train.graph import graph_unfit
@@ -49,7 +50,9 @@ def native_bf16(device: torch.device) -> bool:
     """Whether `device` computes bf16 in hardware. A CPU without AVX512-BF16 or AMX (AVX2-only
     laptops and servers) has CPU autocast emulate it, many times slower than fp32 (docs/running.md)."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        # Ampere (compute capability 8) and later, or ROCm. torch.cuda.is_bf16_supported() also says yes where bf16 is only
+        # emulated (a V100, a T4: it counts a bf16 tensor that can be made), which made `auto` train there in emulated bf16.
+        return bool(torch.version.hip) or torch.cuda.get_device_properties(device).major >= 8
     if device.type == "cpu":
         return any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
     return False  # MPS and others: fp32 unless asked
@@ -77,6 +80,8 @@ def check_launch_env(env=os.environ) -> None:
     for name in LAUNCH_NUMBERS:
         if name in env and not env[name].strip().isdigit():
             raise ConfigError(f"environment variable {name}={env[name]!r} must be a whole number (it is a launcher's; unset it)")
+        if name.endswith("SIZE") and name in env and int(env[name]) == 0:  # set_threads divides the cores by it
+            raise ConfigError(f"environment variable {name}={env[name]!r} must be at least 1 (it is a launcher's; unset it)")
     if env.get("ACCELERATE_USE_CPU", "").lower() not in ("",) + TRUTH_VALUES:
         raise ConfigError(f"environment variable ACCELERATE_USE_CPU={env['ACCELERATE_USE_CPU']!r} must be 1 or 0 (true or false)")
 
@@ -234,11 +239,12 @@ GPU_HOST_THREADS = 4
 def set_threads(run_cfg: RunConfig, accelerator) -> int:
     """CPU threads per process: `run.threads`, else the cores shared among this machine's processes, and among the
     jobs a sweep runs beside this one (`SHARED_BY_ENV`), at most `GPU_HOST_THREADS` on a GPU."""
+    cores = usable_cores()  # a job given 8 of a node's 128 cores shares its 8, not the node's
     if run_cfg.threads is not None:
         threads = run_cfg.threads
         # Beyond a few per core the threads only contend; far beyond, torch cannot allocate their pools (a traceback).
-        if threads > 4 * (os.cpu_count() or 1):
-            raise ConfigError(f"run.threads={threads} is more than 4 per core of this machine's {os.cpu_count()}: "
+        if threads > 4 * cores:
+            raise ConfigError(f"run.threads={threads} is more than 4 per core of this machine's {cores} (that this process may use): "
                               "leave it unset (the cores shared among the processes) or name at most as many as the cores")  # fmt: skip
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes if accelerator.num_processes > 1 else 1))
@@ -246,7 +252,7 @@ def set_threads(run_cfg: RunConfig, accelerator) -> int:
         if shared and not shared.isdigit():
             raise ConfigError(f"environment variable {SHARED_BY_ENV}={shared!r} must be a whole number (the jobs a sweep runs side by side)")
         jobs = max(1, int(shared or 1))
-        threads = max(1, (os.cpu_count() or 1) // (local * jobs))
+        threads = max(1, cores // (max(1, local) * jobs))
         if accelerator.device.type != "cpu":
             threads = min(threads, GPU_HOST_THREADS)
     torch.set_num_threads(threads)

@@ -26,12 +26,28 @@ def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, LARS) or (fused and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)))
 
 
+def seed_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Zero momentum buffers for a fused SGD that has none yet. Its first step makes them with `torch.empty_like` and
+    keeps them even where `found_inf` skips that step (the guard's flag, or fp16's `GradScaler`): a first step whose loss
+    was not finite left uninitialised memory (1e37 on a CPU) as the momentum, which the next step applied to the weights.
+    With dampening 0 (as `optim.name=sgd` builds it) a zero buffer gives the first real step the same update,
+    momentum * 0 + grad."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused") and group["momentum"] != 0 and group["dampening"] == 0:
+            for p in group["params"]:
+                if p.requires_grad:
+                    optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+
+
 class LossRing:
     """The losses of the last `slots` steps, every process's, on the device; `put` also gates the optimiser's update."""
 
     def __init__(self, accelerator, optimizer, slots: int):
         self.accelerator = accelerator
         inner = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's wrapper
+        seed_momentum(inner)
         # A GradScaler sets and deletes `found_inf` itself around each step (fp16): it must not be overwritten there.
         self.on_device = takes_found_inf(inner) and getattr(accelerator, "scaler", None) is None
         self.optimizer = inner

@@ -7,6 +7,7 @@ Every classifier is saved as `classifier.pt` with what it takes to rebuild it:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from vit.store.checkpoint import misfits, non_finite, read_weights_file, wrong_k
 from vit.errors import ConfigError
 from vit.store.atomic import atomic_save
 from vit.store.hub import fixed_pos_embed, hub_reachable, is_hub_init, is_model_folder, load_hub_weights, unreachable
-from vit.models.encoder import VisionTransformer, create_model
+from vit.models.encoder import PatchDropout, VisionTransformer, check_config, create_model
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, run_folder_of
 from vit.eval.knn import pooled
 from vit.tools.reference import timm_vit
@@ -205,11 +206,23 @@ def build_classifier(cfg, num_classes: int, device=None, say=None) -> Built:
 ARCHS = ("vit", "timm_vit", "linear_probe", "resnet18")  # what `rebuild` builds
 
 
+# What our encoder takes for a field a saved config lacks (a classifier.pt older than the field), to check a timm_vit's config.
+ENCODER_DEFAULTS = {name: p.default for name, p in signature(VisionTransformer).parameters.items()}
+
+
 def rebuild(arch: str, build: dict[str, Any]) -> nn.Module:
-    """An empty classifier of the saved kind, ready for `load_state_dict(strict=True)`."""
+    """An empty classifier of the saved kind, ready for `load_state_dict(strict=True)`; a `build` that makes none is a
+    KeyError, TypeError or ValueError (`load_classifier` says the file is damaged)."""
+    if arch in ("resnet18", "linear_probe") and not (type(build["num_classes"]) is int and build["num_classes"] > 0):
+        # A negative count was a RuntimeError traceback from the Linear ("negative dimension"), not a damaged file.
+        raise ValueError(f"num_classes must be a positive integer, got {build['num_classes']!r}")
     if arch == "resnet18":
         return cifar_resnet18(build["num_classes"])
     if arch == "timm_vit":
+        # timm builds what our encoder refuses, without a word: global_pool 'max' or '' (logits per token), a drop rate
+        # above 1, a table 'sin' it freezes; and asserts on patch dropout 1 (a traceback). Our encoder's checks refuse them.
+        check_config({**ENCODER_DEFAULTS, **build["config"]})
+        PatchDropout(build["config"].get("patch_drop_rate", 0.0))
         return timm_vit(build["config"])
     if arch == "linear_probe":
         return LinearProbe(VisionTransformer(**build["config"]), build["num_classes"], build["pool"])

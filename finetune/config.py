@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from vit.config import AugmentConfig, StageConfig, check, check_temperature, section
+from vit.config import AugmentConfig, ModelConfig, StageConfig, check, check_temperature, section
 
 
 @dataclass
@@ -82,6 +82,8 @@ class FinetuneConfig(StageConfig):
         if ft.mode in ("linear", "knn"):
             why = "a probe's head trains on the data's crop and flip alone" if ft.mode == "linear" else "kNN trains nothing"
             said += [f"aug.{key}={value} ({why})" for key, value in changed(self.aug, AugmentConfig())]
+        if ft.arch == "resnet18":
+            said += [f"model.{key}={value} (finetune.arch=resnet18 builds no ViT)" for key, value in changed(self.model, ModelConfig())]
         if ft.layer_decay not in (None, default.layer_decay) and (ft.mode != "full" or ft.arch == "resnet18"):
             where = f"finetune.arch={ft.arch}" if ft.mode == "full" else f"finetune.mode={ft.mode}"
             said.append(f"finetune.layer_decay={ft.layer_decay:g} ({where} has no encoder layers to decay)")

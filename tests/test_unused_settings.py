@@ -37,8 +37,9 @@ def test_a_probe_says_the_augmentation_and_layer_decay_it_does_not_read():
 def test_knn_and_the_baselines_say_what_they_do_not_read():
     knn = finetune_config("finetune.mode=knn", "aug.random_erase=0.5", "optim.momentum=0.5", "finetune.probe_cache=false")
     assert [s.split(" ")[0] for s in knn.unused()] == ["aug.random_erase=0.5", "finetune.probe_cache=False"]  # kNN has no optimiser
-    resnet = finetune_config("finetune.arch=resnet18", "finetune.layer_decay=0.5", "finetune.knn_k=5")
-    assert [s.split(" ")[0] for s in resnet.unused()] == ["finetune.layer_decay=0.5", "finetune.knn_k=5"]
+    resnet = finetune_config("finetune.arch=resnet18", "finetune.layer_decay=0.5", "finetune.knn_k=5", "model.drop_path_rate=0.1")
+    said = [s.split(" ")[0] for s in resnet.unused()]
+    assert said == ["model.drop_path_rate=0.1", "finetune.layer_decay=0.5", "finetune.knn_k=5"]
     # Eval mode says its own (finetune.train.unused_in_eval): the classifier is rebuilt as it was saved.
     assert finetune_config("finetune.mode=eval", "finetune.init=runs/x", "aug.mixup=0.2").unused() == []
 

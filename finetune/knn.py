@@ -44,7 +44,7 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
         if images is not None and len(images):
             queries[split] = encode(encoder, data.loader(images, batch, train=False), acc, ft.probe_pool)
     feature_time = time.perf_counter() - started
-    check_finite(ft.init, {"train": bank, **{split: f for split, (f, _) in queries.items()}})
+    check_finite(ft.init, {"train": bank, **{split: f for split, (f, _) in queries.items()}}, acc)
     num_classes = len(splits.train.classes)
     k = min(ft.knn_k, bank.shape[0])
     if k < ft.knn_k:
@@ -78,11 +78,18 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
     return 0
 
 
-def check_finite(init: str, features: dict[str, torch.Tensor]) -> None:
+def check_finite(init: str, features: dict[str, torch.Tensor], accelerator=None) -> None:
     """Refuse features that are not finite (an encoder with NaN or inf weights): each vote of a NaN similarity counted
-    for no class, and the run reported 0% top-1 as its result. features: {split: (N, D)}."""
-    bad = {split: int((~f.isfinite()).any(1).sum()) for split, f in features.items()}
-    if any(bad.values()):
-        counts = ", ".join(f"{n} of {features[split].shape[0]} {split}" for split, n in bad.items() if n)
-        raise CheckpointError(f"finetune.init={init}: the encoder's features are not finite (NaN or inf) for {counts} images: its "
+    for no class, and the run reported 0% top-1 as its result. features: {split: (N, D)}, the bank ("train") gathered on
+    every rank and the query splits this rank's shard: their counts are summed over the ranks (`accelerator`), so that
+    every rank refuses alike (one that went on alone waited for the others in the vote) and the message counts the split."""
+    counts = {
+        split: torch.stack([(~f.isfinite()).any(1).sum(), torch.tensor(f.shape[0], device=f.device)]) for split, f in features.items()
+    }
+    if accelerator is not None and accelerator.num_processes > 1:
+        counts.update({split: accelerator.reduce(c, reduction="sum") for split, c in counts.items() if split != "train"})
+    total = {split: c.tolist() for split, c in counts.items()}  # {split: [non-finite, images]}
+    if any(n for n, _ in total.values()):
+        said = ", ".join(f"{n} of {size} {split}" for split, (n, size) in total.items() if n)
+        raise CheckpointError(f"finetune.init={init}: the encoder's features are not finite (NaN or inf) for {said} images: its "
                               "weights are damaged or diverged; nothing was classified")  # fmt: skip

@@ -354,8 +354,8 @@ class TrainLoop:
     def record(self, extra: dict[str, float] | None = None) -> dict[str, Any]:
         """The record of the steps since the last one (metrics are their means over finite steps); starts a new window."""
         p, w = self.progress, self.window
-        rank = self.run.accelerator.process_index
-        finite = [row[rank] for row in self.host_losses().values() if all(math.isfinite(v) for v in row)]
+        # A step's loss is that of its effective batch, the mean of every process's (equal) share, as one process logs it.
+        finite = [sum(row) / len(row) for row in self.host_losses().values() if all(math.isfinite(v) for v in row)]
         metrics = {"loss": sum(finite) / len(finite) if finite else float("nan"), **w.extra_means()}
         elapsed = time.perf_counter() - w.start  # after the host read: the device has finished the window's steps
         self.window = MetricWindow(p.step)

@@ -35,7 +35,7 @@ from vit.store.runs import (
     write_summary,
 )
 from vit.train import tracking
-from vit.train.accelerator import make_accelerator, set_threads
+from vit.train.accelerator import main_first, make_accelerator, set_threads
 from vit.train.budget import outcome
 from vit.train.resumes import check_resume
 
@@ -87,8 +87,9 @@ class Run:
         run_dir = run_cfg.path
         check_outside_inputs(run_dir, getattr(cfg, "data", None))
         # Before anything reads or clears the folder (an overwrite, a resume's trimming): a live run of it refuses this one.
-        # The main process alone holds it; the other ranks of this run follow it.
-        lock = lock_run(run_dir) if accelerator.is_main_process else None
+        # The main process alone holds it; the other ranks of this run follow it, and stop quietly where it is refused
+        # (they waited for its id in `identity`, and printed a gloo traceback of their own once it had exited).
+        lock = main_first(accelerator, lambda: lock_run(run_dir) if accelerator.is_main_process else None)
         try:
             replacing = check_run_dir(run_dir, run_cfg, cfg)
             record = check_resume(run_dir, cfg, stage, accelerator.num_processes, parent, parent_run_id)

@@ -132,7 +132,7 @@ def test_an_archive_of_records_gives_the_same_tables_and_never_overwrites(budget
     assert archive(hosts, dest) == []  # the same records: nothing written
     record = dest / "host-not-recorded" / "scratch_m30_s0" / "summary.json"
     kept = record.read_text()
-    (budget_runs / "scratch_m30_s0" / "summary.json").write_text('{"val_top1": 0.5, "test_top1": 0.5}')
+    (budget_runs / "scratch_m30_s0" / "summary.json").write_text('{"val_top1": 0.5, "test_top1": 0.5, "wall_time_sec": 1790}')
     with pytest.raises(UserError, match="already holds a different record of a run named scratch_m30_s0"):
         archive(read_budget_runs(budget_runs), dest)
     assert record.read_text() == kept

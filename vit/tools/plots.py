@@ -356,7 +356,9 @@ def equal_compute_plot(tables: dict[str, tuple[list, dict]], path: Path) -> Path
     arms = (("ViT from scratch", lambda r: r.scratch, "o", "C0"), ("MAE then fine-tune", lambda r: r.mae, "s", "C1"),
             ("MAE linear probe", lambda r: r.probe, "^", "C2"))  # fmt: skip
     ticks = set()
-    for (host, (rows, randoms)), line in zip(tables.items(), ("-", "--", ":", "-.")):
+    # One line style per host, as many as there are hosts: zip over four named styles dropped the fifth host unsaid
+    styles = ["-", "--", ":", "-.", *((0, (1 + i, 1, 1, 1)) for i in range(1, len(tables)))]
+    for (host, (rows, randoms)), line in zip(tables.items(), styles):
         suffix = f" ({host})" if len(tables) > 1 else ""
         for label, pick, marker, color in arms:
             pts = [(r.minutes, pick(r)) for r in rows if pick(r).test]
@@ -366,7 +368,7 @@ def equal_compute_plot(tables: dict[str, tuple[list, dict]], path: Path) -> Path
             ys = [100 * a.mean() for _, a in pts]
             lo = [100 * (a.mean() - a.spread()[0]) for _, a in pts]
             hi = [100 * (a.spread()[1] - a.mean()) for _, a in pts]
-            ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker + line, color=color, capsize=3, label=label + suffix)
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker, linestyle=line, color=color, capsize=3, label=label + suffix)
             ticks.update(xs)
         for random in randoms.values():
             if n := len(random.test):

@@ -65,8 +65,11 @@ class Arm:
 
     def add(self, seed: int, run: RunFolder, minutes: float) -> None:
         """A finished seed; one without a test top-1 (a dataset without a test split) counts, but not in the test numbers."""
+        model = run.summary.get("model")
+        if self.model and model and model != self.model:  # a mean over two models' seeds is neither's number
+            raise UserError(f"{run.path} trained {model}, but the seeds before it of its recipe trained {self.model}: a seed repeats its recipe")
         self.val[seed], self.minutes[seed] = top1(run, "val"), minutes
-        self.model = self.model or run.summary.get("model")
+        self.model = self.model or model
         if top1(run, "test") is not None:
             self.test[seed] = top1(run, "test")
 
@@ -152,6 +155,9 @@ def damage(run: RunFolder) -> str | None:
     for label, (value, what, fits) in expected.items():
         if value is not None and not fits(value):
             return f"{label} is {brief(value)}, not {what}"
+    if (summary.get("budget") or {}).get("stage_seconds") is None and summary.get("wall_time_sec") is None:
+        # read as 0 minutes, it would fit any budget (a probe chosen as fitting) and pull its arm's minutes down
+        return f"{SUMMARY_FILE} records no minutes (neither budget.stage_seconds nor wall_time_sec)"
     return None
 
 
@@ -176,19 +182,35 @@ def top1(run: RunFolder, split: str) -> float | None:
 
 
 def pretraining_of(runs: dict[str, RunFolder], name: str, budget: float, share: int) -> RunFolder:
-    """The pretraining fine-tune `name` started from (its `finetune.init`), checked to be a run of this sweep whose time
+    """The pretraining fine-tune `name` started from (its `finetune.init`), checked to be a run of this sweep, of its seed, whose time
     budget is `share`% of `budget` minutes and the fine-tune's the rest: the names promise it, the configs must say it."""
     ft = runs[name]
     init = (ft.config.get("finetune") or {}).get("init")
     parent = runs.get(Path(str(init)).name) if init else None
     if parent is None or not PRETRAIN.match(parent.name):
         raise UserError(f"{ft.path} started from {init!r}, not from a finished pretraining (mae_<X>min_s<S>) beside it")
+    # A seed repeats the whole recipe: one fine-tuned from seed 0's encoder would count as a seed without its own pretraining
+    if (seed := FINETUNE.match(name).group(4)) != PRETRAIN.match(parent.name).group(2):
+        raise UserError(f"{ft.path} is seed {seed} but started from {parent.name}: a seed fine-tunes its own seed's pretraining")
     if parent_changed(ft.meta.get(PARENT_RUN_ID), parent.meta.get(RUN_ID)):  # the folder trained again since: other minutes
         why = parent_change(ft.meta[PARENT_RUN_ID], parent.meta.get(RUN_ID))
         raise UserError(f"{ft.path} started from another training of {parent.path} ({why}): its pretraining minutes are not known")
     check_budget(parent, budget * share / 100, name)
     check_budget(ft, budget * (100 - share) / 100, name)
     return parent
+
+
+def probe_of(runs: dict[str, RunFolder], pretraining: str) -> RunFolder | None:
+    """The probe of the pretraining named `pretraining` (`<it>_probe`), None when there is none; a UserError when its config
+    probes another encoder, or the folder trained again since: the name promises the encoder, the config must say it."""
+    probe, pt = runs.get(pretraining + "_probe"), runs.get(pretraining)
+    init = (probe.config.get("finetune") or {}).get("init") if probe else None
+    if init is not None and Path(str(init)).name != pretraining:  # absent in older records: read as the name says
+        raise UserError(f"{probe.path} probes {init!r}, not the pretraining {pretraining} its name promises")
+    if probe and pt and parent_changed(probe.meta.get(PARENT_RUN_ID), pt.meta.get(RUN_ID)):
+        why = parent_change(probe.meta[PARENT_RUN_ID], pt.meta.get(RUN_ID))
+        raise UserError(f"{probe.path} probed another training of {pt.path} ({why}): it is not the probe of this pretraining")
+    return probe
 
 
 def check_budget(run: RunFolder, minutes: float, name: str) -> None:
@@ -270,7 +292,7 @@ def mae_search(runs: dict[str, RunFolder], ft_runs: dict, unfinished: dict, budg
                                "finetune_min": None, "finetune_epochs": None, "finetune_val": None, "probe_val": None, "unfinished": name})  # fmt: skip
             continue
         ft, pt = runs[name], pretraining_of(runs, name, budget, share)
-        probe = runs.get(pt.name + "_probe")
+        probe = probe_of(runs, pt.name)
         search.append({
             "arm": "mae", "share": share, "variant": variant, "pretraining": pt.name, "model": ft.summary.get("model"),
             "pretrain_min": stage_minutes(pt), "pretrain_epochs": pt.summary.get("epochs"), "knn_top1": pt.summary.get("final_knn_top1"),
@@ -335,7 +357,7 @@ def add_probes(probe: Arm, runs: dict[str, RunFolder], minutes: str, unfinished:
         pt_name = f"mae_{minutes}min_s{m.group(2)}"
         if pt_name in unfinished or pt_name + "_probe" in unfinished:
             probe.unfinished.add(int(m.group(2)))
-        elif name == pt_name and (probe_run := runs.get(name + "_probe")) is not None:
+        elif name == pt_name and (probe_run := probe_of(runs, name)) is not None:
             probe.add(int(m.group(2)), probe_run, stage_minutes(runs[name]) + stage_minutes(probe_run))
 
 

@@ -28,9 +28,10 @@ from vit.data.splits import ImageSet
 from vit.errors import DataError
 from vit.store.atomic import atomic_save, nearest_existing
 
-FORMAT_VERSION = 5  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs;
+FORMAT_VERSION = 6  # bump when the cache layout or the decode changes, so old caches are not reused (2: skipped images, 16-bit PNGs;
 #   3: each split's CRC-32 and the names and sizes of its files; 4: torchvision's Resize + CenterCrop, .ppm and .pgm files;
-#   5: the images each shard gave, `ImageSet.parts`, which place the shards' val split)
+#   5: the images each shard gave, `ImageSet.parts`, which place the shards' val split; 6: reduced-scale JPEGs placed by
+#   their DCT scale, not by the ratio of the sizes)
 
 
 def cache_path(cfg: DataConfig, source: Path | str, extra: tuple = ()) -> Path:

@@ -92,12 +92,19 @@ def to_rgb(im):
         return im.convert("RGB")
 
 
-def _draft(im, need_w: float, need_h: float) -> None:
-    """For a JPEG, decode at the smallest DCT scale that keeps at least (need_w, need_h) pixels of the whole image."""
+def _draft(im, need_w: float, need_h: float) -> int:
+    """For a JPEG, decode at the smallest DCT scale that keeps at least (need_w, need_h) pixels of the whole image.
+
+    Returns that reduction s (1, 2, 4 or 8; 1 for other formats): the decoded pixel k holds the original's pixels
+    k*s .. k*s + s - 1, so an original position x is x / s there. Not the ratio of the sizes: the decoded size is rounded
+    up (a 257 px side is 33 pixels at 1/8, the last one mostly the encoder's padding), and mapping by 33/257 stretched a
+    box onto that padding: an edge column's colour filled a 32 px crop's last column (170 levels off torchvision)."""
     if im.format != "JPEG":
-        return
+        return 1
+    width = im.size[0]
     # PIL picks the largest reduction in 1, 2, 4, 8 that keeps the image >= the requested size.
-    im.draft("RGB", (max(1, math.ceil(need_w)), max(1, math.ceil(need_h))))
+    drafted = im.draft("RGB", (max(1, math.ceil(need_w)), max(1, math.ceil(need_h))))
+    return 1 if drafted is None else round(width / drafted[1][2])  # its box: the original's extent in decoded pixels
 
 
 def _load(im, name: str):
@@ -116,13 +123,17 @@ def decode_image(data: bytes, name: str, image_size: int | None = None, max_pixe
 
     im = _open(data, name, max_pixels)
     with im:
+        w, h = im.size
+        scale = 1
         if image_size is not None:
-            w, h = im.size
             short = min(w, h)
-            _draft(im, w * image_size / short, h * image_size / short)  # JPEG's DCT scaling: decode big photos at >= the size we keep
+            # JPEG's DCT scaling: decode big photos at >= the size we keep
+            scale = _draft(im, w * image_size / short, h * image_size / short)
         rgb = to_rgb(_load(im, name))
-        if image_size is not None and rgb.size != (image_size, image_size):
-            rgb = rgb.resize((image_size, image_size), Image.BILINEAR, box=centre_box(*rgb.size, image_size))
+        if image_size is not None and (w, h) != (image_size, image_size):
+            # Resize then CenterCrop reads the whole image: the box's border rows may read beyond it, as `resize(box=...)` does.
+            box = tuple(v / scale for v in centre_box(w, h, image_size))
+            rgb = rgb.resize((image_size, image_size), Image.BILINEAR, box=box)
         return np.asarray(rgb, dtype=np.uint8)
 
 
@@ -149,8 +160,6 @@ def decode_crop(data: bytes, name: str, out_size: int, box: Callable[[int, int],
     resampled to `out_size` in one bilinear, antialiased `resize(box=...)`, PIL's equivalent of
     torchvision's `resized_crop`. An image of more than `max_pixels` pixels is a BadImage, as for `decode_image`.
     """
-    from PIL import Image
-
     im = _open(data, name, max_pixels)
     with im:
         w, h = im.size
@@ -160,13 +169,23 @@ def decode_crop(data: bytes, name: str, out_size: int, box: Callable[[int, int],
             out = _crop_jpeg_torch(data, (x0, y0, bw, bh), out_size)
             if out is not None:
                 return out
-        if reduce >= 2:
-            _draft(im, w / reduce, h / reduce)
+        scale = _draft(im, w / reduce, h / reduce) if reduce >= 2 else 1
         _load(im, name)
-        sx, sy = im.size[0] / w, im.size[1] / h  # the draft's actual reduction (1 when none)
-        region = (x0 * sx, y0 * sy, (x0 + bw) * sx, (y0 + bh) * sy)
-        out = to_rgb(im).resize((out_size, out_size), Image.BILINEAR, box=region)
+        out = _resized_crop(to_rgb(im), (x0 / scale, y0 / scale, (x0 + bw) / scale, (y0 + bh) / scale), out_size)
         return np.asarray(out, dtype=np.uint8)
+
+
+def _resized_crop(im, region: tuple[float, float, float, float], out_size: int):
+    """torchvision's `resized_crop` (crop, then resize) of a PIL image: region (x0, y0, x1, y1) -> out_size square.
+
+    The region is cut out first, so the filter at its border reads only its own pixels: PIL's `resize(box=...)` alone reads
+    the image beyond the box for the filter's support (up to half an upscaled crop's edge pixel, 66 levels off torchvision
+    on a noisy photo). A region in fractional pixels (a drafted JPEG's) keeps the whole pixels it overlaps."""
+    from PIL import Image
+
+    left, top, right, bottom = math.floor(region[0]), math.floor(region[1]), math.ceil(region[2]), math.ceil(region[3])
+    box = (region[0] - left, region[1] - top, region[2] - left, region[3] - top)
+    return im.crop((left, top, right, bottom)).resize((out_size, out_size), Image.BILINEAR, box=box)
 
 
 def _pixel_box(box: Box, width: int, height: int) -> tuple[int, int, int, int]:

@@ -141,16 +141,47 @@ def make_plan(budget: Budget, seconds_per_step: float, elapsed: float, done_step
     timed = (*seconds_per_image, *[None] * len(budget.evaluations))
 
     def seconds(images: int, ev: Evaluation, per_image: float | None) -> float:
-        return images // per_rank * per_image if per_image else eval_seconds_estimate(images // per_rank, rate / per_rank, ev.cost)
+        mine = -(-images // per_rank)  # the rank with the most images, which the others wait for: 1 image on 2 ranks is 1, not 0
+        return mine * per_image if per_image else eval_seconds_estimate(mine, rate / per_rank, ev.cost)
 
     evs = list(zip(budget.evaluations, timed))
-    eval_s = sum(seconds(ev.images, ev, t) / max(1, ev.every) for ev, t in evs)
+    each = [(seconds(ev.images, ev, t), max(1, ev.every)) for ev, t in evs]  # (seconds, every) of each kind
     if evaluated is not None and len(evs) == 1:
-        eval_s = max(0.0, evaluated - end_s) / max(1, evs[0][0].every)
+        each = [(max(0.0, evaluated - end_s), each[0][1])]
+    eval_s = sum(cost / every for cost, every in each)
     final_s = sum(seconds(ev.final_images, ev, t) for ev, t in evs) + end_s
-    steps = plan_steps(budget.minutes * 60, elapsed, done_steps, seconds_per_step, steps_per_epoch, eval_s + end_s, final_s)
+    steps = fit_steps(budget.minutes * 60 - elapsed - final_s, done_steps, seconds_per_step, steps_per_epoch, end_s, tuple(each))
     return BudgetPlan(budget.minutes, steps, figure(seconds_per_step), figure(eval_s), figure(end_s), figure(final_s),
                       round(elapsed, 1), measured_steps)  # fmt: skip
+
+
+def fit_steps(seconds: float, done_steps: int, seconds_per_step: float, steps_per_epoch: int, end_seconds: float = 0.0,
+              evaluations: tuple[tuple[float, int], ...] = ()) -> int:  # fmt: skip
+    """The most steps whose time, with the epochs' ends and evaluations they close, fits `seconds` (what the budget leaves
+    after what was spent and the final work), counted as the run takes them: the plan is made at step `done_steps`, before
+    the end of its epoch; each end costs `end_seconds`, and each evaluation `(seconds, every)` runs at the ends of the epochs
+    that `every` divides, but for the last epoch's where training stops at its end (its evaluation is the final one, which
+    `seconds` already left out). A cost spread over every step of its cadence (`plan_steps`) missed the evaluation due
+    right after the plan, and counted a share of one that never came (`every` past the planned epochs)."""
+    check_step_time(seconds_per_step)
+    if not math.isfinite(seconds):
+        raise ValueError(f"the seconds left must be a finite number, got {seconds}")
+    closed = max(0, done_steps - 1) // steps_per_epoch  # epochs whose end ran before the plan
+
+    def cost(total: int) -> float:
+        last = total // steps_per_epoch
+        at_end = total % steps_per_epoch == 0 and last > closed
+        evals = sum(each * (last // every - closed // every - (at_end and last % every == 0)) for each, every in evaluations)
+        return (total - done_steps) * seconds_per_step + (last - closed) * max(0.0, end_seconds) + evals
+
+    most = seconds // seconds_per_step  # no more steps than their own time fits
+    if not math.isfinite(most):
+        raise ValueError(f"{seconds:g} s at {seconds_per_step:g} s a step is more steps than a number holds")
+    low, high = done_steps, done_steps + max(0, int(most))  # cost is non-decreasing in the steps: the last that fits, by halves
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if cost(mid) <= seconds else (low, mid - 1)
+    return low
 
 
 @dataclass
@@ -182,8 +213,10 @@ def outcome(budget_minutes: float, stage_seconds: float) -> dict:
     """Whether a stage that took `stage_seconds` (as the summary rounds them) ended within its budget, and by how many
     seconds it did not: for summary.json beside `stage_seconds`, so a run over its budget says so, not only a reader who
     multiplies `budget_minutes` by 60 (a plan made after the budget was spent, a machine slower after the plan)."""
-    over = round(stage_seconds - budget_minutes * 60, 1)
-    return {"within_budget": over <= 0, "over_seconds": max(0.0, over)}
+    over = round(stage_seconds - budget_minutes * 60, 9)  # 9 decimals: 0.03 min is 1.7999999999999998 s, and 1.8 s is within it
+    # Rounded to 0.1 s, 60.1 s against 1.001 min (60.06 s) was "within_budget": true, over by 0.0: an overrun under 0.05 s
+    # is given to 4 significant figures instead.
+    return {"within_budget": over <= 0, "over_seconds": 0.0 if over <= 0 else round(over, 1) or figure(over)}
 
 
 def check_step_time(seconds_per_step: float) -> None:

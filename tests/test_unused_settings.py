@@ -57,3 +57,19 @@ def test_the_run_says_them_once_at_its_start(tmp_path, capsys):
     Run.start(cfg, stage="pretrain").lock.release()
     said = [line for line in capsys.readouterr().err.splitlines() if "not used by this run" in line]
     assert said == ["warning: not used by this run: optim.momentum=0.5 (optim.name=adamw reads optim.betas)"]
+
+
+def test_what_a_run_warned_of_is_in_its_summary_and_in_the_comparison_report(tmp_path, capsys):
+    """A warning printed in a scrolled log (a progress bar's) was easy to miss, and nothing in the run folder kept it."""
+    from vit.store.runs import read_summary
+    from vit.tools.compare import compare
+
+    cfg = load_config(PretrainConfig, None, tiny_overrides(tmp_path, **{"optim.momentum": 0.5}))
+    run = Run.start(cfg, stage="pretrain")
+    run.warn("schedule.warmup_epochs spans 9 steps, more than the 4 the run trains")
+    run.finish({"epochs": 1})
+    said = ["not used by this run: optim.momentum=0.5 (optim.name=adamw reads optim.betas)",
+            "schedule.warmup_epochs spans 9 steps, more than the 4 the run trains"]  # fmt: skip
+    assert read_summary(run.dir)["warnings"] == said
+    report = compare([str(run.dir)], out=tmp_path / "report")["report"].read_text()
+    assert f"## Warnings the runs gave\n\n- run: {'; '.join(said)}\n" in report

@@ -152,7 +152,12 @@ def row(run: RunFolder) -> dict[str, Any]:
         "parent": parent,
         "command": meta.get("command"),
         "path": str(run.path),
+        "warnings": "; ".join(w for w in as_list(s.get("warnings")) if isinstance(w, str)) or None,  # what the run warned of
     }
+
+
+def as_list(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def fmt_duration(seconds: float) -> str:
@@ -378,6 +383,9 @@ def report_markdown(rows: list[dict[str, Any]], figures: dict[str, Path | None],
             )
             + " |"
         )
+    warned = [f"- {r['name']}: {cell(r['warnings'])}" for r in rows if r["warnings"]]
+    if warned:  # what qualifies a number above (a learning rate that never peaked, a budget run over): said where it is read
+        lines += ["", "## Warnings the runs gave", "", *warned]
     problems = [f"- {r['name']}: {r['status']}" for r in rows if not r["status"].startswith("finished") or ";" in r["status"]]
     if problems:
         lines += ["", "## Unfinished or damaged runs", "", *problems]

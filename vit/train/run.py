@@ -66,6 +66,7 @@ class Run:
     resumed: bool = False  # it continues the run its folder records (a wandb run of the same id)
     logged_to: int | None = None  # a resumed run's last step logged before it: its trackers have the steps up to it already
     tracker_failures: int = 0  # tracker calls that failed (the first is a warning; summary.json counts them)
+    warnings: list[str] = field(default_factory=list)  # what `warn` said in this process, for summary.json
     new_record: str | None = None  # a resume's config.yaml with the id it continues under where that is new, written at its first record
 
     @classmethod
@@ -154,6 +155,9 @@ class Run:
     def warn(self, message: str) -> None:
         if self.is_main:
             print(f"warning: {message}", file=sys.stderr, flush=True)
+            # Kept for summary.json: a line in a scrolled log (a progress bar's) is easy to miss, and a result read from the
+            # run folder (a report, a table) should carry what qualifies it.
+            self.warnings.append(message)
 
     def start_trackers(self) -> None:
         run_cfg = self.cfg.run
@@ -266,6 +270,8 @@ class Run:
             summary["wandb_run"] = tracking.wandb_run_dir(wrun)
         if self.tracker_failures:
             summary["tracker_failures"] = self.tracker_failures
+        if self.warnings:
+            summary["warnings"] = list(self.warnings)  # this process's (a resumed run's earlier processes said theirs in their logs)
         if self.is_main:
             self.write_record()
             write_summary(self.dir, summary)

@@ -185,3 +185,13 @@ def test_losses_logged_without_a_training_time_draw_no_empty_loss_by_time_figure
     result = compare.compare([str(runs)], out=tmp_path / "report")
     assert result["figures"]["loss_by_step"] is not None and result["figures"]["loss_by_time"] is None
     assert not (tmp_path / "report" / "loss_by_time.png").exists() and "loss_by_time" not in result["report"].read_text()
+
+
+def test_a_budget_run_s_part_epoch_is_shown_not_its_whole_epochs(tmp_path):
+    """A 3-minute quickstart's fine-tune trained 0.31 epochs; its row, from summary.json's whole epochs, said 0."""
+    root = tmp_path / "runs"
+    write_run(root, "short", {"epochs": 0, "steps": 54}, AMD, metrics=[{"step": 50, "epoch": 0.2857, "loss": 2.2},
+                                                                       {"step": 54, "epoch": 0.3086, "loss": 2.1}])  # fmt: skip
+    write_run(root, "knn", {"epochs": 0}, AMD)  # no records: the summary's
+    rows = {r["name"]: r for r in compare.compare([str(root)])["rows"]}
+    assert rows["short"]["epochs"] == 0.3086 and rows["knn"]["epochs"] == 0

@@ -129,7 +129,8 @@ def row(run: RunFolder) -> dict[str, Any]:
         "stage": run.stage,
         "init": init_label,
         "model": model_label(run),
-        "epochs": first(s.get("epochs"), last_value(run, "epoch")),
+        # the epochs trained, a budget's last one in part (0.31, not the 0 whole ones summary.json counts): its records' last
+        "epochs": first(last_value(run, "epoch"), s.get("epochs")),
         "steps": first(s.get("steps"), last.get("step")),
         "wall_time_sec": first(s.get("wall_time_sec"), last_value(run, "time")),
         # A cached probe's (or kNN's) cost is its frozen encoder's rate over the images; RESULTS.md quotes that one, not the head's.

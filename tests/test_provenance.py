@@ -194,3 +194,12 @@ def test_a_later_run_reading_the_same_files_another_way_is_checked_for_overlap(t
     assert other.source.fingerprint == record["fingerprint"]
     with pytest.raises(DataError, match=r"^\d+ of this run's 3 val images were training images of the encoder"):
         check_overlap(record, other, "the encoder", "finetune.allow_overlap", False)
+
+
+def test_the_recorded_command_is_one_a_user_can_type():
+    """config.yaml, the report and the model card quoted the stage's __main__.py path: pasted, it ran nothing."""
+    from vit.train.run import command_line
+
+    argv = ["/somewhere/checkout/pretrain/__main__.py", "--config", "configs/pretrain/cpu.yaml", "data.crop_scale=[0.35, 1.0]"]
+    assert command_line(argv) == "python -m pretrain --config configs/pretrain/cpu.yaml 'data.crop_scale=[0.35, 1.0]'"
+    assert command_line(["scripts/bench.py", "--quick"]) == "scripts/bench.py --quick"

@@ -10,6 +10,7 @@ The run folder's files are `vit.store.runs`'s; a second run of a live folder ref
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -308,7 +309,14 @@ def run_meta(stage: str, job_type: str | None, run_cfg: RunConfig, accelerator, 
     """What config.yaml records under `meta`: the run's stage, identity (`ids`: its id and its parent's), and where it ran."""
     return {"stage": stage, "job_type": job_type or stage, "git_commit": git_commit(), "seed": run_cfg.seed, "parent": parent, **ids,
             "processes": accelerator.num_processes, "device": str(accelerator.device), "threads_per_process": threads,
-            "torch": str(torch.__version__), "command": " ".join(sys.argv)}  # fmt: skip
+            "torch": str(torch.__version__), "command": command_line(sys.argv)}  # fmt: skip
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as a user types it, shell-quoted: a stage started as a module (`python -m`, `accelerate launch -m`) is
+    `python -m <stage> ...`; its argv[0], the path of the stage's __main__.py, pasted elsewhere was no command."""
+    head = ["python", "-m", Path(argv[0]).parent.name] if argv and Path(argv[0]).name == "__main__.py" else argv[:1]
+    return shlex.join([*head, *argv[1:]])
 
 
 def failure(e: BaseException) -> str:

@@ -73,3 +73,16 @@ def test_what_a_run_warned_of_is_in_its_summary_and_in_the_comparison_report(tmp
     assert read_summary(run.dir)["warnings"] == said
     report = compare([str(run.dir)], out=tmp_path / "report")["report"].read_text()
     assert f"## Warnings the runs gave\n\n- run: {'; '.join(said)}\n" in report
+
+
+def test_an_archived_record_keeps_no_machine_path_a_warning_named():
+    """summary.json now keeps the run's warnings, whose text may name a path of the machine; the archive replaced only the
+    paths that are values of the record."""
+    from types import SimpleNamespace
+
+    from vit.tools.records import machine_paths
+
+    summary = {"warnings": ["cannot read /home/someone/.cache/x.png (skipped); 3/4 images, train/cat kept", 7]}
+    replace = machine_paths(SimpleNamespace(config={"data": {"root": "/data/cifar10"}}, summary=summary))
+    assert replace["/home/someone/.cache/x.png"] == "PATH" and replace["/data/cifar10"] == "PATH"
+    assert not any(k in replace for k in ("/4", "/cat"))

@@ -62,6 +62,12 @@ def machine_paths(run: RunFolder) -> dict[str, str]:
         if not any(value == known or value.startswith(known.rstrip("/") + "/") for known in [*paths, str(REPO)]):
             name, path = key.upper(), Path(value)
             paths[value] = name if key.endswith(("dir", "root")) else "/".join([name, *([path.parent.name] if path.suffix else []), path.name])
+    # a path that appears only inside a warning's text (summary.json `warnings`: a file the run could not read, say)
+    warnings = (run.summary or {}).get("warnings")
+    for warning in warnings if isinstance(warnings, list) else []:
+        for value in re.findall(r"(?<![\w./-])(/[^\s'\"(),;:]+)", str(warning)):
+            if not any(value.startswith(known.rstrip("/")) for known in [*paths, str(REPO)]):
+                paths[value] = "PATH"
     # longest first: a path inside another is replaced by its own placeholder, not by its parent's
     return {**dict(sorted(paths.items(), key=lambda kv: -len(kv[0]))), str(REPO) + "/": ""}
 

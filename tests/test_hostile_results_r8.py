@@ -7,7 +7,7 @@ import json
 
 import pytest
 import yaml
-from test_hostile_tables import sweep_run
+from test_hostile_tables import sweep_run, thirty_minute_row
 
 from vit.errors import UserError
 from vit.tools import plots
@@ -16,14 +16,7 @@ from vit.tools.results import Arm, Row, budget_table, markdown, read_budget_swee
 
 @pytest.fixture
 def sweep(tmp_path):
-    """One 30-minute row: scratch, MAE (a 15-minute pretraining, its fine-tune and probe) and a random-encoder probe."""
-    f = tmp_path / "budget"
-    sweep_run(f, "scratch_m30_s0", 0.60, 0.61, 1790, budget=30)
-    sweep_run(f, "mae_15min_s0", None, None, 900, budget=15, epochs=3)
-    sweep_run(f, "ft_m30_f50_s0", 0.70, 0.71, 900, budget=15, init="runs/budget/mae_15min_s0", epochs=5)
-    sweep_run(f, "mae_15min_s0_probe", 0.40, 0.41, 180, init="runs/budget/mae_15min_s0")
-    sweep_run(f, "random_probe_s0", 0.30, 0.31, 180)
-    return f
+    return thirty_minute_row(tmp_path / "budget")
 
 
 def table(folder):

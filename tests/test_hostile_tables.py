@@ -24,16 +24,20 @@ def sweep_run(folder, name, val=0.6, test=0.61, seconds=900, budget=None, init=N
     return path
 
 
-@pytest.fixture
-def sweep(tmp_path):
-    """One 30-minute row: scratch, MAE (a 15-minute pretraining, its fine-tune and probe) and a random-encoder probe."""
-    f = tmp_path / "budget"
+def thirty_minute_row(f):
+    """One 30-minute row under folder `f`: scratch, MAE (a 15-minute pretraining, its fine-tune and probe) and a
+    random-encoder probe."""
     sweep_run(f, "scratch_m30_s0", 0.60, 0.61, 1790, budget=30)
     sweep_run(f, "mae_15min_s0", None, None, 900, budget=15, epochs=3)
     sweep_run(f, "ft_m30_f50_s0", 0.70, 0.71, 900, budget=15, init="runs/budget/mae_15min_s0", epochs=5)
-    sweep_run(f, "mae_15min_s0_probe", 0.40, 0.41, 180)
+    sweep_run(f, "mae_15min_s0_probe", 0.40, 0.41, 180, init="runs/budget/mae_15min_s0")
     sweep_run(f, "random_probe_s0", 0.30, 0.31, 180)
     return f
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    return thirty_minute_row(tmp_path / "budget")
 
 
 def test_one_number_has_one_spelling_so_no_folder_silently_takes_the_seed_of_another(sweep):

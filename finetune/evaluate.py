@@ -64,22 +64,23 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
     tally = Tally(num_classes, accelerator.device)
     for images, labels in loader.epoch(0):
         tally.add(model, images, labels, accelerator)
-    confusion = accelerator.reduce(tally.confusion, reduction="sum").view(num_classes, num_classes)
-    seen = accelerator.reduce(tally.images, reduction="sum")
+    # Read to the host once each: the counts below are taken from these copies, not from the device again.
+    confusion = accelerator.reduce(tally.confusion, reduction="sum").view(num_classes, num_classes).cpu()
+    seen = accelerator.reduce(tally.images, reduction="sum").cpu()
     top5_hits = accelerator.reduce(tally.top5_hits, reduction="sum")
     loss_sum = accelerator.reduce(tally.loss_sum, reduction="sum")
     model.train(was_training)
-    count = int(seen.sum().item())
+    count = int(seen.sum())
     # A class with no image here has no accuracy: None (null in summary.json), where 0.0 read as "never right".
     per_class = [hits / n if n else None for hits, n in zip(confusion.diag().tolist(), seen.tolist())]
     return {
-        "top1": confusion.diag().sum().item() / max(count, 1),
+        "top1": int(confusion.diag().sum()) / max(count, 1),
         "top5": top5_hits.item() / max(count, 1),
         "loss": loss_sum.item() / max(count, 1),
         "count": count,
         "per_class": per_class,
-        "confusion": confusion.cpu(),
-        "non_finite": count - int(confusion.sum().item()),
+        "confusion": confusion,
+        "non_finite": count - int(confusion.sum()),
     }
 
 

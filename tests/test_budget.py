@@ -7,20 +7,20 @@ import time
 import pytest
 import torch
 
-from vit.train.budget import (Budget, EpochEnds, Evaluation, Spent, StepMeter, eval_seconds_estimate, evaluation_timer, make_plan,
-                              measure_seconds, plan_steps)  # fmt: skip
+from vit.train.budget import (Budget, EpochEnds, Evaluation, Spent, StepMeter, eval_seconds_estimate, evaluation_timer, fit_steps,
+                              make_plan, measure_seconds)  # fmt: skip
 
 
-def test_plan_fills_the_budget_with_steps_and_evaluations():
-    # 600 s budget, 60 s gone, 1 s/step, 100 steps/epoch, 10 s per evaluation, 20 s at the end:
-    # each step costs 1 + 10/100 = 1.1 s; (600 - 60 - 20) / 1.1 = 472.7 -> 472 more steps.
-    total = plan_steps(600, 60, done_steps=10, seconds_per_step=1.0, steps_per_epoch=100, epoch_seconds=10, final_seconds=20)
-    assert total == 10 + 472
-    # The plan's own estimate of the stage time stays within the budget, and one more step would not.
-    def cost(n):
-        steps = n - 10
-        return 60 + steps * 1.0 + steps / 100 * 10 + 20
-    assert cost(total) <= 600 < cost(total + 1)
+def test_plan_fills_the_budget_with_steps_and_epochs_ends():
+    # 520 s left (600 s budget, 60 s gone, 20 s for the end), planned at step 10 of epochs of 100 steps at 1 s, each end 10 s:
+    # four epochs' ends (40 s) leave 480 s of steps, 10 + 480 = 490; a fifth end comes with step 500, which would not fit.
+    total = fit_steps(520, 10, 1.0, 100, end_seconds=10)
+    assert total == 490
+
+    def cost(n):  # what the run takes from the plan: its steps, and an end at each epoch's last step
+        return (n - 10) * 1.0 + n // 100 * 10
+
+    assert cost(total) <= 520 < cost(total + 1)
 
 
 def stage_seconds(steps: int, seconds_per_step: float, steps_per_epoch: int, end: float, evaluation: float, every: int, final: float) -> float:
@@ -112,12 +112,12 @@ def test_what_a_budget_spent_after_its_plan_is_its_steps_ends_evaluations_and_th
 
 
 def test_a_spent_budget_stops_where_the_run_is():
-    assert plan_steps(60, 90, done_steps=25, seconds_per_step=0.5, steps_per_epoch=10) == 25
+    assert fit_steps(-30.0, 25, 0.5, 10) == 25
 
 
 def test_plan_refuses_a_zero_step_time():
-    with pytest.raises(ValueError):
-        plan_steps(60, 0, 0, 0.0, 10)
+    with pytest.raises(ValueError, match="^seconds_per_step must be a positive number"):
+        fit_steps(60, 0, 0.0, 10)
 
 
 def test_eval_estimate_is_a_forward_share_of_training():

@@ -1,6 +1,7 @@
 """Time budgets given what a hostile user (or a hostile machine) gives them: budgets no step count holds, step times of no
 size or of a clock set back, figures too small for fixed decimals, ends that evaluate faster than ends that save."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ from pretrain.config import PretrainConfig
 from vit.config import load_config
 from vit.config.sections import MAX_BUDGET_MINUTES
 from vit.errors import ConfigError
-from vit.train.budget import Budget, Evaluation, Spent, StepMeter, make_plan, outcome, plan_steps
+from vit.train.budget import Budget, Evaluation, Spent, StepMeter, fit_steps, make_plan, outcome
 from vit.train.schedule import loop_spec
 
 
@@ -31,9 +32,9 @@ def test_a_budget_no_step_count_holds_is_refused_before_training(tmp_path, capsy
         load_config(PretrainConfig, None, ["schedule.budget_minutes=1e306"])
     assert loop_spec(schedule_cfg(MAX_BUDGET_MINUTES), 6, 1).budget.minutes == MAX_BUDGET_MINUTES
     # The longest budget at a fast step (0.1 ms) is a large but whole step count; past any float, a ValueError naming it.
-    assert plan_steps(MAX_BUDGET_MINUTES * 60, 0.0, 0, 1e-4, 10) == pytest.approx(6e11, rel=1e-6)
+    assert fit_steps(MAX_BUDGET_MINUTES * 60, 0, 1e-4, 10) == pytest.approx(6e11, rel=1e-6)
     with pytest.raises(ValueError, match="more steps than a number holds"):
-        plan_steps(1e307, 0.0, 0, 1e-4, 10)
+        fit_steps(1e307, 0, 1e-4, 10)
 
     reset_accelerate()
     assert train.main(tiny_overrides(tmp_path, **{"schedule.budget_minutes": "1e306", "mae.knn_every": 0})) == 2
@@ -42,25 +43,30 @@ def test_a_budget_no_step_count_holds_is_refused_before_training(tmp_path, capsy
     assert not (tmp_path / "runs").exists()  # refused before the run folder
 
 
-@pytest.mark.parametrize("name", ["budget_seconds", "elapsed_seconds", "epoch_seconds", "final_seconds"])
+@pytest.mark.parametrize("name", ["seconds", "end_seconds", "evaluations[1]'s seconds"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_a_plan_of_a_non_finite_figure_names_it(name, value):
     """nan or inf in any figure of the plan was "cannot convert float NaN to integer" (or a plan of every step a number
-    holds), naming nothing."""
-    figures = {"budget_seconds": 600.0, "elapsed_seconds": 60.0, "epoch_seconds": 1.0, "final_seconds": 5.0, name: value}
-    with pytest.raises(ValueError, match=f"^{name} must be a finite number"):
-        plan_steps(done_steps=10, seconds_per_step=0.5, steps_per_epoch=10, **figures)
+    holds); an evaluation or an end of nan seconds compared false and planned no step at all, naming nothing."""
+    figures = {"seconds": 600.0, "end_seconds": 1.0, "evaluations": [(2.0, 1), (5.0, 3)]}
+    if name.startswith("evaluations"):
+        figures["evaluations"][1] = (value, 3)
+    else:
+        figures[name] = value
+    figures["evaluations"] = tuple(figures["evaluations"])
+    with pytest.raises(ValueError, match=f"^{re.escape(name)} must be a finite number"):
+        fit_steps(done_steps=10, seconds_per_step=0.5, steps_per_epoch=10, **figures)
 
 
 @pytest.mark.parametrize("seconds_per_step", [0.0, -1.0, float("nan"), float("inf")])
 def test_a_plan_of_no_step_time_says_so_before_it_divides(seconds_per_step):
-    """make_plan divided by the step time before plan_steps checked it: 0 was a ZeroDivisionError, nan a complaint that
+    """make_plan divided by the step time before the plan checked it: 0 was a ZeroDivisionError, nan a complaint that
     an evaluation's seconds were not finite, inf a plan of no step."""
     with pytest.raises(ValueError, match="^seconds_per_step must be a positive number"):
         make_plan(Budget(1.0, (Evaluation(images=100, final_images=100),)), seconds_per_step, elapsed=0.0, done_steps=0,
                   images_per_step=32, processes=1, steps_per_epoch=10, ends=(None, None), measured_steps=8)  # fmt: skip
     with pytest.raises(ValueError, match="^seconds_per_step must be a positive number"):
-        plan_steps(60.0, 0.0, 0, seconds_per_step, 10)
+        fit_steps(60.0, 0, seconds_per_step, 10)
 
 
 def test_a_fast_steps_plan_keeps_its_figures():

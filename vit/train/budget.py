@@ -161,11 +161,14 @@ def fit_steps(seconds: float, done_steps: int, seconds_per_step: float, steps_pe
     after what was spent and the final work), counted as the run takes them: the plan is made at step `done_steps`, before
     the end of its epoch; each end costs `end_seconds`, and each evaluation `(seconds, every)` runs at the ends of the epochs
     that `every` divides, but for the last epoch's where training stops at its end (its evaluation is the final one, which
-    `seconds` already left out). A cost spread over every step of its cadence (`plan_steps`) missed the evaluation due
-    right after the plan, and counted a share of one that never came (`every` past the planned epochs)."""
+    `seconds` already left out). Never fewer than `done_steps`: a budget already spent stops the run where it is. A cost
+    spread over every step of its cadence missed the evaluation due right after the plan, and counted a share of one that
+    never came (`every` past the planned epochs)."""
     check_step_time(seconds_per_step)
-    if not math.isfinite(seconds):
-        raise ValueError(f"the seconds left must be a finite number, got {seconds}")
+    figures = {"seconds": seconds, "end_seconds": end_seconds, **{f"evaluations[{i}]'s seconds": each for i, (each, _) in enumerate(evaluations)}}
+    for name, value in figures.items():
+        if not math.isfinite(value):  # nan compares false: an evaluation of nan seconds planned no step, naming nothing
+            raise ValueError(f"{name} must be a finite number, got {value}")
     closed = max(0, done_steps - 1) // steps_per_epoch  # epochs whose end ran before the plan
 
     def cost(total: int) -> float:
@@ -222,34 +225,6 @@ def outcome(budget_minutes: float, stage_seconds: float) -> dict:
 def check_step_time(seconds_per_step: float) -> None:
     if not 0 < seconds_per_step < math.inf:
         raise ValueError(f"seconds_per_step must be a positive number, got {seconds_per_step}")
-
-
-def plan_steps(
-    budget_seconds: float,
-    elapsed_seconds: float,
-    done_steps: int,
-    seconds_per_step: float,
-    steps_per_epoch: int,
-    epoch_seconds: float = 0.0,
-    final_seconds: float = 0.0,
-) -> int:
-    """Total optimiser steps such that the remaining steps, epochs' ends and final work fit the budget.
-
-    Each step costs `seconds_per_step`; each epoch (of `steps_per_epoch` steps) `epoch_seconds` more, spread here
-    over its steps (its end, and its share of the evaluations that fall every few epochs); `final_seconds` runs once
-    at the end. Never fewer than `done_steps` (a budget already spent stops the run where it is).
-    """
-    check_step_time(seconds_per_step)
-    given = {"budget_seconds": budget_seconds, "elapsed_seconds": elapsed_seconds, "epoch_seconds": epoch_seconds,
-             "final_seconds": final_seconds}  # fmt: skip
-    for name, value in given.items():
-        if not math.isfinite(value):  # nan or inf became "cannot convert float NaN to integer", naming nothing
-            raise ValueError(f"{name} must be a finite number, got {value}")
-    per_step = seconds_per_step + max(0.0, epoch_seconds) / steps_per_epoch
-    more = (budget_seconds - elapsed_seconds - final_seconds) // per_step
-    if not math.isfinite(more):
-        raise ValueError(f"a budget of {budget_seconds:g} s at {per_step:g} s a step is more steps than a number holds")
-    return done_steps + max(0, int(more))
 
 
 def eval_seconds_estimate(images: int, train_images_per_sec: float, cost_per_image: float = FORWARD_SHARE) -> float:

@@ -87,6 +87,9 @@ class FinetuneConfig(StageConfig):
         if ft.layer_decay not in (None, default.layer_decay) and (ft.mode != "full" or ft.arch == "resnet18"):
             where = f"finetune.arch={ft.arch}" if ft.mode == "full" else f"finetune.mode={ft.mode}"
             said.append(f"finetune.layer_decay={ft.layer_decay:g} ({where} has no encoder layers to decay)")
+        if self.run.grad_checkpointing and (ft.mode != "full" or ft.arch == "resnet18"):
+            where = "finetune.arch=resnet18 has no transformer blocks" if ft.mode == "full" else f"finetune.mode={ft.mode}'s encoder records no gradient"
+            said.append(f"run.grad_checkpointing=true ({where} to recompute)")
         for key, mode in (("probe_cache", "linear"), ("knn_k", "knn"), ("knn_temperature", "knn")):
             if ft.mode != mode and getattr(ft, key) != getattr(default, key):
                 said.append(f"finetune.{key}={getattr(ft, key)} (read by finetune.mode={mode} only)")

@@ -22,7 +22,7 @@ from pretrain.model import MaskedAutoencoder
 from vit.data.augment import BatchLoader
 from vit.tools.bench import MODELS, Case, Settings, Step, Unavailable, compile_note, models, our_defaults, reconstruct, stream_step
 from vit.tools.bench import training_step
-from vit.tools.bench_cases import Pipeline, pipeline_overrides, stage_pipeline
+from vit.tools.bench_cases import Pipeline, ours_graphed, pipeline_overrides, recomputed, stage_pipeline
 from vit.tools.bench_cases import pipeline_case as bench_pipeline_case
 from vit.config import load_config
 from vit.data.sources import CIFAR10_MEAN, CIFAR10_STD
@@ -76,7 +76,8 @@ def mae_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[
         img = overrides.get("img_size", PRESETS[preset]["img_size"])
         for precision in precisions:
             step = partial(training_step, loss_fn=reconstruct, batch=s.batch, img_size=img, device=device, precision=precision, seed=s.seed)
-            ours = lambda step=step, p=preset, o=overrides: step(our_mae(p, {**o, **ours_kw}), compile=s.compile, graph=s.cuda_graph != "off")  # noqa: E731
+            ours = lambda step=step, p=preset, o=overrides: step(recomputed(our_mae(p, {**o, **ours_kw}), s), compile=s.compile,  # noqa: E731
+                                                                 graph=ours_graphed(s))
             flops = mae_flops_per_image(preset, overrides)
             cases.append(Case(f"mae/{label}/{precision}", "mae", precision, s.batch, ours=ours,
                               ref=lambda step=step, p=preset, o=overrides: step(reference_mae(p, o), compile=s.compile_ref),

@@ -15,7 +15,7 @@ from pretrain.config import PretrainConfig
 from vit.store.checkpoint import read_mae
 from vit.errors import CheckpointError, ConfigError
 from vit.models.encoder import Block, VisionTransformer, create_model, gather_tokens, layer_norm, random_masking  # noqa: F401 (re-exported)
-from vit.models.encoder import num_visible
+from vit.models.encoder import num_visible, run_blocks
 from vit.models.pos_embed import sincos_2d
 
 
@@ -72,6 +72,7 @@ class MaskedAutoencoder(nn.Module):
         self.mask_ratio = mask_ratio
         self.norm_pix_loss = norm_pix_loss
         self.decoder_config = dict(decoder_embed_dim=decoder_embed_dim, decoder_depth=decoder_depth, decoder_num_heads=decoder_num_heads, mlp_ratio=mlp_ratio)
+        self.grad_checkpointing = False  # the decoder's; the encoder has its own (`set_grad_checkpointing` sets both)
 
         self.decoder_embed = nn.Linear(encoder.embed_dim, decoder_embed_dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_embed_dim))
@@ -95,6 +96,12 @@ class MaskedAutoencoder(nn.Module):
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute the encoder's and the decoder's blocks in the backward pass (`vit.models.encoder.run_blocks`); the
+        decoder's last block, which computes the masked tokens alone in training, keeps its activations."""
+        self.encoder.set_grad_checkpointing(enable)
+        self.grad_checkpointing = enable
 
     def no_weight_decay(self) -> set[str]:
         # MAE's pretraining decays [CLS] and the mask token like every tensor of 2+ dimensions (fine-tuning exempts [CLS]);
@@ -157,13 +164,11 @@ class MaskedAutoencoder(nn.Module):
         patches = gather_tokens(patches, ids_restore)  # (B, L, Dd) in patch order
         x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, 1 + L, Dd)
         if not only_masked or not len(self.decoder_blocks):
-            for block in self.decoder_blocks:
-                x = block(x)
+            x = run_blocks(self.decoder_blocks, x, self.grad_checkpointing)
             return self.decoder_pred(self.decoder_norm(x))[:, 1:]  # (B, L, p*p*C), [CLS] dropped
         K = T - 1
         ids_masked = torch.argsort(ids_restore, dim=1)[:, K:]  # (B, L - K): shuffled order puts the visible first
-        for block in self.decoder_blocks[:-1]:
-            x = block(x)
+        x = run_blocks(self.decoder_blocks[:-1], x, self.grad_checkpointing)
         x = self.decoder_blocks[-1](x, index=ids_masked + 1)  # (B, L - K, Dd), +1 skips [CLS]
         pred_masked = self.decoder_pred(self.decoder_norm(x))  # (B, L - K, p*p*C)
         pred = pred_masked.new_zeros(B, L, pred_masked.shape[-1])

@@ -123,6 +123,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
                    help="our steps, as run.cuda_graph (default auto: on a GPU each step whole is one CUDA graph)")
     p.add_argument("--compile-ref", default="off", choices=["auto", "off", "on", "reduce-overhead", "max-autotune"],
                    help="torch.compile of the references, as run.compile (default off: as their users run them)")
+    p.add_argument("--grad-checkpointing", action="store_true",
+                   help="our encoder and MAE recompute their blocks' activations, as run.grad_checkpointing (run without it too, to compare)")
     p.add_argument("--memory-of", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)  # internal: one side's CPU memory, in a child
     args = p.parse_args(argv)
     check_args(p, args)

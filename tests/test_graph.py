@@ -154,7 +154,7 @@ def test_a_stage_trains_the_same_with_its_step_captured(tmp_path, monkeypatch, b
 
     plain, plain_losses, plain_weights = train("plain")
     assert plain.graph is None
-    monkeypatch.setattr(accelerator, "step_graph_for", lambda run, optimizer: True)
+    monkeypatch.setattr(accelerator, "step_graph_for", lambda run, optimizer, recomputed=False: True)
     monkeypatch.setattr(graph, "cuda_capture", rerun_capture)
     captured, losses, weights = train("captured")
     assert captured.graph is not None and captured.graph.replay is not None  # 3 eager steps, then 6 replays
@@ -229,7 +229,7 @@ def test_a_captured_run_resumed_mid_epoch_ends_as_the_uninterrupted_eager_run(tm
 
     def run(name, graphed, **extra):
         reset_accelerate()
-        monkeypatch.setattr(accelerator, "step_graph_for", lambda run, optimizer: graphed)
+        monkeypatch.setattr(accelerator, "step_graph_for", lambda run, optimizer, recomputed=False: graphed)
         args = tiny_overrides(tmp_path, name, **{"schedule.epochs": 2, "run.save_every": 5, "optim.clip_grad": 1.0, "mae.figure_images": 0,
                                                  "mae.knn_every": 0, "run.precision": "no", **extra})  # fmt: skip
         assert main(args) == 0

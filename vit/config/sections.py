@@ -252,6 +252,10 @@ class RunConfig:
     # (vit/train/graph.py): `auto` where the step allows it (one CUDA process, optim.grad_accum_steps 1, fused AdamW or
     # SGD, no fp16), and run.compile=auto then compiles without graphs of its own; `on` also says why where it cannot.
     cuda_graph: Literal["auto", "on", "off"] = "auto"
+    # Activation checkpointing: the transformer blocks keep only their inputs for the backward pass, which runs their
+    # forward again (the same gradients, about a third more compute a step, far less activation memory: larger batches or
+    # models on a small GPU). Our ViT and MAE, and timm's ViT; the step then runs without a CUDA graph of its own.
+    grad_checkpointing: bool = False
     log_every: int = 20  # optimiser steps between metric lines
     # Resume states: every `save_every` optimiser steps where set, and every `save_minutes` minutes of the stage where
     # set, whichever comes first (each at the next epoch end where the step is an epoch's last); a signal and the end

@@ -8,15 +8,17 @@ applied to every token before pooling, which is timm's `fc_norm=False`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from vit.models.presets import PRESETS, num_visible
 from vit.device import to_device
 from vit.models.pos_embed import sincos_2d
+from vit.models.presets import PRESETS, flops_per_image, num_visible
 
 AttnImpl = Literal["sdpa", "manual"]
 
@@ -32,6 +34,15 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # block's queries mixed the tokens of one image into the others, without a word.
         raise ValueError(f"index has shape {tuple(index.shape)}, expected (batch, tokens) with batch = {x.shape[0]}")
     return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+    """x: (B, T, D) through each of `blocks` in turn -> (B, T, D). `recompute` (activation checkpointing), where autograd
+    records: a block keeps only its input for the backward pass, which runs its forward again with the first forward's
+    random draws (drop path, dropout), so the gradients are the same for less memory and about one more forward."""
+    for block in blocks:
+        x = checkpoint(block, x, use_reentrant=False) if recompute and torch.is_grad_enabled() else block(x)
+    return x
 
 
 def random_masking(batch: int, num_patches: int, mask_ratio: float, device=None, noise: torch.Tensor | None = None):
@@ -296,6 +307,7 @@ class VisionTransformer(nn.Module):
         self.embed_dim = embed_dim
         self.global_pool = global_pool
         self.num_prefix_tokens = 1
+        self.grad_checkpointing = False  # how a run trains (run.grad_checkpointing), not the model: kept out of `config`
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         num_patches = self.patch_embed.num_patches
@@ -338,6 +350,11 @@ class VisionTransformer(nn.Module):
         """Parameter names that take no weight decay (besides every 1-D tensor)."""
         return {"pos_embed", "cls_token"}
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute the blocks' activations in the backward pass instead of keeping them (`run_blocks`); timm's models
+        take the same call."""
+        self.grad_checkpointing = enable
+
     @property
     def num_patches(self) -> int:
         return self.patch_embed.num_patches
@@ -364,9 +381,7 @@ class VisionTransformer(nn.Module):
         In training, patch dropout (`patch_drop_rate` > 0) then keeps a random part of them.
         """
         x = self.patch_drop(self.embed(x, ids_keep))  # (B, 1 + N'', D)
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
+        return self.norm(run_blocks(self.blocks, x, self.grad_checkpointing))
 
     def pool(self, features: torch.Tensor) -> torch.Tensor:
         """features: (B, 1 + N, D) -> (B, D): the [CLS] token, or the mean of the patch tokens."""
@@ -421,20 +436,6 @@ def create_model(name: str, **overrides) -> VisionTransformer:
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
-
-
-def flops_per_image(cfg: dict, tokens: int | None = None, train: bool = True) -> float:
-    """Matmul FLOPs of one image through the encoder blocks (x3 for forward + backward when `train`).
-
-    Counts 2 FLOPs per multiply-add in qkv, attention scores, weighted sum, proj and MLP.
-    """
-    d, depth = cfg["embed_dim"], cfg["depth"]
-    t = tokens if tokens is not None else 1 + (cfg["img_size"] // cfg["patch_size"]) ** 2
-    hidden = int(d * cfg["mlp_ratio"])
-    per_block = 2 * t * d * 3 * d + 2 * t * t * d * 2 + 2 * t * d * d + 2 * t * d * hidden * 2
-    patch = 2 * (t - 1) * cfg["in_chans"] * cfg["patch_size"] ** 2 * d
-    total = depth * per_block + patch
-    return total * (3 if train else 1)
 
 
 __all__ = ["VisionTransformer", "create_model", "PRESETS", "Attention", "Block", "PatchDropout", "count_parameters", "flops_per_image", "random_masking"]

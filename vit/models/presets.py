@@ -24,3 +24,17 @@ def num_visible(num_patches: int, mask_ratio: float) -> int:
     if not 0.0 <= mask_ratio <= 1.0:  # 1.5 kept ids_shuffle[:, :-8], half the patches; a negative ratio hid none (loss 0/0)
         raise ValueError(f"mask_ratio must be in [0, 1], got {mask_ratio}")
     return math.floor(num_patches * (1 - mask_ratio) + 1e-9)
+
+
+def flops_per_image(cfg: dict, tokens: int | None = None, train: bool = True) -> float:
+    """Matmul FLOPs of one image through the encoder blocks (x3 for forward + backward when `train`).
+
+    Counts 2 FLOPs per multiply-add in qkv, attention scores, weighted sum, proj and MLP.
+    """
+    d, depth = cfg["embed_dim"], cfg["depth"]
+    t = tokens if tokens is not None else 1 + (cfg["img_size"] // cfg["patch_size"]) ** 2
+    hidden = int(d * cfg["mlp_ratio"])
+    per_block = 2 * t * d * 3 * d + 2 * t * t * d * 2 + 2 * t * d * d + 2 * t * d * hidden * 2
+    patch = 2 * (t - 1) * cfg["in_chans"] * cfg["patch_size"] ** 2 * d
+    total = depth * per_block + patch
+    return total * (3 if train else 1)

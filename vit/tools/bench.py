@@ -81,6 +81,7 @@ class Settings:
     compile: str = "auto"  # ours, as `run.compile` (auto: compiled on CUDA, off on CPUs)
     cuda_graph: str = "auto"  # ours, as `run.cuda_graph` (auto: the whole step one CUDA graph on a GPU)
     compile_ref: str = "off"  # the references (timm, the official-style MAE, Hugging Face), as `run.compile`
+    grad_checkpointing: bool = False  # ours (encoder and MAE sections), as `run.grad_checkpointing`; then without a CUDA graph
 
 
 QUICK = dict(batch=16, warmup=1, rounds=2, steps=1, gemm=1024, e2e_batch=32, probe_images=128, probe_epochs=2, stream_images=24, stream_batch=8)

@@ -50,6 +50,17 @@ from vit.train.signals import SignalGuard
 from vit.train.states import Progress
 
 
+def recomputed(model: nn.Module, s: Settings) -> nn.Module:
+    """Our `model`, recomputing its blocks' activations in the backward pass where `s.grad_checkpointing` asks."""
+    model.set_grad_checkpointing(s.grad_checkpointing)
+    return model
+
+
+def ours_graphed(s: Settings) -> bool:
+    """Whether our step is one CUDA graph on a GPU: as `run.cuda_graph`, never with recomputed blocks (as in a run)."""
+    return s.cuda_graph != "off" and not s.grad_checkpointing
+
+
 def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[Case]:
     """Forward + backward + AdamW step of our `VisionTransformer` against timm's with the same configuration, per model and precision."""
     cases = []
@@ -62,8 +73,8 @@ def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> l
                            seed=s.seed)  # fmt: skip
             cases.append(Case(
                 f"encoder/{label}/{precision}", "encoder", precision, s.batch,
-                ours=lambda step=step, p=preset, o=overrides: step(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw), compile=s.compile,
-                                                                      graph=s.cuda_graph != "off"),
+                ours=lambda step=step, p=preset, o=overrides: step(recomputed(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw), s),
+                                                                      compile=s.compile, graph=ours_graphed(s)),
                 ref=lambda step=step, cfg=cfg: step(timm_vit(cfg), compile=s.compile_ref),
                 ref_name="timm VisionTransformer" + compile_note(s.compile_ref, device), flops_per_image=flops_per_image(cfg),
             ))  # fmt: skip

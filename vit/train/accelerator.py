@@ -180,17 +180,32 @@ def compile_mode(requested: str, device: torch.device, num_processes: int = 1, g
     return {"off": None, "on": "default"}.get(requested, requested)
 
 
-def step_graph_for(run: "Run", optimizer) -> bool:
-    """Whether the run's training step is captured as one CUDA graph (`run.cuda_graph`; vit/train/graph.py)."""
+def step_graph_for(run: "Run", optimizer, recomputed: bool = False) -> bool:
+    """Whether the run's training step is captured as one CUDA graph (`run.cuda_graph`; vit/train/graph.py); `recomputed`:
+    the model's blocks recompute their activations (`recompute_blocks`)."""
     acc, rc = run.accelerator, run.cfg.run
     if rc.cuda_graph == "off":
         return False
     unfit = graph_unfit(acc.device, acc.num_processes, run.cfg.optim.grad_accum_steps, optimizer, getattr(acc, "scaler", None))
     if unfit is None and rc.compile == "reduce-overhead":
         unfit = "run.compile=reduce-overhead captures graphs of its own"
+    if unfit is None and recomputed:  # a recomputed block replays the forward's random draws from the generator's saved state
+        unfit = "run.grad_checkpointing saves and restores the random generator's state, which a graph capture cannot"
     if unfit is not None and rc.cuda_graph == "on":
         run.warn(f"run.cuda_graph=on: the step runs without a CUDA graph: {unfit}")
     return unfit is None
+
+
+def recompute_blocks(run: "Run", module: nn.Module) -> bool:
+    """`run.grad_checkpointing`: the training model's blocks recompute their activations in the backward pass, where the
+    model can (our ViT and MAE, timm's ViT: `set_grad_checkpointing`); whether they do. A model that cannot (a CNN, a
+    probe's frozen encoder, which records no gradient) is said at the start (`unused`)."""
+    model = run.accelerator.unwrap_model(module)
+    if not run.cfg.run.grad_checkpointing or not hasattr(model, "set_grad_checkpointing"):
+        return False
+    model.set_grad_checkpointing(True)
+    run.print("grad checkpointing: the blocks recompute their activations in the backward pass (run.grad_checkpointing)")
+    return True
 
 
 def check_compile_cache() -> None:
@@ -213,8 +228,10 @@ def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = Tr
     whether the loop captures its whole step (`run.cuda_graph`), which the compile mode depends on. `compile=False`:
     never compiled (a cached probe's head)."""
     acc = run.accelerator
-    run.cuda_graph = step_graph_for(run, optimizer)
-    mode = compile_mode(run.cfg.run.compile, acc.device, acc.num_processes, run.cuda_graph) if compile else None
+    recomputed = recompute_blocks(run, module)
+    run.cuda_graph = step_graph_for(run, optimizer, recomputed)
+    # Recomputed blocks: none of the compiler's CUDA graphs either (`auto` takes the default mode, as inside a graph).
+    mode = compile_mode(run.cfg.run.compile, acc.device, acc.num_processes, run.cuda_graph or recomputed) if compile else None
     run.compile_mode = mode
     if mode == "default" and run.cfg.run.compile == "reduce-overhead":
         run.print(f"compile: run.compile=reduce-overhead adds CUDA graphs, which a {acc.device.type} run has none of: torch.compile's default mode")

@@ -48,11 +48,27 @@ STORAGE_ERRNOS = tuple(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EF
 
 EXIT_USER_ERROR = 2
 
+# What a run that ran out of memory can change: the images a step (a resume keeps them), or recomputing the blocks.
+OUT_OF_MEMORY_ADVICE = ("a training run fits in less with fewer images a step (optim.batch_size, and optim.grad_accum_steps for the same "
+                        "effective batch; data.eval_batch_size where it evaluated) or with run.grad_checkpointing=true, which a resume "
+                        "(run.resume=auto, from its last state) may turn on")
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """torch's first words where `e` is a device (or the host) running out of memory, else None: CUDA's
+    `torch.OutOfMemoryError`, and the RuntimeErrors of MPS and of the CPU allocator. Its first three sentences say what
+    was asked and what was free; the rest is allocator tuning."""
+    text = str(e).strip()
+    if type(e).__name__ != "OutOfMemoryError" and not any(words in text.lower() for words in ("out of memory", "can't allocate memory")):
+        return None
+    return ". ".join(text.splitlines()[0].split(". ")[:3]).rstrip(".") if text else "out of memory"
+
 
 def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
     """Wrap an entry point so a `UserError` ends the program with one line and exit code 2; so does a write that the
-    disk refused (full, over quota) wherever it happened, and any other refused file operation that names its path
-    (a folder where a file was expected, a missing parent, no permission): the path the user gave, and the reason."""
+    disk refused (full, over quota) wherever it happened, any other refused file operation that names its path
+    (a folder where a file was expected, a missing parent, no permission): the path the user gave, and the reason; and
+    a device out of memory, with what a run can change."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs) -> int:
@@ -71,6 +87,12 @@ def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
             return 1
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
+        except RuntimeError as e:
+            said = out_of_memory(e)
+            if said is None:
+                raise
+            print(f"error: {said}; {OUT_OF_MEMORY_ADVICE}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
         except OSError as e:
             if e.errno in STORAGE_ERRNOS:

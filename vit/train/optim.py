@@ -10,8 +10,11 @@ import torch
 import torch.nn as nn
 
 
-def lr_at(step: int, total_steps: int, warmup_steps: int, peak_lr: float, min_lr: float = 0.0) -> float:
-    """Linear warmup from 0 to `peak_lr` over `warmup_steps`, then cosine decay to `min_lr` at `total_steps`."""
+def lr_at(step: int, total_steps: int, warmup_steps: float, peak_lr: float, min_lr: float = 0.0) -> float:
+    """Linear warmup from 0 to `peak_lr` over `warmup_steps`, then cosine decay to `min_lr` at `total_steps`.
+
+    `warmup_steps` may be fractional (`schedule.warmup_epochs` x steps per epoch, unrounded): MAE's `adjust_learning_rate`
+    at the fractional epoch step / steps_per_epoch is this curve exactly, step 0 at 0 whenever there is a warm-up."""
     if step < warmup_steps:
         return peak_lr * step / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
@@ -53,12 +56,19 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
+# What comes before the blocks, layer 0 of the layer-wise decay: MAE's [CLS], positional table and patch embedding, and the
+# other tokens and the pre-norm of timm's ViTs (its `group_matcher` stem: register tokens, DeiT's distillation token, the
+# norm before the blocks of CLIP-style models) and BEiT's mask token. Matched as the name's start, as timm's stem pattern is.
+# They were put after the blocks (lr scale 1, where [CLS] beside them has layer_decay ** (num_layers + 1)).
+EMBEDDINGS = ("cls_token", "reg_token", "dist_token", "mask_token", "pos_embed", "patch_embed", "norm_pre")
+
+
 def layer_id(name: str, num_layers: int) -> int:
-    """Depth of a parameter for layer-wise decay: 0 embeddings, i + 1 for blocks.i, num_layers + 1 after."""
+    """Depth of a parameter for layer-wise decay: 0 embeddings (`EMBEDDINGS`), i + 1 for blocks.i, num_layers + 1 after."""
     for prefix in ("", "encoder.", "module."):
         if name.startswith(prefix + "blocks."):
             return int(name[len(prefix) + len("blocks.") :].split(".")[0]) + 1
-        if any(name.startswith(prefix + k) for k in ("cls_token", "pos_embed", "patch_embed")):
+        if any(name.startswith(prefix + k) for k in EMBEDDINGS):
             return 0
     return num_layers + 1
 

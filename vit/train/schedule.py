@@ -21,7 +21,7 @@ class LoopSpec:
     steps_per_epoch: int
     peak_lr: float
     min_lr: float
-    warmup_steps: int
+    warmup_steps: float  # `schedule.warmup_epochs` x steps_per_epoch, unrounded (an int where whole): see `warmup_steps`
     max_steps: int | None = None
     budget: Budget | None = None  # `schedule.budget_minutes`: the step count is fixed by measuring the step time
     planned_steps: int | None = None  # set once by a budget (and restored from the resume state)
@@ -53,12 +53,14 @@ class LoopSpec:
 
     def long_warmup(self) -> str | None:
         """What to say when the warm-up lasts the whole schedule: its steps run at `lr(step) < peak` up to the last one (a
-        warm-up as long as the run ends one step short of the peak; a one-step run then trains at a learning rate of 0)."""
-        if self.warmup_steps < self.total_steps:
+        warm-up as long as the run ends one step short of the peak; a one-step run then trains at a learning rate of 0).
+        That is a warm-up past the last step, `total_steps - 1`: a fractional one of 5.5 steps in a run of 6 reaches no peak."""
+        if self.warmup_steps <= self.total_steps - 1:
             return None
-        than = "more than" if self.warmup_steps > self.total_steps else "as many as"
-        return (f"schedule.warmup_epochs spans {self.warmup_steps} steps, {than} the {self.total_steps} the run trains: the learning "
-                f"rate never reaches its peak {self.peak_lr:.3g} (its last step's is {self.lr(self.total_steps - 1):.3g})")
+        w, total = self.warmup_steps, self.total_steps
+        than = "more than" if w > total else "as many as" if w == total else "all but a fraction of"
+        return (f"schedule.warmup_epochs spans {w} steps, {than} the {total} the run trains: the learning "
+                f"rate never reaches its peak {self.peak_lr:.3g} (its last step's is {self.lr(total - 1):.3g})")  # fmt: skip
 
 
 def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations: tuple[Evaluation, ...] = ()) -> LoopSpec:
@@ -95,7 +97,22 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations:
         steps_per_epoch=steps_per_epoch,
         peak_lr=peak,
         min_lr=cfg.optim.min_lr,
-        warmup_steps=round(cfg.schedule.warmup_epochs * steps_per_epoch),
+        warmup_steps=warmup_steps(cfg.schedule.warmup_epochs, steps_per_epoch),
         max_steps=cfg.schedule.max_steps,
         budget=Budget(cfg.schedule.budget_minutes, evaluations) if cfg.schedule.budget_minutes is not None else None,
     )
+
+
+def warmup_steps(warmup_epochs: float, steps_per_epoch: int) -> float:
+    """The warm-up in optimiser steps, unrounded, as MAE's schedule runs it (the lr of fractional epoch step /
+    steps_per_epoch): an int where whole (to a float's rounding: 0.1 x 30 is 3), else the product to 12 significant digits
+    (0.2 x 3 is 0.6, not 0.6000000000000001: what the schedule line and the warning print).
+
+    Rounded to whole steps, a warm-up of under half a step (0.1 epoch of 4 steps, 0.5 of 1: Python rounds half to even)
+    was none at all, the run's first step at the peak where MAE's runs at 0, and 2.5 steps were 2 (the curve 0, 0.5, 1
+    where MAE's is 0, 0.4, 0.8) and 3.5 were 4."""
+    steps = warmup_epochs * steps_per_epoch
+    whole = round(steps)
+    if abs(steps - whole) <= 1e-9 * steps:
+        return whole
+    return float(f"{steps:.12g}")

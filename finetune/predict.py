@@ -55,7 +55,8 @@ def read_images(paths: list[Path], size: int, skip_bad: bool, say=print) -> tupl
     kept, arrays = [], []
     for path in paths:
         try:
-            arrays.append(torch.from_numpy(decode_image(path.read_bytes(), str(path), size, MAX_PIXELS).copy()))  # PIL's buffer is read-only
+            array = decode_image(path.read_bytes(), str(path), size, MAX_PIXELS)
+            arrays.append(torch.from_numpy(array.copy()))  # PIL's buffer is read-only
         except BadImage as e:
             if not skip_bad:
                 raise UserError(f"{e}; --skip-bad skips such files") from None
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("no image decoded: nothing to classify")
     if args.csv is not None:
         text = io.StringIO()
-        k = (len(rows[0]) - 1) // 2
-        csv.writer(text, lineterminator="\n").writerows([["path"] + [f"{c}_{i}" for i in range(1, k + 1) for c in ("class", "prob")], *rows])
+        header = ["path"] + [f"{c}_{i}" for i in range(1, (len(rows[0]) - 1) // 2 + 1) for c in ("class", "prob")]
+        csv.writer(text, lineterminator="\n").writerows([header, *rows])
         atomic_write_text(args.csv, text.getvalue())
         print(f"wrote {args.csv}")
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from finetune.models import load_classifier
 from vit.cli import refuse_below
 from vit.data.augment import normalize
 from vit.data.decode import BadImage, decode_image
-from vit.data.files import list_images
+from vit.data.files import PathReader, as_text, list_images
 from vit.device import pick_device
 from vit.errors import UserError, exit_on_user_error
 from vit.store.atomic import atomic_write_text
@@ -42,7 +43,7 @@ def image_paths(inputs: list[str]) -> list[Path]:
             if not found:
                 raise UserError(f"{given} is a folder with no image file in it")
             paths += [path / name for name in found]
-        elif path.is_file():
+        elif path.exists():  # a pipe or device is the reading's to refuse (or --skip-bad's to skip), as a folder's
             paths.append(path)
         else:
             raise UserError(f"{given} does not exist")
@@ -55,12 +56,14 @@ def read_images(paths: list[Path], size: int, skip_bad: bool, say=print) -> tupl
     kept, arrays = [], []
     for path in paths:
         try:
-            array = decode_image(path.read_bytes(), str(path), size, MAX_PIXELS)
+            # As training reads a file: one it cannot read (a dangling link, no permission) is a BadImage, and a pipe named
+            # like an image is refused rather than read, which would block until something writes to it.
+            array = decode_image(*PathReader(path.parent, [path.name]).read(0), size, MAX_PIXELS)
             arrays.append(torch.from_numpy(array.copy()))  # PIL's buffer is read-only
         except BadImage as e:
             if not skip_bad:
                 raise UserError(f"{e}; --skip-bad skips such files") from None
-            say(f"warning: skipped: {e}")
+            say(f"warning: skipped: {as_text(str(e))}")
             continue
         kept.append(path)
     images = torch.stack(arrays).permute(0, 3, 1, 2) if arrays else torch.empty(0, 3, size, size, dtype=torch.uint8)
@@ -80,7 +83,8 @@ def table(paths: list[Path], probs: torch.Tensor, classes: list[str], top: int) 
     """One row per image: its path, then the `top` most likely classes, each followed by its probability."""
     k = min(top, len(classes))
     values, indices = probs.topk(k, dim=1)
-    return [[str(path)] + [x for v, i in zip(vs.tolist(), ix.tolist()) for x in (classes[i], f"{v:.4f}")]
+    # A name whose bytes are not UTF-8 as `\xNN` (as training names such files): it stopped the print or the CSV's write.
+    return [[as_text(str(path))] + [x for v, i in zip(vs.tolist(), ix.tolist()) for x in (classes[i], f"{v:.4f}")]
             for path, vs, ix in zip(paths, values, indices)]  # fmt: skip
 
 
@@ -89,7 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("classifier", help="a finished classification run folder or its classifier.pt")
     p.add_argument("images", nargs="+", help="image files, and folders whose image files (at any depth) are classified")
     p.add_argument("--top", type=int, default=3, help="classes shown per image (default 3)")
-    p.add_argument("--csv", type=Path, help="also write the table here: path, then class_1, prob_1, class_2, prob_2, ...")
+    # `~` expanded as in the images' paths: `--csv=~/p.csv` is not expanded by the shell, and made a folder named `~` here.
+    p.add_argument("--csv", type=lambda s: Path(s).expanduser(), help="also write the table here: path, class_1, prob_1, ...")
     p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU), cpu, cuda or mps")
     p.add_argument("--precision", default="auto", choices=["auto", "no", "bf16"], help="as run.precision (default auto)")
     p.add_argument("--batch-size", type=int, default=64, help="images a forward pass (default 64)")
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     precision = resolve_precision(args.precision, device)
     model.eval().to(device)
     paths, rows = image_paths(args.images), []
+    check_csv_is_no_input(args.csv, paths)
     for start in range(0, len(paths), args.batch_size):  # a batch in memory at a time: a folder may hold any number
         kept, images = read_images(paths[start : start + args.batch_size], size, args.skip_bad)
         if kept:
@@ -124,8 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         header = ["path"] + [f"{c}_{i}" for i in range(1, (len(rows[0]) - 1) // 2 + 1) for c in ("class", "prob")]
         csv.writer(text, lineterminator="\n").writerows([header, *rows])
         atomic_write_text(args.csv, text.getvalue())
-        print(f"wrote {args.csv}")
+        print(f"wrote {as_text(str(args.csv))}")
     return 0
+
+
+def check_csv_is_no_input(out: Path | None, paths: list[Path]) -> None:
+    """Refuse a --csv that is one of the images: the table was written over the image, unsaid. Compared by the real path
+    of the folder and the name (the write replaces that folder entry), so that a million images cost no stat each."""
+    if out is None:
+        return
+    folder = os.path.realpath(out.parent)
+    if clash := next((p for p in paths if p.name == out.name and os.path.realpath(p.parent) == folder), None):
+        raise UserError(f"--csv {out} is one of the images to classify ({as_text(str(clash))}): name another file for the table")
 
 
 def model_size(model: torch.nn.Module) -> int:

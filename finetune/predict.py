@@ -30,7 +30,7 @@ from vit.errors import UserError, exit_on_user_error
 from vit.store.atomic import atomic_write_text
 from vit.train.accelerator import resolve_precision
 
-MAX_PIXELS = 64_000_000  # data.max_image_pixels' default: a decompression bomb is refused from its header
+MAX_PIXELS = 64_000_000  # data.max_image_pixels' default: a decompression bomb is refused from its header, not decoded
 
 
 def image_paths(inputs: list[str]) -> list[Path]:
@@ -50,7 +50,7 @@ def image_paths(inputs: list[str]) -> list[Path]:
     return paths
 
 
-def read_images(paths: list[Path], size: int, skip_bad: bool, say=print) -> tuple[list[Path], torch.Tensor]:
+def read_images(paths: list[Path], size: int, skip_bad: bool, max_pixels: int = MAX_PIXELS, say=print) -> tuple[list[Path], torch.Tensor]:
     """The images of `paths` as the classifier's evaluation reads them: (N, 3, size, size) uint8, and the paths of those
     that decoded (all, unless `skip_bad` skipped some)."""
     kept, arrays = [], []
@@ -58,12 +58,13 @@ def read_images(paths: list[Path], size: int, skip_bad: bool, say=print) -> tupl
         try:
             # As training reads a file: one it cannot read (a dangling link, no permission) is a BadImage, and a pipe named
             # like an image is refused rather than read, which would block until something writes to it.
-            array = decode_image(*PathReader(path.parent, [path.name]).read(0), size, MAX_PIXELS)
+            array = decode_image(*PathReader(path.parent, [path.name]).read(0), size, max_pixels)
             arrays.append(torch.from_numpy(array.copy()))  # PIL's buffer is read-only
         except BadImage as e:
+            why = str(e).replace("data.max_image_pixels", "--max-image-pixels")  # the decoder names training's setting
             if not skip_bad:
-                raise UserError(f"{e}; --skip-bad skips such files") from None
-            say(f"warning: skipped: {as_text(str(e))}")
+                raise UserError(f"{why}; --skip-bad skips such files") from None
+            say(f"warning: skipped: {as_text(why)}")
             continue
         kept.append(path)
     images = torch.stack(arrays).permute(0, 3, 1, 2) if arrays else torch.empty(0, 3, size, size, dtype=torch.uint8)
@@ -98,9 +99,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU), cpu, cuda or mps")
     p.add_argument("--precision", default="auto", choices=["auto", "no", "bf16"], help="as run.precision (default auto)")
     p.add_argument("--batch-size", type=int, default=64, help="images a forward pass (default 64)")
+    p.add_argument("--max-image-pixels", type=int, default=MAX_PIXELS,
+                   help=f"larger images are refused from their header, before they are decoded (default {MAX_PIXELS:,})")  # fmt: skip
     p.add_argument("--skip-bad", action="store_true", help="skip files that do not decode, with a warning, instead of stopping")
     args = p.parse_args(argv)
-    refuse_below(p, args, {"top": 1, "batch_size": 1})
+    refuse_below(p, args, {"top": 1, "batch_size": 1, "max_image_pixels": 1})
     if args.csv is not None and args.csv.is_dir():
         p.error(f"--csv {args.csv} is a folder: name the file to write")
     return args
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     paths, rows = image_paths(args.images), []
     check_csv_is_no_input(args.csv, paths)
     for start in range(0, len(paths), args.batch_size):  # a batch in memory at a time: a folder may hold any number
-        kept, images = read_images(paths[start : start + args.batch_size], size, args.skip_bad)
+        kept, images = read_images(paths[start : start + args.batch_size], size, args.skip_bad, args.max_image_pixels)
         if kept:
             rows += (found := table(kept, probabilities(model, images, data["mean"], data["std"], device, precision), classes, args.top))
             for row in found:

@@ -69,3 +69,15 @@ def test_what_it_cannot_classify_is_one_line(trained, tmp_path, capsys, given, s
         assert predict(given(tmp_path, run_dir)) == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err, err
+
+
+def test_an_image_over_the_pixel_limit_is_refused_from_its_header_naming_the_option(trained, tmp_path, capsys):
+    from PIL import Image
+
+    run_dir, _ = trained
+    big = tmp_path / "big.png"
+    Image.new("RGB", (100, 60)).save(big)
+    assert predict([str(run_dir), str(big), "--max-image-pixels", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "100x60" in err and "over --max-image-pixels=5,000" in err and "data.max_image_pixels" not in err, err
+    assert predict([str(run_dir), str(big), "--max-image-pixels", "6000"]) == 0

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import itertools
 import os
+import re
 import sys
 from typing import Callable
 
@@ -52,16 +54,27 @@ EXIT_USER_ERROR = 2
 OUT_OF_MEMORY_ADVICE = ("a training run fits in less with fewer images a step (optim.batch_size, and optim.grad_accum_steps for the same "
                         "effective batch; data.eval_batch_size where it evaluated) or with run.grad_checkpointing=true, which a resume "
                         "(run.resume=auto, from its last state) may turn on")
+# What torch says where a device (CUDA, MPS: "out of memory") or the host's allocator ("can't allocate memory") ran out.
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory")
 
 
 def out_of_memory(e: BaseException) -> str | None:
     """torch's first words where `e` is a device (or the host) running out of memory, else None: CUDA's
-    `torch.OutOfMemoryError`, and the RuntimeErrors of MPS and of the CPU allocator. Its first three sentences say what
-    was asked and what was free; the rest is allocator tuning."""
+    `torch.OutOfMemoryError`, and the RuntimeErrors of MPS and of the CPU allocator. Up to three sentences, which say
+    what was asked and what was free; from the first that names a PYTORCH_* variable on, it is allocator tuning."""
     text = str(e).strip()
-    if type(e).__name__ != "OutOfMemoryError" and not any(words in text.lower() for words in ("out of memory", "can't allocate memory")):
+    said = [line.strip() for line in text.splitlines() if any(words in line.lower() for words in OUT_OF_MEMORY_WORDS)]
+    if type(e).__name__ != "OutOfMemoryError" and not said:
         return None
-    return ". ".join(text.splitlines()[0].split(". ")[:3]).rstrip(".") if text else "out of memory"
+    # The last line that says it: a wrapper's first line is not torch's words. A DataLoader worker's error comes back as
+    # "Caught OutOfMemoryError in DataLoader worker process 0." and the worker's traceback, which ends in the original.
+    if said:
+        line = re.sub(r"^[\w.]*(Error|Exception): ", "", said[-1])  # the traceback's last line names the class first
+    else:
+        line = text.splitlines()[0] if text else ""
+    sentences = list(itertools.takewhile(lambda s: "PYTORCH_" not in s, line.split(". ")))[:3]
+    # MPS's third sentence is "Use PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 ... (may cause system failure)": not the advice to give
+    return ". ".join(sentences).rstrip(".") or "out of memory"
 
 
 def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:

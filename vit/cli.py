@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from vit.config import load_config
+from vit.config import dump_config, load_config
 from vit.errors import ConfigError
 
 # An override's value that holds another override after a space: two settings quoted into one argument ("a=1 b=2").
@@ -13,10 +13,14 @@ SECOND_OVERRIDE = re.compile(r"\s[A-Za-z_]\w*(\.\w+)+=")
 
 
 def parse(cls: type, argv: list[str] | None, prog: str, description: str):
-    """Parse `--config FILE key.sub=value ...` (overrides before or after `--config`) into a validated config of type `cls`."""
+    """Parse `--config FILE key.sub=value ...` (overrides before or after `--config`) into a validated config of type `cls`;
+    with `--print-config`, print it as YAML and exit 0."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", action="append", help="YAML config file; omitted: the defaults")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides applied on top of the file, e.g. optim.lr=1e-3")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print every setting as this command resolves them (the defaults, the file, the overrides) as YAML that "
+                             "--config reads back, and exit without running")  # fmt: skip
     # intermixed: `key=value --config FILE key=value` takes both overrides (plain parsing called the second 'unrecognized')
     args = parser.parse_intermixed_args(argv)
     configs = args.config or [None]
@@ -27,7 +31,11 @@ def parse(cls: type, argv: list[str] | None, prog: str, description: str):
     for item in args.overrides:
         if SECOND_OVERRIDE.search(item.partition("=")[2]):
             raise ConfigError(f"override {item!r} holds a second one after a space: give each key.sub=value as its own argument")
-    return load_config(cls, configs[0], args.overrides)
+    cfg = load_config(cls, configs[0], args.overrides)
+    if args.print_config:  # every key a run reads, with its value: what no file or --help lists in one place
+        print(dump_config(cfg), end="", flush=True)
+        parser.exit(0)
+    return cfg
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -8,7 +8,7 @@ from finetune.config import FinetuneConfig
 from finetune.train import main as finetune
 from pretrain.config import PretrainConfig
 from pretrain.train import main as pretrain
-from vit.config import load_config, to_dict
+from vit.config import dump_config, load_config, to_dict
 
 
 @pytest.mark.parametrize("main, cls, config", [(pretrain, PretrainConfig, "configs/pretrain/cpu.yaml"),
@@ -30,3 +30,15 @@ def test_a_bad_setting_is_still_one_line_before_anything_is_printed(capsys):
     assert pretrain(["optim.base_lr=-1", "--print-config"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("error: optim.base_lr must be positive") and err.count("\n") == 1, err
+
+
+RECIPES = [(cls, p.relative_to(ROOT).as_posix()) for d, cls in (("pretrain", PretrainConfig), ("finetune", FinetuneConfig), ("baselines", FinetuneConfig))
+           for p in sorted((ROOT / "configs" / d).glob("*.yaml"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls, config", RECIPES, ids=[c for _, c in RECIPES])
+def test_every_recipe_reads_back_from_its_printed_config(cls, config, tmp_path):
+    """Text that looks like a number, a path with a space and a `~`, null: YAML keeps each as it was."""
+    cfg = load_config(cls, ROOT / config, ["run.name=0.10", "data.root=~/my data", "run.group=null"])
+    (tmp_path / "printed.yaml").write_text(dump_config(cfg))
+    assert to_dict(load_config(cls, tmp_path / "printed.yaml", [])) == to_dict(cfg)

@@ -65,3 +65,25 @@ def test_a_run_out_of_memory_mid_training_stops_in_one_line_and_keeps_its_state(
     assert pretrain(args) == 0
     reset_accelerate()
     assert "resum" in capsys.readouterr().out and (run_dir / "summary.json").is_file()
+
+
+GLOO_PEER_GONE = ("[third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:24274. This is typically "
+                  "caused by a remote worker crashing. Check the logs of the remote worker before reporting an error.")  # fmt: skip
+
+
+def test_a_process_whose_peer_stopped_says_so_in_one_line_under_the_peers_own(monkeypatch, capsys):
+    """Out of memory (or any error) on one process of two: that one said why in a line, and the other, whose next
+    collective failed, added gloo's traceback under it. Checked by hand with two CPU processes under accelerate launch
+    (rank 1 out of memory mid-training: its line, then rank 0's line below)."""
+
+    @exit_on_user_error
+    def collective_fails():
+        raise RuntimeError(GLOO_PEER_GONE)
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert collective_fails() == 1
+    err = capsys.readouterr().err
+    assert err == "error: another process of this run stopped (its own line above says why), so this one stops too\n"
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a process alone has no peer to blame: the traceback stays
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        collective_fails()

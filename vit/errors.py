@@ -77,11 +77,23 @@ def out_of_memory(e: BaseException) -> str | None:
     return ". ".join(sentences).rstrip(".") or "out of memory"
 
 
+PEER_LOST = "another process of this run stopped (its own line above says why), so this one stops too"
+# What gloo's collectives raise in the processes left when one of a run's processes has gone (its error, or a kill).
+PEER_LOST_WORDS = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether `e` is a collective of a run of several processes that failed because another process had stopped."""
+    size = os.environ.get("WORLD_SIZE", "1").strip()
+    return size.isdigit() and int(size) > 1 and any(words in str(e) for words in PEER_LOST_WORDS)
+
+
 def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
     """Wrap an entry point so a `UserError` ends the program with one line and exit code 2; so does a write that the
     disk refused (full, over quota) wherever it happened, any other refused file operation that names its path
-    (a folder where a file was expected, a missing parent, no permission): the path the user gave, and the reason; and
-    a device out of memory, with what a run can change."""
+    (a folder where a file was expected, a missing parent, no permission): the path the user gave, and the reason;
+    a device out of memory, with what a run can change; and, in a run of several processes, a collective that failed
+    because another process had stopped (exit 1: that process says why)."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs) -> int:
@@ -102,6 +114,9 @@ def exit_on_user_error(main: Callable[..., int | None]) -> Callable[..., int]:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
         except RuntimeError as e:
+            if peer_lost(e):  # the process that stopped first printed why; a traceback here would bury its line
+                print(f"error: {PEER_LOST}", file=sys.stderr, flush=True)
+                return 1
             said = out_of_memory(e)
             if said is None:
                 raise

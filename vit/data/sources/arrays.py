@@ -249,6 +249,10 @@ def _unpickle(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- MNIST
 
 _MNIST_FOLDERS = {"mnist": "MNIST", "fashionmnist": "FashionMNIST"}
+# The idx files hold label numbers only. A digit is its own name; Fashion-MNIST's are its paper's (torchvision's `classes`),
+# which the confusion matrices, summary.json's per-class accuracies, predictions and exported label names show.
+MNIST_CLASSES = {"mnist": [str(i) for i in range(10)],
+                 "fashionmnist": ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]}  # fmt: skip
 
 
 def _load_mnist(cfg: DataConfig) -> dict[str, ImageSet]:
@@ -259,17 +263,16 @@ def _load_mnist(cfg: DataConfig) -> dict[str, ImageSet]:
     # `data.root` may be the folder holding MNIST/ (torchvision's root) or MNIST/ itself.
     for raw in [r / folder_name / "raw" for r in roots] + [roots[0] / "raw"]:
         if (raw / "train-images-idx3-ubyte").is_file():
-            return _read_idx_folder(raw)
+            return _read_idx_folder(raw, MNIST_CLASSES[cfg.dataset])
     where = " or ".join(str(r) for r in roots)
     if not cfg.download:
         expected = f"{folder_name}/raw/train-images-idx3-ubyte"
         raise DataError(f"no local {folder_name} copy found at {where} (expected {expected}) and data.download is false")
     _download(folder_name, folder_name, downloads, where)
-    return _read_idx_folder(downloads / folder_name / "raw")
+    return _read_idx_folder(downloads / folder_name / "raw", MNIST_CLASSES[cfg.dataset])
 
 
-def _read_idx_folder(raw: Path) -> dict[str, ImageSet]:
-    classes = [str(i) for i in range(10)]
+def _read_idx_folder(raw: Path, classes: list[str]) -> dict[str, ImageSet]:
     result = {}
     for split, prefix in (("train", "train"), ("test", "t10k")):
         image_file, label_file = raw / f"{prefix}-images-idx3-ubyte", raw / f"{prefix}-labels-idx1-ubyte"

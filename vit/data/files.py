@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import stat
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,8 +179,7 @@ def tree_files(root: Path, split_names: tuple[str, ...]) -> dict[str, FileSet]:
         paths, labels = [], []
         for class_dir in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
             if class_dir.name not in index:
-                raise DataError(f"{root}: class folder {split}/{as_text(class_dir.name)} has no counterpart in train/ "
-                                f"(train classes: {', '.join(classes)})")  # fmt: skip
+                raise no_counterpart(root, split, as_text(class_dir.name), classes)
             files = list_images(class_dir)
             if not files:
                 raise DataError(f"empty class folder {class_dir}: expected images")
@@ -189,6 +189,20 @@ def tree_files(root: Path, split_names: tuple[str, ...]) -> dict[str, FileSet]:
             n = len(paths)
             result[split] = FileSet(PathReader(root, paths), torch.arange(n), torch.tensor(labels, dtype=torch.int64), list(classes))
     return result
+
+
+def no_counterpart(root, split: str, name: str, classes: list[str]) -> DataError:
+    """The error for a class folder of `split` that train/ (classes `classes`) lacks. A train class in another Unicode form
+    (macOS writes 'é' as 'e' and an accent) prints as the same name: said so, where 'no counterpart' listed that name."""
+    twin = next((c for c in classes if unicodedata.normalize("NFC", c) == unicodedata.normalize("NFC", name)), None)
+    if twin is not None:
+        return DataError(f"{root}: class folder {split}/{name} and train/{twin} are one name in two Unicode forms "
+                         f"({unicode_form(name)} and {unicode_form(twin)}): rename one so that their bytes match")  # fmt: skip
+    return DataError(f"{root}: class folder {split}/{name} has no counterpart in train/ (train classes: {', '.join(classes)})")
+
+
+def unicode_form(name: str) -> str:
+    return "NFC" if unicodedata.is_normalized("NFC", name) else "NFD" if unicodedata.is_normalized("NFD", name) else "mixed"
 
 
 def files_fingerprint(files: FileSet) -> str:

@@ -102,7 +102,7 @@ def hub_config(model: VisionTransformer, mean, std, label_names: list[str] | Non
         "pretrained_cfg": {
             "input_size": [c["in_chans"], c["img_size"], c["img_size"]],
             "fixed_input_size": True,
-            "interpolation": "bicubic",
+            "interpolation": "bilinear",  # evaluation's resampling (decode_image): timm's eval transform gives its inputs
             "crop_pct": 1.0,  # the whole image: evaluation here resizes, it does not crop
             "crop_mode": "center",
             "mean": [float(x) for x in mean],

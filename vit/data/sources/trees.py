@@ -17,7 +17,7 @@ import torch
 from vit.config import DataConfig
 from vit.data.cache import cached
 from vit.data.decode import IMAGE_EXTENSIONS, BadImage, decode_image, is_image_name
-from vit.data.files import FileSet, SizeCheck, as_text, decode_files, folder_files, tree_files
+from vit.data.files import FileSet, SizeCheck, as_text, decode_files, folder_files, no_counterpart, tree_files
 from vit.data.sources.base import IMAGENET_MEAN, IMAGENET_STD, SPLIT_NAMES, Source, existing_root, is_archive, tree_why_not
 from vit.data.splits import ImageSet
 from vit.errors import DataError
@@ -97,8 +97,7 @@ def read_tree(source: Path, image_size: int | None, skip_bad: bool = False, bad:
             continue
         for c in names:
             if c not in index:
-                raise DataError(f"{source}: class folder {split}/{as_text(c)} has no counterpart in train/ (train classes: "
-                                f"{', '.join(map(as_text, classes))})")  # fmt: skip
+                raise no_counterpart(source, split, as_text(c), [as_text(name) for name in classes])
         images, labels, identity = [], [], []
         for c in names:
             files = sorted(entries[(split, c)], key=lambda f: f[0])  # file order, so tree and archive agree

@@ -22,7 +22,7 @@ import torch
 
 from finetune.models import load_classifier
 from vit.cli import refuse_below
-from vit.data.augment import normalize
+from vit.data.augment import normalize, resize
 from vit.data.decode import BadImage, decode_image
 from vit.data.files import PathReader, as_text, list_images
 from vit.device import pick_device
@@ -71,11 +71,16 @@ def read_images(paths: list[Path], size: int, skip_bad: bool, max_pixels: int = 
     return kept, images
 
 
+def model_inputs(images: torch.Tensor, size: int, mean, std, device: torch.device) -> torch.Tensor:
+    """images (N, 3, S, S) uint8, as decoded -> the model's inputs (N, 3, size, size), as the memory loader's evaluation
+    makes them from images it stored at S: resized to `size` (Resize + CenterCrop; nothing where S is `size`), normalised."""
+    return normalize(resize(images.to(device).float().div_(255), size), mean, std)
+
+
 @torch.no_grad()
-def probabilities(model: torch.nn.Module, images: torch.Tensor, mean, std, device: torch.device, precision: str) -> torch.Tensor:
-    """images (N, 3, S, S) uint8 -> class probabilities (N, C), in float32 on the host."""
-    x = normalize(images.to(device).float().div_(255), mean, std)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+def probabilities(model: torch.nn.Module, x: torch.Tensor, precision: str) -> torch.Tensor:
+    """The model's inputs x (N, 3, S, S) -> class probabilities (N, C), in float32 on the host."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
         logits = model(x)
     return logits.float().softmax(dim=-1).cpu()
 
@@ -116,14 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     model, payload = load_classifier(args.classifier)
     classes, data = payload["classes"], payload["data"]
     size = data["image_size"] or model_size(model)
+    stored = data.get("stored_size") or size  # a run whose memory loader kept the images at another size evaluated them from it
     precision = resolve_precision(args.precision, device)
     model.eval().to(device)
     paths, rows = image_paths(args.images), []
     check_csv_is_no_input(args.csv, paths)
     for start in range(0, len(paths), args.batch_size):  # a batch in memory at a time: a folder may hold any number
-        kept, images = read_images(paths[start : start + args.batch_size], size, args.skip_bad, args.max_image_pixels)
+        kept, images = read_images(paths[start : start + args.batch_size], stored, args.skip_bad, args.max_image_pixels)
         if kept:
-            rows += (found := table(kept, probabilities(model, images, data["mean"], data["std"], device, precision), classes, args.top))
+            x = model_inputs(images, size, data["mean"], data["std"], device)
+            rows += (found := table(kept, probabilities(model, x, precision), classes, args.top))
             for row in found:
                 print("  ".join([row[0]] + [f"{name} {float(p):.1%}" for name, p in zip(row[1::2], row[2::2])]))
     if not rows:

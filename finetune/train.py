@@ -273,6 +273,8 @@ def run_eval(cfg: FinetuneConfig) -> int:
         setattr(cfg.data, key, record[key])
     if record and record["dataset"] == "synthetic" and record.get("source_size"):
         cfg.data.synthetic_size = record["source_size"]  # generated images: how many is part of which ones
+    if cfg.data.image_size is None and payload["data"].get("stored_size"):  # kept at another size, evaluated resized from it
+        cfg.data.image_size = payload["data"]["stored_size"]
     run = Run.start(cfg, stage="finetune", job_type="eval", parent=payload.get("parent"), parent_run_id=payload.get("parent_run_id"))
     if replaced:
         run.print(f"eval: the classifier's data split: {', '.join(replaced)}")
@@ -342,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         return 143
     if run.is_main:
         size = built.encoder_config["img_size"] if built.encoder_config is not None else data.out_size
-        data_info = {"dataset": splits.name, "image_size": size, "mean": list(splits.mean), "std": list(splits.std),
+        # stored_size: the size the memory loader kept the images at, which evaluation resized to `size` (predict does too)
+        data_info = {"dataset": splits.name, "image_size": size, "stored_size": data.cfg.image_size if data.kind == "memory" else None,
+                     "mean": list(splits.mean), "std": list(splits.std),
                      "split": split_record(cfg.data, splits)}  # fmt: skip
         save_classifier(run.dir / CLASSIFIER_FILE, built, trained.model, splits.train.classes, data_info, trained.progress.step,
                         lineage={k: run.meta[k] for k in ("run_id", "parent_run_id")})  # fmt: skip

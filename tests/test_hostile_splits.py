@@ -155,3 +155,17 @@ def test_an_unlabelled_folder_that_is_an_imagefolder_tree_is_refused(tmp_path):
         open_data(data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "tree")), out_size=8, say=lambda line: None)
     data = open_data(data_cfg(tmp_path, dataset="folder", root=str(tmp_path / "tree" / "train")), out_size=8, say=lambda line: None)
     assert len(data.splits.train) == 2
+
+
+def test_a_val_split_a_small_class_cannot_give_says_what_fits():
+    """It named the class and what it lacked, not what to do: the value it names now carves a split, and 0 none."""
+    from vit.data.splits import carve_val
+
+    labels = torch.tensor([0] * 10 + [1] * 2 + [2] * 10)
+    with pytest.raises(DataError, match=r"^class 'b' has 2 training images; data\.val_size=20 needs 8 of it: data\.val_size=3 or less "
+                                        r"leaves each class a training image, and data\.val_size=0 holds out none$"):  # fmt: skip
+        carve_val(labels, ["a", "b", "c"], 20, 0)
+    val, train = carve_val(labels, ["a", "b", "c"], 3, 0)
+    assert torch.bincount(labels[val], minlength=3).tolist() == [1, 1, 1] and len(train) == 19
+    with pytest.raises(DataError, match="a class of one image has none to spare"):
+        carve_val(torch.tensor([0] * 10 + [1]), ["a", "b"], 4, 0)

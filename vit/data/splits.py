@@ -232,7 +232,11 @@ def carve_val(labels: torch.Tensor, classes: list[str], val_size: int, seed: int
         members = (labels == c).nonzero().flatten()
         if members.shape[0] <= counts[c]:
             have, want = members.shape[0], counts[c] + 1
-            raise DataError(f"class {classes[c]!r} has {have} training images; data.val_size={val_size} needs {want} of it")
+            # What fits: every class gives the smallest class's images but one (a balanced split takes the same from each).
+            most = num_classes * (int(torch.bincount(labels, minlength=num_classes).min()) - 1)
+            fix = f"data.val_size={most} or less leaves each class a training image" if most > 0 else "a class of one image has none to spare"
+            raise DataError(f"class {classes[c]!r} has {have} training images; data.val_size={val_size} needs {want} of it: {fix}, "
+                            "and data.val_size=0 holds out none")  # fmt: skip
         picked.append(members[torch.randperm(members.shape[0], generator=generator)[:counts[c]]])
     val_index = torch.cat(picked).sort().values
     return val_index, the_rest(labels.shape[0], val_index)

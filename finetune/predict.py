@@ -22,7 +22,7 @@ import torch
 
 from finetune.models import load_classifier
 from vit.cli import refuse_below
-from vit.data.augment import normalize, resize
+from vit.data.augment import eval_inputs
 from vit.data.decode import BadImage, decode_image
 from vit.data.files import PathReader, as_text, list_images
 from vit.device import pick_device
@@ -69,12 +69,6 @@ def read_images(paths: list[Path], size: int, skip_bad: bool, max_pixels: int = 
         kept.append(path)
     images = torch.stack(arrays).permute(0, 3, 1, 2) if arrays else torch.empty(0, 3, size, size, dtype=torch.uint8)
     return kept, images
-
-
-def model_inputs(images: torch.Tensor, size: int, mean, std, device: torch.device) -> torch.Tensor:
-    """images (N, 3, S, S) uint8, as decoded -> the model's inputs (N, 3, size, size), as the memory loader's evaluation
-    makes them from images it stored at S: resized to `size` (Resize + CenterCrop; nothing where S is `size`), normalised."""
-    return normalize(resize(images.to(device).float().div_(255), size), mean, std)
 
 
 @torch.no_grad()
@@ -129,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for start in range(0, len(paths), args.batch_size):  # a batch in memory at a time: a folder may hold any number
         kept, images = read_images(paths[start : start + args.batch_size], stored, args.skip_bad, args.max_image_pixels)
         if kept:
-            x = model_inputs(images, size, data["mean"], data["std"], device)
+            x = eval_inputs(images.to(device), size, data["mean"], data["std"])  # as the run's memory loader evaluated
             rows += (found := table(kept, probabilities(model, x, precision), classes, args.top))
             for row in found:
                 print("  ".join([row[0]] + [f"{name} {float(p):.1%}" for name, p in zip(row[1::2], row[2::2])]))

@@ -186,6 +186,13 @@ def resize(images: torch.Tensor, out_size: int) -> torch.Tensor:
     return images[..., top : top + out_size, left : left + out_size]
 
 
+def eval_inputs(images: torch.Tensor, out_size: int, mean: Sequence[float] | torch.Tensor, std: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Unaugmented images as evaluation feeds them to a model: (B, C, H, W) uint8 -> (B, C, out_size, out_size) float,
+    resized (`resize`: Resize + CenterCrop, nothing at that size) and normalised. The memory loader's val and test
+    batches, and `finetune.predict`'s image files, so both give a model the same numbers."""
+    return normalize(resize(images.float().div_(255), out_size), mean, std)
+
+
 class ChunkOp:
     """An op whose random draws are made batch by batch and whose work runs on many batches at once.
 
@@ -376,5 +383,4 @@ class BatchLoader(Loader):
         start, stop = self.shard
         for b in range(start_batch, self.num_batches):
             lo, hi = start + b * self.batch_size, min(start + (b + 1) * self.batch_size, stop)
-            x = resize(self.images[lo:hi].float().div_(255), self.out_size)
-            yield normalize(x, self._mean_t, self._std_t), self.labels[lo:hi]
+            yield eval_inputs(self.images[lo:hi], self.out_size, self._mean_t, self._std_t), self.labels[lo:hi]

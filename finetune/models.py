@@ -18,10 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vit.store.checkpoint import CLASSIFIER_FORMAT, CheckpointError, load_encoder, load_timm_weights, read_checkpoint, read_encoder
-from vit.store.checkpoint import misfits, non_finite, read_weights_file, wrong_kind
+from vit.store.checkpoint import misfits, non_finite, read_weights_file, refuse_other_encoder, wrong_kind
 from vit.errors import ConfigError
 from vit.store.atomic import atomic_save
-from vit.store.hub import MATCHED_FIELDS, fixed_pos_embed, hub_reachable, is_hub_init, is_model_folder, load_hub_weights, timm_architecture
+from vit.store.hub import fixed_pos_embed, hub_reachable, is_hub_init, is_model_folder, load_hub_weights, timm_architecture
 from vit.store.hub import unreachable
 from vit.models.encoder import PatchDropout, VisionTransformer, check_config, create_model
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, run_folder_of
@@ -222,10 +222,7 @@ def pretrained_cfg(name: str):
 def check_timm_architecture(name: str, model: VisionTransformer) -> None:
     """Refuse, before any weights are read or downloaded, a timm model that is no ViT of this encoder's sizes, naming the
     `model.*` settings that would fit it (as for a Hub folder): a ViT-B's 330 MB were downloaded, then refused."""
-    stored = timm_architecture({"architecture": name}, f"finetune.init=timm:{name}")
-    diff = [f"model.{k}={stored[k]!r} (this run: {model.config[k]!r})" for k in MATCHED_FIELDS if stored[k] != model.config[k]]
-    if diff:
-        raise CheckpointError(f"finetune.init=timm:{name} is a different encoder; to load it set {' '.join(diff)}")
+    refuse_other_encoder(timm_architecture({"architecture": name}, f"finetune.init=timm:{name}"), model, f"timm:{name}")
 
 
 def timm_state_dict(name: str, init_file: str | None, model: VisionTransformer | None = None) -> dict[str, torch.Tensor]:

@@ -176,6 +176,18 @@ def config_mismatch(stored: dict, wanted: dict, fields=ARCHITECTURE_FIELDS) -> l
     return [f"{k}: {stored.get(k)!r} != {wanted.get(k)!r}" for k in fields if stored.get(k) != wanted.get(k)]
 
 
+# Fields that must agree between timm's ViT (a Hub folder, `timm:` weights) and our encoder; image and patch size are resampled.
+MATCHED_FIELDS = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
+
+
+def refuse_other_encoder(stored: dict[str, Any], model: VisionTransformer, init: str) -> None:
+    """A CheckpointError where the timm ViT `init` names (its `stored` MATCHED_FIELDS) is not `model`'s shape, naming the
+    `model.*` settings that would make it fit."""
+    diff = [f"model.{k}={stored[k]!r} (this run: {model.config[k]!r})" for k in MATCHED_FIELDS if stored[k] != model.config[k]]
+    if diff:
+        raise CheckpointError(f"finetune.init={init} is a different encoder; to load it set {' '.join(diff)}")
+
+
 def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load an `encoder.pt` into `model` strictly (the head alone may be new); returns the payload.
 

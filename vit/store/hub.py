@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 
 from vit.data.provenance import record_from_json
-from vit.store.checkpoint import CheckpointError, describe, learned_table, load_timm_weights, non_finite, read_weights_file
+from vit.store.checkpoint import (CheckpointError, describe, learned_table, load_timm_weights, non_finite, read_weights_file,
+                                  refuse_other_encoder)  # fmt: skip
 from vit.store.atomic import atomic_write
 from vit.store.runs import LOCK_FILE, holds_run, read_config
 from vit.errors import ConfigError, UserError
@@ -47,8 +48,6 @@ PROVENANCE_KEY = "pretrained_on"  # config.json: the data split an encoder was p
 PREFIXES = ("local-dir:", "hf-hub:")
 # timm builds any ViT from a registered name plus `model_args` that override its sizes; this is the family's reference.
 TEMPLATE_ARCHITECTURE = "vit_base_patch16_224"
-# Fields that must agree between a Hub ViT and our encoder; image and patch size are resampled instead.
-MATCHED_FIELDS = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
 # The `model_args` of a config.json that reach `timm.create_model`: a ViT's shape, and the parts `timm_architecture`
 # refuses by name. Nothing else does: timm's own arguments there (`checkpoint_path`, `pretrained_cfg_overlay`,
 # `cache_dir`, ...) would make it read other files.
@@ -412,10 +411,7 @@ def load_hub_weights(model: VisionTransformer, init: str) -> Path:
     folder = hub_folder(init)
     config, state = read_hub_folder(folder)
     stored = timm_architecture(config, f"finetune.init={init}")
-    wanted = {k: model.config[k] for k in MATCHED_FIELDS}
-    diff = [f"model.{k}={stored[k]!r} (this run: {wanted[k]!r})" for k in MATCHED_FIELDS if stored[k] != wanted[k]]
-    if diff:
-        raise CheckpointError(f"finetune.init={init} is a different encoder; to load it set {' '.join(diff)}")
+    refuse_other_encoder(stored, model, init)
     if bad := non_finite(state):  # a fine-tune from them stops at its first non-finite loss, a kNN run reports 0% (as from an encoder.pt)
         raise CheckpointError(f"finetune.init={init} holds weights that are not finite (NaN or inf): {bad}: the folder is damaged")
     table, (height, width) = state.get("pos_embed"), stored["grid"]

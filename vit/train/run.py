@@ -1,6 +1,8 @@
 """One training run: its accelerator, folder, trackers and summary.
 
-    run = Run.start(cfg, stage="pretrain")   # accelerator, threads, seed, the run folder (locked for the run's life), trackers
+    run = Run.start(cfg, stage="pretrain")   # accelerator, threads, seed, the run folder (locked for the run's life)
+    ...set up the stage (data, model, init)...
+    run.ready()                               # the trackers start: a run that fails to set up leaves no tracker run
     ...train...
     run.finish(summary)                       # summary.json with the run's facts; trackers closed; the folder unlocked
 
@@ -15,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +66,8 @@ class Run:
     budget_plan: dict[str, Any] | None = None  # a time budget's plan, once the loop has made it (or resumed it)
     budget_spent: Any = None  # where that budget's time went after the plan (`vit.train.budget.Spent`), once training ended
     replacing: str | None = None  # run.overwrite: this run's config, written by `ready` when it clears the run it replaces
-    used_encoder: Path | None = None  # the encoder.pt it starts from, told to wandb once trackers start (`ready`, replacing)
+    set_up: bool = False  # the stage called `ready`: the trackers started then, not at `start`
+    held: list[Callable[[], None]] = field(default_factory=list)  # tracker calls made before `ready`, sent once the trackers start
     resumed: bool = False  # it continues the run its folder records (a wandb run of the same id)
     logged_to: int | None = None  # a resumed run's last step logged before it: its trackers have the steps up to it already
     tracker_failures: int = 0  # tracker calls that failed (the first is a warning; summary.json counts them)
@@ -119,24 +123,28 @@ class Run:
         unused = getattr(cfg, "unused", list)()  # settings this run will not read: said once, in the log, not refused
         if unused:
             run.warn(f"not used by this run: {'; '.join(unused)}")
-        if run.replacing is None:  # else `ready` starts them, once the run it replaces (its tensorboard/ too) is cleared
-            run.start_trackers()
+        # No trackers yet: `ready` starts them once the stage is set up. Started here, a run refused at set-up (an empty
+        # data folder, a missing init) left a wandb run holding only its config, synced later as a failed run with no data.
         return run
 
     def ready(self) -> None:
-        """The stage is set up (data, model, init and schedule checked): a run that replaces another (run.overwrite, or
-        run.resume=auto over a run that died before its first state) clears that one's outputs and writes its own config
-        only now. Call it before the stage writes anything."""
-        if self.replacing is None:
+        """The stage is set up (data, model, init and schedule checked): the trackers start only now, and get what the stage
+        sent them before (`held`). A run that replaces another (run.overwrite, or run.resume=auto over a run that died before
+        its first state) clears that one's outputs (its tensorboard/ too) and writes its own config first. Call it before
+        the stage writes anything; a second call does nothing."""
+        if self.set_up:
             return
-        if self.is_main:
-            clear_outputs(self.dir)
-            write_config(self.dir, self.replacing)
-        self.replacing = None
-        self.accelerator.wait_for_everyone()
+        self.set_up = True
+        if self.replacing is not None:
+            if self.is_main:
+                clear_outputs(self.dir)
+                write_config(self.dir, self.replacing)
+            self.replacing = None
+            self.accelerator.wait_for_everyone()
         self.start_trackers()
-        if self.used_encoder is not None:
-            self.use_encoder(self.used_encoder)
+        held, self.held = self.held, []
+        for send in held:
+            send()
 
     # ------------------------------------------------------------------ output
 
@@ -206,11 +214,21 @@ class Run:
             return
         self.write_record()
         append_metrics(self.dir, record)
-        if self.trackers_on and not self.sent_before(record.get("step")):
-            try:
-                self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
-            except Exception as e:
-                self.tracker_failed(f"tracker log (metrics stay in {METRICS_FILE})", e)
+        if self.sent_before(record.get("step")):
+            return
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+        if self.set_up:
+            self._send_metrics(numbers, record.get("step"))
+        else:  # the trackers start at `ready`
+            self.held.append(partial(self._send_metrics, numbers, record.get("step")))
+
+    def _send_metrics(self, metrics: dict[str, int | float], step: Any) -> None:
+        if not self.trackers_on:
+            return
+        try:
+            self.accelerator.log(metrics, step=step)
+        except Exception as e:
+            self.tracker_failed(f"tracker log (metrics stay in {METRICS_FILE})", e)
 
     def last_logged(self, key: str) -> Any:
         """The last value of `key` in metrics.jsonl (main process), or None."""
@@ -221,7 +239,10 @@ class Run:
         return tracking.wandb_run(self.accelerator) if self.is_main and self.trackers_on else None
 
     def _to_wandb(self, what: str, send: Callable[..., None], *args) -> None:
-        """`send(wandb_run, *args)` when wandb is on; a failure costs one warning, never the run."""
+        """`send(wandb_run, *args)` when wandb is on (once `ready` started it); a failure costs one warning, never the run."""
+        if not self.set_up:
+            self.held.append(partial(self._to_wandb, what, send, *args))
+            return
         wrun = self._wandb()
         if wrun is None:
             return
@@ -243,11 +264,8 @@ class Run:
         self._to_wandb("model artifact", tracking.log_encoder, Path(path))
 
     def use_encoder(self, path: Path) -> None:
-        """Mark the `encoder.pt` this run starts from as its input (the lineage edge from the run that made it). A run that
-        replaces another starts its trackers once that one is cleared (`ready`): the edge waits for them."""
-        if self.replacing is not None:
-            self.used_encoder = Path(path)
-            return
+        """Mark the `encoder.pt` this run starts from as its input (the lineage edge from the run that made it). The stage
+        says it before `ready` starts the trackers: the edge waits for them (`_to_wandb`)."""
         self._to_wandb("artifact use", tracking.use_encoder, Path(path))
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from finetune.config import FinetuneConfig, FinetuneSection
 from finetune.evaluate import evaluate, save_confusion_matrix, scorer, sync_from_main
 from finetune.features import FeatureLoader, extract_features
 from finetune.knn import check_knn_data, run_knn
-from finetune.models import Built, build_classifier, check_finite_weights, encoder_init, load_classifier, read_init_encoder, save_classifier, unfinished_encoder
+from finetune.inits import check_finite_weights, encoder_init, read_init_encoder, unfinished_encoder
+from finetune.models import Built, build_classifier, load_classifier, save_classifier
 from vit.cli import parse
 from vit.config import ModelConfig
 from vit.data.files import ShardSet

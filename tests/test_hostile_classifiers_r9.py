@@ -14,9 +14,10 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-import finetune.models as models
+import finetune.inits as inits
 from finetune.config import FinetuneConfig
-from finetune.models import build_classifier, cifar_resnet18, read_init_encoder
+from finetune.inits import read_init_encoder
+from finetune.models import build_classifier, cifar_resnet18
 from finetune.train import main as finetune
 from helpers import ROOT, tiny_overrides
 from vit.config import load_config
@@ -49,7 +50,7 @@ def encoder_weights(model) -> dict[str, torch.Tensor]:
 def test_a_pretrained_tag_timm_does_not_know_is_one_line_naming_the_tags_it_knows(tmp_path, capsys):
     """A typo in the tag (`..._ft_in1` for `..._ft_in1k`) was timm's RuntimeError traceback, after the run had started."""
     with pytest.raises(ConfigError) as e:
-        models.timm_state_dict("vit_tiny_patch16_224.augreg_in21k_ft_in1", None)
+        inits.timm_state_dict("vit_tiny_patch16_224.augreg_in21k_ft_in1", None)
     assert str(e.value) == ("finetune.init=timm:vit_tiny_patch16_224.augreg_in21k_ft_in1: timm knows no pretrained weights of "
                             "that name; its pretrained weights are vit_tiny_patch16_224.augreg_in21k, "
                             "vit_tiny_patch16_224.augreg_in21k_ft_in1k")  # fmt: skip
@@ -58,7 +59,7 @@ def test_a_pretrained_tag_timm_does_not_know_is_one_line_naming_the_tags_it_know
     assert err.count("\n") == 1 and "its pretrained weights are vit_tiny_patch16_224.augreg_in21k," in err and "Traceback" not in err
     # A Hub id given to timm: says how a Hub model is named.
     with pytest.raises(ConfigError, match=f"of that name; a Hub model is finetune.init=hf-hub:{HUB_REPO}$"):
-        models.timm_state_dict(f"hf-hub:{HUB_REPO}", None)
+        inits.timm_state_dict(f"hf-hub:{HUB_REPO}", None)
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def hub(monkeypatch):
         torch.manual_seed(7)
         return create(name, pretrained=False, **kwargs)
 
-    monkeypatch.setattr(models, "hub_reachable", lambda: True)
+    monkeypatch.setattr(inits, "hub_reachable", lambda: True)
     monkeypatch.setattr(timm, "create_model", create_model)
     return calls
 

@@ -386,6 +386,7 @@ def summarize(cfg: FinetuneConfig, run: Run, data: Data, built: Built, trained: 
         "epochs": progress.epoch,
         "steps": progress.step,
         "skipped_steps": progress.nan_skips,
+        "scaler_skipped_steps": progress.scaler_skips,  # fp16's GradScaler's own (inf/NaN gradients at its scale)
         "wall_time_sec": round(progress.train_time + trained.feature_time, 2),  # a cached probe's stage time includes its features
         "feature_time_sec": round(trained.feature_time, 2),
         "images": progress.images,

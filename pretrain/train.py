@@ -213,6 +213,7 @@ def summarize(cfg: PretrainConfig, run: Run, t: Pretraining, progress, final_val
         "knn_time_sec": round(sum(r.get("knn_sec", 0) for r in read_metrics(run.dir)[0]), 2) if run.is_main else None,  # part of wall_time_sec
         "steps": progress.step,
         "skipped_steps": progress.nan_skips,
+        "scaler_skipped_steps": progress.scaler_skips,  # fp16's GradScaler's own (inf/NaN gradients at its scale)
         "epochs": progress.epoch,
         "images": progress.images,
         "wall_time_sec": round(progress.train_time, 2),

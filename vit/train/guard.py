@@ -11,13 +11,21 @@ counts as a step (its learning rate and its batches are used up), as AMP's `Grad
 optimiser can take the decision as a tensor (fused AdamW and SGD read `found_inf`, as they do under `GradScaler`, and so
 does our LARS), the host never waits; any other optimiser (a non-fused one, or any under fp16's `GradScaler`) is
 gated by a host read each step, which costs a synchronisation but skips the same steps.
+
+fp16's `GradScaler` skips steps of its own, whose loss was finite but whose gradients at its scale were not (a few at the
+start calibrate the scale): `ScalerSkips` counts them apart (`progress.scaler_skips`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from vit.errors import UserError
 from vit.train.lars import LARS
+
+
+class NonFiniteLoss(UserError):
+    """More steps had a non-finite loss than `run.nan_skip_budget` lets pass."""
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -84,3 +92,39 @@ class LossRing:
     def close(self) -> None:
         """Stop gating: the optimiser steps unconditionally again (e.g. when the loop ends)."""
         self.optimizer.__dict__.pop("found_inf", None)
+
+
+class ScalerSkips:
+    """The optimiser steps fp16's `GradScaler` skipped (inf or NaN in the gradients at its scale, where the loss itself was
+    finite, so the loss guard passed them), counted on the device and read by the host at check points only. The scaler
+    lowers its scale exactly on such a step (by `backoff_factor`, 0.5) and never otherwise, so a scale lower after the step
+    than before it is a skip: a comparison on the device, where reading the scaler's `found_inf` would cost a host read
+    each step and is gone once its `update` ran. Without a scaler (fp32, bf16) `step` is the bare `optimizer.step()`."""
+
+    def __init__(self, accelerator):
+        self.scaler = getattr(accelerator, "scaler", None)
+        self.count: torch.Tensor | None = None  # skips since the last `take`, on the device
+
+    def step(self, optimizer) -> None:
+        """`optimizer.step()`, which under Accelerate runs the scaler's step and update, counting a skip."""
+        before = getattr(self.scaler, "_scale", None)  # made by the scaler's first `scale(loss)`, updated in place after
+        if before is None:
+            optimizer.step()
+            return
+        before = before.clone()
+        optimizer.step()
+        skipped = (self.scaler._scale < before).int()
+        self.count = skipped if self.count is None else self.count + skipped
+
+    def take(self) -> int:
+        """The skips since the last call, in one host read (none, and no read, without a scaler or a step since)."""
+        if self.count is None:
+            return 0
+        count, self.count = int(self.count), None
+        return count
+
+
+def scaler_skips_said(skipped: int, steps: int) -> str:
+    """The line that says, at a run's end, the steps fp16's `GradScaler` skipped."""
+    return (f"fp16: the gradient scaler skipped {skipped} of {steps} steps (inf/NaN gradients at its scale; a few at the start "
+            "are its calibration, more are updates lost: fp16 overflows); summary.json's scaler_skipped_steps")

@@ -20,21 +20,15 @@ import torch
 import torch.nn as nn
 
 from vit.device import BusySampler, synchronize
-from vit.errors import UserError
 from vit.store.runs import newest_state, write_budget
 from vit.train.budget import Spent, StepMeter, make_plan, measure_seconds
 from vit.train.graph import StepGraph, step_autocast
-from vit.train.guard import LossRing
+from vit.train.guard import LossRing, NonFiniteLoss, ScalerSkips, scaler_skips_said
 from vit.train.optim import set_lr
 from vit.train.run import Run
 from vit.train.schedule import LoopSpec
 from vit.train.signals import Preempted, SignalGuard
 from vit.train.states import Progress, holds_position, save_state
-
-
-class NonFiniteLoss(UserError):
-    pass
-
 
 # Steps between the exchanges through which several processes agree on a host fact (a signal, a resume state's time, the
 # budget's measurement): each exchange is a host read, which a step otherwise never makes.
@@ -118,6 +112,7 @@ class TrainLoop:
         # made run.log_every=100000000, 'log only at epoch ends', allocate 400 MB and read it all at every check point.)
         slots = min(run.cfg.run.log_every, run.cfg.run.save_every or sys.maxsize, spec.steps_per_epoch)
         self.losses = LossRing(run.accelerator, optimizer, slots=slots)
+        self.scaler_skips = ScalerSkips(run.accelerator)  # fp16's GradScaler skips steps of its own
         self.checked = progress.step  # steps before this one were checked for non-finite losses
         self.read_at: tuple[int, dict[int, list[float]]] | None = None  # (step, the ring as read then)
         self.segment_start = time.perf_counter()  # progress.train_time counts the time up to here
@@ -276,7 +271,7 @@ class TrainLoop:
             clip = self.run.cfg.optim.clip_grad
             if clip is not None:
                 acc.clip_grad_norm_(self.model.parameters(), clip)
-            self.optimizer.step()
+            self.scaler_skips.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return bad, extras_sum
 
@@ -323,6 +318,7 @@ class TrainLoop:
         """A check point: say which steps since the last one had a non-finite loss (their updates were skipped); stop once
         more than `run.nan_skip_budget` were."""
         run, p, budget = self.run, self.progress, self.run.cfg.run.nan_skip_budget
+        p.scaler_skips += self.scaler_skips.take()  # counted apart: the scaler's steps are no loss's and use no budget
         bad = [(s, next(v for v in row if not math.isfinite(v))) for s, row in self.host_losses().items()
                if s >= self.checked and not all(math.isfinite(v) for v in row)]  # fmt: skip
         self.checked = p.step
@@ -420,6 +416,8 @@ class TrainLoop:
             self.graph.close()
         self.count_time()
         p = self.progress
+        if p.scaler_skips:
+            self.run.print(scaler_skips_said(p.scaler_skips, p.step))
         self.spent.trained, self.run.budget_spent = (time.perf_counter(), p.step), self.spent
         if self.spec.budget is not None and self.spec.planned_steps is None:  # summary.json's budget had no plan, unsaid
             self.run.warn(f"schedule.max_steps={self.spec.max_steps} stopped the run at step {p.step}, before its step time was measured: "

@@ -53,7 +53,8 @@ class Progress:
     batch: int = 0  # micro-batches of the current epoch already consumed
     images: int = 0  # training images seen, all processes
     train_time: float = 0.0  # seconds spent in training, summed over restarts
-    nan_skips: int = 0
+    nan_skips: int = 0  # steps whose non-finite loss the guard skipped
+    scaler_skips: int = 0  # steps fp16's GradScaler skipped (their gradients overflowed at its scale)
     best: dict[str, float] = field(default_factory=dict)
     planned_steps: int | None = None  # the step count a time budget fixed (kept across resumes)
     plan: dict[str, Any] | None = None  # that budget's whole plan (`vit.train.budget.BudgetPlan`), for the summary
@@ -195,7 +196,7 @@ def resume_candidates(run: Run, resume: str) -> list[Path]:
 
 
 PROGRESS_FIELDS = {f.name: f for f in dataclasses.fields(Progress)}
-COUNTS = ("step", "epoch", "batch", "images", "nan_skips")
+COUNTS = ("step", "epoch", "batch", "images", "nan_skips", "scaler_skips")
 
 
 def holds_position(run_dir: Path, progress: Progress) -> bool:

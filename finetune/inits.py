@@ -5,7 +5,6 @@ Each is read and checked here, and a path to something else is one line saying w
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from vit.store.checkpoint import (
     read_encoder,
     read_weights_file,
     refuse_other_encoder,
+    resampling,
     wrong_kind,
 )
 from vit.store.hub import fixed_pos_embed, hub_reachable, is_hub_init, is_model_folder, load_hub_weights, timm_architecture, unreachable
@@ -194,20 +194,6 @@ def timm_state_dict(name: str, init_file: str | None, model: VisionTransformer |
                           f"(`{download}`) and pass finetune.init_file=DIR/model.safetensors")  # fmt: skip
 
 
-def resampling(state: dict[str, torch.Tensor], model: VisionTransformer) -> str | None:
-    """What loading timm weights `state` into `model` resampled, in words; None when both fit as they are."""
-    done = []
-    kernel, table = state.get("patch_embed.proj.weight"), state.get("pos_embed")
-    patch = model.patch_embed.patch_size
-    if kernel is not None and kernel.ndim == 4 and kernel.shape[-1] != patch:
-        done.append(f"patch embedding resampled from {kernel.shape[-2]}x{kernel.shape[-1]} to {patch}x{patch} pixels")
-    if table is not None and table.ndim == 3 and table.shape[1] != model.pos_embed.shape[1]:
-        old, new = math.isqrt(table.shape[1] - 1), model.patch_embed.grid_size
-        how = "recomputed (sin-cos)" if model.config["pos_embed"] == "sincos" else "interpolated (bicubic)"
-        done.append(f"positional embeddings {how} from a {old}x{old} to a {new}x{new} patch grid")
-    return ", ".join(done) or None
-
-
 def load_init(encoder: VisionTransformer, init: str, init_file: str | None, say=None) -> str | None:
     """Load the weights `finetune.init` names into `encoder` (nothing for scratch); returns the pretraining run an MAE
     encoder came from (its `meta.run`), else None. `say` gets a line about anything resampled or left out."""
@@ -221,7 +207,7 @@ def load_init(encoder: VisionTransformer, init: str, init_file: str | None, say=
         if say is not None and (note := resampling(state, encoder)):  # as an MAE encoder's resampling is said (load_encoder)
             say(f"{where}: {note}")
     elif is_hub_init(init):
-        load_hub_weights(encoder, init)
+        load_hub_weights(encoder, init, say)
     elif (path := encoder_init(init)) is not None:  # an MAE encoder: the architecture comes from the model config, and must match the checkpoint's
         return load_encoder(encoder, path, say).get("meta", {}).get("run")
     return None

@@ -14,6 +14,7 @@ Both hold plain tensors and dicts only, so they load with `torch.load(weights_on
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -283,6 +284,22 @@ def adapt_timm_state_dict(state_dict: dict[str, torch.Tensor], model: VisionTran
         out.pop("head.weight")
         out.pop("head.bias", None)
     return out
+
+
+def resampling(state: dict[str, torch.Tensor], model: VisionTransformer, grid: tuple[int, int] | None = None) -> str | None:
+    """What loading timm weights `state` into `model` resampled, in words; None when both fit as they are. `grid`: as for
+    `adapt_timm_state_dict` (the (H, W) grid of the weights' table; None: square, from its length)."""
+    done = []
+    kernel, table = state.get("patch_embed.proj.weight"), state.get("pos_embed")
+    patch, new = model.patch_embed.patch_size, model.patch_embed.grid_size
+    if kernel is not None and kernel.ndim == 4 and kernel.shape[-1] != patch:
+        done.append(f"patch embedding resampled from {kernel.shape[-2]}x{kernel.shape[-1]} to {patch}x{patch} pixels")
+    if table is not None and table.ndim == 3:
+        old = tuple(grid) if grid is not None else (math.isqrt(max(table.shape[1] - 1, 0)),) * 2
+        if table.shape[1] != model.pos_embed.shape[1] or old != (new, new):  # a 4x16 table has an 8x8 one's length
+            how = "recomputed (sin-cos)" if model.config["pos_embed"] == "sincos" else "interpolated (bicubic)"
+            done.append(f"positional embeddings {how} from a {old[0]}x{old[1]} to a {new}x{new} patch grid")
+    return ", ".join(done) or None
 
 
 def load_timm_weights(model: VisionTransformer, state_dict: dict[str, torch.Tensor], grid: tuple[int, int] | None = None) -> list[str]:

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -32,7 +33,7 @@ import torch.nn as nn
 
 from vit.data.provenance import record_from_json
 from vit.store.checkpoint import (CheckpointError, describe, learned_table, load_timm_weights, non_finite, read_weights_file,
-                                  refuse_other_encoder)  # fmt: skip
+                                  refuse_other_encoder, resampling)  # fmt: skip
 from vit.store.atomic import atomic_write
 from vit.store.runs import LOCK_FILE, holds_run, read_config
 from vit.errors import ConfigError, UserError
@@ -402,11 +403,11 @@ def timm_architecture(config: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
-def load_hub_weights(model: VisionTransformer, init: str) -> Path:
+def load_hub_weights(model: VisionTransformer, init: str, say: Callable[[str], None] | None = None) -> Path:
     """Load the folder that `init` (`local-dir:...` or `hf-hub:...`) names into `model`; returns the folder.
 
     The architecture must match field by field (naming the `model.*` overrides that would make it fit);
-    image and patch size may differ and are resampled, and a head of another size is dropped, as for `timm:`.
+    image and patch size may differ and are resampled (said to `say`, as for `timm:`), and a head of another size is dropped.
     """
     folder = hub_folder(init)
     config, state = read_hub_folder(folder)
@@ -422,6 +423,8 @@ def load_hub_weights(model: VisionTransformer, init: str) -> Path:
         load_timm_weights(model, {**state, **fixed}, None if fixed else grid)
     except CheckpointError as e:  # its config.json describes this encoder (checked above): the weights disagree with it
         raise CheckpointError(f"finetune.init={init}: its weights are not the encoder its {CONFIG_FILE} describes: {e}") from None
+    if say is not None and (note := resampling(state, model, grid)):
+        say(f"finetune.init={init}: {note}")
     return folder
 
 

@@ -11,11 +11,12 @@ The run folder's files are `vit.store.runs`'s; a second run of a live folder ref
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -42,6 +43,41 @@ from vit.train import tracking
 from vit.train.accelerator import main_first, make_accelerator, set_threads
 from vit.train.budget import outcome
 from vit.train.resumes import check_resume
+
+
+@dataclass
+class StepRecords:
+    """How many records of metrics.jsonl carry the step of the last one, counted as `Run.log` appends them: a resume
+    state says how many records of its step were logged before it (`vit.train.states.save_state`), and reading the whole
+    file for that at every save made a long run's saves cost more and more. A step counts as `read_metrics` reads it back,
+    and `==` compares it with a state's step as that count did (3.0 is step 3; a non-finite step is written as null)."""
+
+    step: int | float | None = None  # the last counted record's step; None before one
+    count: int = 0  # the records of that step logged since the step last changed
+    # False where records of one step may lie apart (a step went back) or the file holds records this count never saw:
+    # only the file says how many then
+    exact: bool = True
+
+    def add(self, step: Any) -> None:
+        if not (isinstance(step, int) or (isinstance(step, float) and math.isfinite(step))):
+            return  # read back as no step (a null), or not a number: `read_metrics` counts it for no step
+        if self.step is not None and step < self.step:
+            self.exact = False
+        self.count = self.count + 1 if step == self.step else 1
+        self.step = step
+
+    def at(self, step: int) -> int | None:
+        """The records of `step` in metrics.jsonl; None where this count cannot say (see `exact`, and a step before the last)."""
+        if not self.exact or (self.step is not None and step < self.step):
+            return None
+        return self.count if step == self.step else 0
+
+    @classmethod
+    def of(cls, steps: Iterable[Any]) -> StepRecords:
+        counted = cls()
+        for step in steps:
+            counted.add(step)
+        return counted
 
 
 @dataclass
@@ -73,6 +109,12 @@ class Run:
     tracker_failures: int = 0  # tracker calls that failed (the first is a warning; summary.json counts them)
     warnings: list[str] = field(default_factory=list)  # what `warn` said in this process, for summary.json
     new_record: str | None = None  # a resume's config.yaml with the id it continues under where that is new, written at its first record
+    # metrics.jsonl's records of its last step (main process): set from the file where a resume trimmed it (`load_state`)
+    # and cleared with it (`ready`); a file found here and neither resumed nor cleared is one this count never read
+    step_records: StepRecords = field(default_factory=StepRecords)
+
+    def __post_init__(self) -> None:
+        self.step_records.exact = not (Path(self.dir) / METRICS_FILE).exists()
 
     @classmethod
     def start(cls, cfg: Any, stage: str, job_type: str | None = None, parent: str | None = None,
@@ -138,6 +180,7 @@ class Run:
         if self.replacing is not None:
             if self.is_main:
                 clear_outputs(self.dir)
+                self.step_records = StepRecords()  # records logged before (held for the trackers) went with the file
                 write_config(self.dir, self.replacing)
             self.replacing = None
             self.accelerator.wait_for_everyone()
@@ -214,6 +257,7 @@ class Run:
             return
         self.write_record()
         append_metrics(self.dir, record)
+        self.step_records.add(record.get("step"))
         if self.sent_before(record.get("step")):
             return
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float))}

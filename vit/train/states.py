@@ -38,7 +38,7 @@ from vit.store.runs import (
 )
 from vit.store.values import is_count, is_finite
 from vit.train.resumes import setting_differences
-from vit.train.run import Run
+from vit.train.run import Run, StepRecords
 
 RECORD_KEY = "saved_by"  # trainer.json's record of the run that saved the state; no field of `Progress`
 RNG_FILES = "random_states_*.pkl"  # Accelerate writes one per process: a state without a record still says how many saved it
@@ -83,7 +83,7 @@ def save_state(run: Run, progress: Progress) -> Path:
         acc.save_state(str(tmp))
         acc.wait_for_everyone()
         if acc.is_main_process:
-            progress.logged = sum(1 for record in read_metrics(run.dir)[0] if record["step"] == progress.step)
+            progress.logged = logged_at(run, progress.step)
             complete_state(tmp, final, {**progress.__dict__, RECORD_KEY: state_record(run)})
     except Exception as e:
         reason = storage_failure(e, tmp.parent)  # before the partial state frees its space
@@ -100,6 +100,13 @@ def save_state(run: Run, progress: Progress) -> Path:
         trim_states(run.dir, run.cfg.run.keep_states)
     acc.wait_for_everyone()
     return final
+
+
+def logged_at(run: Run, step: int) -> int:
+    """The records of `step` in metrics.jsonl (main process), as `run.log` counted them; the file is read only where that
+    count cannot say (`StepRecords.exact`), which no run of the training loop meets."""
+    counted = run.step_records.at(step)
+    return counted if counted is not None else sum(1 for record in read_metrics(run.dir)[0] if record["step"] == step)
 
 
 def drop_later_states(run: Run, saved: Path) -> None:
@@ -154,6 +161,8 @@ def load_state(run: Run) -> Progress | None:
         run.started -= progress.train_time
         if run.is_main:
             dropped = trim_metrics(run.dir / METRICS_FILE, progress.step, math.inf if progress.logged is None else progress.logged)
+            # The count `save_state` reads starts from what the resume left in the file (records of this step among them).
+            run.step_records = StepRecords.of(record["step"] for record in read_metrics(run.dir)[0])
             if dropped:
                 run.print(f"resume: dropped {dropped} metrics record(s) logged after step {progress.step}; they are logged again")
         return progress

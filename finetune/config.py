@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from vit.config import AugmentConfig, ModelConfig, StageConfig, check, check_temperature, section
+from vit.config import AugmentConfig, ModelConfig, OptimConfig, StageConfig, check, check_temperature, section
 
 
 @dataclass
@@ -67,7 +67,18 @@ class FinetuneSection:
 
 
 @dataclass
+class FinetuneOptimConfig(OptimConfig):
+    """`OptimConfig` with MAE's fine-tuning defaults (its `main_finetune.py`: AdamW at the default betas, base_lr 5e-4 for
+    ViT-B), as `aug`'s defaults are its fine-tuning augmentation: the shared defaults are its pretraining's (betas 0.95,
+    base_lr 1.5e-4), which gave a fine-tune written without an `optim` section a third of the learning rate."""
+
+    base_lr: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclass
 class FinetuneConfig(StageConfig):
+    optim: FinetuneOptimConfig = section(FinetuneOptimConfig)
     finetune: FinetuneSection = section(FinetuneSection)
     aug: AugmentConfig = section(AugmentConfig)
 

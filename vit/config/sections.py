@@ -202,7 +202,7 @@ class OptimConfig:
     def unused(self) -> list[str]:
         """The settings, changed from their defaults, that `name` does not read: momentum is SGD's and LARS's, betas are
         AdamW's. Said, not refused: a recipe switches its optimiser by `optim.name` alone."""
-        default = OptimConfig()
+        default = type(self)()  # a stage's own defaults (the classification stage's are fine-tuning's)
         if self.name == "adamw" and self.momentum != default.momentum:
             return [f"optim.momentum={self.momentum:g} (optim.name=adamw reads optim.betas)"]
         if self.name != "adamw" and tuple(self.betas) != default.betas:

@@ -285,7 +285,9 @@ class Loader:
         if train:
             self.num_batches = (n // world_size) // batch_size
             if self.num_batches == 0:
-                raise DataError(f"the training split has {n} images, fewer than a batch of {batch_size} for each of {world_size} processes")
+                # Both stages' training batch is optim.batch_size: name it, and the largest that fits.
+                fits = f"lower optim.batch_size to {n // world_size} or less" if n >= world_size else "use fewer processes"
+                raise DataError(f"the training split has {n} images, fewer than a batch of {batch_size} for each of {world_size} processes: {fits}")
             self.shard = None
         else:
             self.shard = eval_shard(n, rank, world_size)

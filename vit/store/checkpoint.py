@@ -26,6 +26,7 @@ from torch import nn
 from vit.errors import CheckpointError
 from vit.models.encoder import VisionTransformer
 from vit.models.pos_embed import resample_patch_embed, resample_pos_embed, sincos_2d
+from vit.models.presets import PRESETS
 from vit.store.atomic import atomic_save
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, MAE_FILE, describe_folder
 
@@ -189,6 +190,14 @@ def refuse_other_encoder(stored: dict[str, Any], model: VisionTransformer, init:
         raise CheckpointError(f"finetune.init={init} is a different encoder; to load it set {' '.join(diff)}")
 
 
+def preset_of(config: dict[str, Any]) -> str | None:
+    """The `model.name` preset whose sizes an encoder config has (its image size aside: it is resampled), or None."""
+    for name, sizes in PRESETS.items():
+        if config.get("qkv_bias", True) is True and all(config.get(k) == v for k, v in sizes.items() if k != "img_size"):
+            return name
+    return None
+
+
 def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load an `encoder.pt` into `model` strictly (the head alone may be new); returns the payload.
 
@@ -202,7 +211,14 @@ def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callabl
     stored = payload["config"]
     diff = config_mismatch(stored, model.config, tuple(f for f in ARCHITECTURE_FIELDS if f != "img_size"))
     if diff:
-        raise CheckpointError(f"{path} was saved from a different encoder (checkpoint != this run): {'; '.join(diff)}")
+        # The fields alone left the user to work out the overrides (a run's model.name is not in encoder.pt, but its sizes
+        # may be a preset's); in_chans is no setting, and img_size is resampled.
+        settable = [k for k in ARCHITECTURE_FIELDS if k not in ("img_size", "in_chans") and stored.get(k) not in (None, model.config[k])]
+        fits = " ".join(f"model.{k}={str(stored[k]).lower() if isinstance(stored[k], bool) else stored[k]}" for k in settable)
+        preset = preset_of(stored)  # the overrides always load it; the preset name does where the run sets no sizes of its own
+        named = f"model.name={preset} (or {fits})" if preset not in (None, preset_of(model.config)) and fits else fits
+        hint = f"; to load it set {named}" if named else ""
+        raise CheckpointError(f"{path} was saved from a different encoder (checkpoint != this run): {'; '.join(diff)}{hint}")
     state = payload["state_dict"]
     if model.config["pos_embed"] == "sincos" and stored.get("pos_embed", "learned") != "sincos":
         raise learned_table(str(path))

@@ -166,7 +166,9 @@ def _load_cifar(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
 def _check_class_count(cfg: DataConfig, classes: list[str]) -> None:
     spec = _CIFAR[cfg.dataset]
     if len(classes) != spec.num_classes:
-        raise DataError(f"{Path(cfg.root).expanduser()} holds {len(classes)} class folders, expected the {spec.num_classes} {spec.title} classes")
+        # data.dataset defaults to cifar10, so a user's own tree lands here first: say the setting that reads it as it is.
+        raise DataError(f"{Path(cfg.root).expanduser()} holds {len(classes)} class folders, expected the {spec.num_classes} {spec.title} classes "
+                        f"of data.dataset={cfg.dataset}; for a tree of your own classes set data.dataset=imagefolder")
 
 
 def _read_cifar_pickles(folder: Path, spec: _CifarSpec) -> dict[str, ImageSet]:

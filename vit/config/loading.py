@@ -259,13 +259,21 @@ def _field_names(obj: Any) -> set[str]:
 
 def _build(cls: type, data: Any, prefix: str, source: str, spelled: dict[int, dict]) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping in {source}, got {SHOWN.repr(data)}")
+        # `model: vit_cifar_small` is the likely slip: a section's settings go beneath it, one per line.
+        named = prefix and "name" in _field_names(cls) and isinstance(data, str) and data.isidentifier()
+        nested = f": write its settings beneath it, e.g. {prefix.rstrip('.')}: {{name: {data}}}" if named else ""
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping in {source}, got {SHOWN.repr(data)}{nested}")
     hints = typing.get_type_hints(cls)
     names = _field_names(cls)
     for key in data:
         if key not in names:
             if key == "meta" and not prefix:
                 continue  # written into run folders next to the config; ignored on reload
+            section, _, field = str(key).partition(".")
+            if field and section in names and dataclasses.is_dataclass(typing.get_type_hints(cls)[section]):
+                # The command line's dotted form, written into a YAML file.
+                raise ConfigError(f"unknown config key {prefix + str(key)!r} in {source}: a dotted key is for the command line; "
+                                  f"in a YAML file nest it, e.g. {prefix}{section}: {{{field}: {data[key]}}}")  # fmt: skip
             raise _unknown(prefix + str(key), f"in {source}")
     texts = spelled.get(id(data), {})
     kwargs = {}

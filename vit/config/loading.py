@@ -270,7 +270,7 @@ def _build(cls: type, data: Any, prefix: str, source: str, spelled: dict[int, di
             if key == "meta" and not prefix:
                 continue  # written into run folders next to the config; ignored on reload
             section, _, field = str(key).partition(".")
-            if field and section in names and dataclasses.is_dataclass(typing.get_type_hints(cls)[section]):
+            if field and section in names and dataclasses.is_dataclass(hints[section]):
                 # The command line's dotted form, written into a YAML file.
                 raise ConfigError(f"unknown config key {prefix + str(key)!r} in {source}: a dotted key is for the command line; "
                                   f"in a YAML file nest it, e.g. {prefix}{section}: {{{field}: {data[key]}}}")  # fmt: skip

@@ -117,3 +117,21 @@ def image_tree(root: Path, bad=lambda split, label, i: False) -> Path:
                 if bad(split, label, i):
                     path.write_bytes(b"not an image")
     return root
+
+
+TINY_VIT = {"img_size": 32, "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2, "num_classes": 0}  # ours and timm's
+
+
+def tiny_timm_vit(**kw):
+    """A tiny timm ViT of TINY_VIT's shape, in eval mode; `kw` overrides it (img_size, patch_size, global_pool, ...)."""
+    import timm
+
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**TINY_VIT, **kw}).eval()
+
+
+def saved_for_hub(model, folder: Path) -> Path:
+    """`model` saved as timm saves it for the Hub (config.json with its model_args, model.safetensors) into `folder`."""
+    from timm.models import save_for_hf
+
+    save_for_hf(model, str(folder), safe_serialization=True)
+    return folder

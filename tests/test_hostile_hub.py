@@ -5,11 +5,12 @@ import re
 
 import huggingface_hub
 import pytest
-import timm
 import torch
+from helpers import TINY_VIT as TINY
+from helpers import saved_for_hub as saved
+from helpers import tiny_timm_vit as timm_vit
 from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
-from timm.models import save_for_hf
 
 import vit.store.hub
 from vit.errors import CheckpointError
@@ -18,22 +19,9 @@ from vit.models.pos_embed import resample_pos_embed
 from vit.store.checkpoint import load_encoder, load_timm_weights, read_weights_file, save_encoder
 from vit.store.hub import load_hub_weights
 
-TINY = {"img_size": 32, "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2, "num_classes": 0}  # ours and timm's
-
-
-def timm_vit(**kw) -> torch.nn.Module:
-    """A tiny timm ViT, in eval mode; `kw` overrides its shape (img_size, patch_size, global_pool, ...)."""
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**TINY, **kw}).eval()
-
 
 def ours(**kw) -> VisionTransformer:
     return VisionTransformer(**{**TINY, **kw}).eval()
-
-
-def saved(model, folder):
-    """`model` saved as timm saves it for the Hub (config.json with its model_args, model.safetensors)."""
-    save_for_hf(model, str(folder), safe_serialization=True)
-    return folder
 
 
 @pytest.mark.parametrize("prefix", [0, 1])

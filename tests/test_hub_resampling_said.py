@@ -1,10 +1,9 @@
 """A Hub / local model folder loaded at another image or patch size says what it resampled, as `timm:` weights and an MAE
 encoder do: its table was interpolated (or its patch kernel resampled) without a word."""
 
-import timm
 import torch
-from helpers import tiny_overrides
-from timm.models import save_for_hf
+from helpers import TINY_VIT as TINY
+from helpers import saved_for_hub, tiny_overrides, tiny_timm_vit
 
 from finetune.config import FinetuneConfig
 from finetune.models import build_classifier
@@ -12,13 +11,9 @@ from vit.config import load_config
 from vit.models.encoder import VisionTransformer
 from vit.store.hub import load_hub_weights
 
-TINY = {"img_size": 32, "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2, "num_classes": 0}  # ours and timm's
-
 
 def saved_timm(folder, **kw):
-    """A tiny timm ViT saved as timm saves it for the Hub (config.json with its model_args, model.safetensors)."""
-    save_for_hf(timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**TINY, **kw}), str(folder), safe_serialization=True)
-    return folder
+    return saved_for_hub(tiny_timm_vit(**kw), folder)
 
 
 def test_a_folder_at_another_size_says_what_it_resampled_and_one_that_fits_says_nothing(tmp_path):

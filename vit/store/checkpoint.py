@@ -182,12 +182,22 @@ def config_mismatch(stored: dict, wanted: dict, fields=ARCHITECTURE_FIELDS) -> l
 MATCHED_FIELDS = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
 
 
+def typed(value: Any) -> str:
+    """A setting's value as one types it on the command line (`false`, where Python prints `False`)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def refuse_other_encoder(stored: dict[str, Any], model: VisionTransformer, init: str) -> None:
     """A CheckpointError where the timm ViT `init` names (its `stored` MATCHED_FIELDS) is not `model`'s shape, naming the
-    `model.*` settings that would make it fit."""
-    diff = [f"model.{k}={stored[k]!r} (this run: {model.config[k]!r})" for k in MATCHED_FIELDS if stored[k] != model.config[k]]
-    if diff:
-        raise CheckpointError(f"finetune.init={init} is a different encoder; to load it set {' '.join(diff)}")
+    `model.*` settings that would make it fit (the channels are no setting: every run reads 3-channel images)."""
+    settable = [k for k in MATCHED_FIELDS if k != "in_chans" and stored[k] != model.config[k]]
+    found = []
+    if stored["in_chans"] != model.config["in_chans"]:
+        found.append(f"it takes {stored['in_chans']}-channel images (this run: {model.config['in_chans']})")
+    if settable:
+        found.append("to load it set " + " ".join(f"model.{k}={typed(stored[k])} (this run: {typed(model.config[k])})" for k in settable))
+    if found:
+        raise CheckpointError(f"finetune.init={init} is a different encoder; {'; '.join(found)}")
 
 
 def preset_of(config: dict[str, Any]) -> str | None:
@@ -214,7 +224,7 @@ def load_encoder(model: VisionTransformer, path: str | os.PathLike, say: Callabl
         # The fields alone left the user to work out the overrides (a run's model.name is not in encoder.pt, but its sizes
         # may be a preset's); in_chans is no setting, and img_size is resampled.
         settable = [k for k in ARCHITECTURE_FIELDS if k not in ("img_size", "in_chans") and stored.get(k) not in (None, model.config[k])]
-        fits = " ".join(f"model.{k}={str(stored[k]).lower() if isinstance(stored[k], bool) else stored[k]}" for k in settable)
+        fits = " ".join(f"model.{k}={typed(stored[k])}" for k in settable)
         preset = preset_of(stored)  # the overrides always load it; the preset name does where the run sets no sizes of its own
         named = f"model.name={preset} (or {fits})" if preset not in (None, preset_of(model.config)) and fits else fits
         hint = f"; to load it set {named}" if named else ""

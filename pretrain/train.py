@@ -51,10 +51,13 @@ def knn_monitor(cfg: PretrainConfig, run: Run, data: Data):
     """`evaluate(encoder, epoch, epoch_seconds) -> metrics`: kNN top-1 / top-5 of a seeded subset of the val split
     against a seeded subset of the training images; None when `mae.knn_every` is 0, or there is no val split or no labels."""
     mae_cfg, splits = cfg.mae, data.splits
-    if not mae_cfg.knn_every or not len(splits.val):
+    if not mae_cfg.knn_every:
         return None
     if not splits.labelled:
         run.print("kNN monitor: off, the data has no labels (mae.knn_every needs labelled images)")
+        return None
+    if not len(splits.val):  # it queried nothing and said nothing
+        run.print("kNN monitor: off, there is no val split to query (data.val_size=0; mae.knn_every needs one)")
         return None
     bank = data.subset(splits.train, seeded_subset(len(splits.train), mae_cfg.knn_bank_size, cfg.run.seed, "knn_bank"))
     queries = data.subset(splits.val, seeded_subset(len(splits.val), mae_cfg.knn_val_size or len(splits.val), cfg.run.seed, "knn_val"))
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     final_val = final_evaluation(run, t, knn, progress, evaluated, clock["epoch"])
     summary = run.finish(summarize(cfg, run, t, progress, final_val, first_batch_sum))
     run.print(f"done: {summary['steps']} steps in {summary['wall_time_sec']:.0f}s ({summary['images_per_sec']:.0f} img/s), "
-              f"loss {summary['final_loss']}, val loss {final_val} -> {run.dir / ENCODER_FILE}")
+              f"loss {summary['final_loss']}, val loss {'- (no val split)' if final_val is None else final_val} -> {run.dir / ENCODER_FILE}")
     return 0
 
 

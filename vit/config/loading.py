@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from vit.errors import ConfigError
+from vit.store.runs import CONFIG_FILE
 
 MAX_CONFIG_BYTES = 1 << 20
 NULLS = ("~", "null", "Null", "NULL")  # YAML's spellings of null: an override so spelled unsets an optional key
@@ -132,7 +133,7 @@ def read_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[int,
         with open(path, "rb") as f:  # no more than the limit: `--config /dev/zero` (or a dataset's tar) was read without end
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
-        inside = os.path.join(path, "config.yaml")
+        inside = os.path.join(path, CONFIG_FILE)
         hint = f" (a run folder: its settings are {inside})" if os.path.isdir(path) and os.path.isfile(inside) else ""
         raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint}") from None
     if len(raw) > MAX_CONFIG_BYTES:

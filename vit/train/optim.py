@@ -78,9 +78,32 @@ def make_optimizer(groups: list[dict], optim_cfg, device: torch.device) -> torch
     # can be captured as one CUDA graph.
     fused = optim_cfg.fused if optim_cfg.fused is not None else device.type in ("cuda", "cpu")
     if optim_cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=0.0, betas=optim_cfg.betas, fused=fused)
-    if optim_cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=0.0, momentum=optim_cfg.momentum, fused=fused)
-    from vit.train.lars import LARS
+        optimizer = torch.optim.AdamW(groups, lr=0.0, betas=optim_cfg.betas, fused=fused)
+    elif optim_cfg.name == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=0.0, momentum=optim_cfg.momentum, fused=fused)
+    else:
+        from vit.train.lars import LARS
 
-    return LARS(groups, lr=0.0, momentum=optim_cfg.momentum)
+        optimizer = LARS(groups, lr=0.0, momentum=optim_cfg.momentum)
+    optimizer.register_load_state_dict_pre_hook(keep_own_settings)
+    return optimizer
+
+
+def keep_own_settings(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A resume state's numbers (moments, momentum, step counts) under this optimiser's own group settings.
+
+    torch's `load_state_dict` replaces each group's settings with the saved ones, `fused` among them: a run started on MPS
+    (`optim.fused` unset: unfused there) and resumed on CUDA (`run.device` may change on a resume) stepped unfused where its
+    CUDA graph, planned for the fused kernel it was built with, hands AdamW the guard's `found_inf`, which unfused AdamW
+    refuses with an AssertionError. The other settings (lr_scale, weight_decay, betas, momentum) are the config's, which
+    the resume check holds to the saved run's; taken from here they are also what this code computes from it. Groups of
+    another count or size are left to torch, which refuses them."""
+    saved = state_dict["param_groups"]
+    own = optimizer.param_groups
+    if len(saved) != len(own):
+        return state_dict
+    # New dicts: the caller's state dict is only shallow-copied by torch. `params` (the saved ids) and `param_names` are the state's.
+    state_dict["param_groups"] = [{**{k: v for k, v in mine.items() if k not in ("params", "param_names")},
+                                   **{k: v for k, v in theirs.items() if k in ("params", "param_names")}}
+                                  for mine, theirs in zip(own, saved)]  # fmt: skip
+    return state_dict

@@ -12,6 +12,8 @@ from vit.errors import ConfigError
 from vit.train.budget import Budget, Evaluation
 from vit.train.optim import lr_at
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the optimisers step float32 weights
+
 
 @dataclass
 class LoopSpec:
@@ -79,6 +81,10 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations:
     if not math.isfinite(peak):  # optim.lr is finite (the loader refuses inf): only the scaled base_lr can overflow
         raise ConfigError(f"optim.base_lr={cfg.optim.base_lr:g} x effective batch {effective} / 256 overflows to an infinite peak "
                           "learning rate (the warm-up's first step would run at 0 x inf = NaN); lower optim.base_lr")  # fmt: skip
+    if peak > FLOAT32_MAX:  # the optimisers step float32 weights: unfused ones fail at the first step past lr 0, fused ones write inf
+        how = "optim.lr" if cfg.optim.lr is not None else f"optim.base_lr={cfg.optim.base_lr:g} x effective batch {effective} / 256"
+        raise ConfigError(f"the peak learning rate {peak:.3g} ({how}) is beyond float32's range ({FLOAT32_MAX:.3g}), in which the "
+                          "optimisers step the weights; lower it")  # fmt: skip
     decay = peak * cfg.optim.weight_decay
     if cfg.optim.name in ("adamw", "sgd") and decay >= 1:
         # AdamW multiplies each decayed weight by 1 - lr x weight_decay every step (SGD's coupled decay does the same before
@@ -88,6 +94,12 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations:
         raise ConfigError(f"optim.weight_decay={cfg.optim.weight_decay:g} x the peak learning rate {peak:.3g} ({how}) is {decay:.3g}: "
                           f"{cfg.optim.name} multiplies each decayed weight by 1 - lr x weight_decay every step, which is <= 0 at the "
                           "peak (the weights are zeroed or change sign); lower optim.weight_decay or the learning rate")  # fmt: skip
+    if cfg.optim.name == "lars" and cfg.optim.weight_decay > FLOAT32_MAX:
+        # The product check above bounds AdamW's and SGD's decay; LARS's is unbounded by design, but it adds
+        # weight_decay x w to a float32 gradient, and torch refuses a multiplier beyond float32 with a RuntimeError at
+        # the first step, once the run folder was written.
+        raise ConfigError(f"optim.weight_decay={cfg.optim.weight_decay:g} is beyond float32's range ({FLOAT32_MAX:.3g}), in which lars "
+                          "adds weight_decay x w to each gradient: its first step would fail; lower optim.weight_decay")  # fmt: skip
     if cfg.optim.min_lr > peak:
         how = "optim.lr" if cfg.optim.lr is not None else f"optim.base_lr x effective batch {effective} / 256"
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr:g} is above the peak learning rate {peak:.3g} ({how}): the cosine decay "

@@ -45,12 +45,20 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
             queries[split] = encode(encoder, data.loader(images, batch, train=False), acc, ft.probe_pool)
     feature_time = time.perf_counter() - started
     check_finite(ft.init, {"train": bank, **{split: f for split, (f, _) in queries.items()}}, acc)
+    if not bank.shape[0]:  # gathered: every rank refuses alike
+        raise DataError(f"finetune.mode=knn: none of the {len(splits.train)} training images decoded (data.skip_bad_images skipped "
+                        "each): the memory bank is empty and nothing was classified")  # fmt: skip
     num_classes = len(splits.train.classes)
     k = min(ft.knn_k, bank.shape[0])
     if k < ft.knn_k:
         run.warn(f"finetune.knn_k={ft.knn_k} is more than the {bank.shape[0]} training images of the bank: all {k} vote")
     results = {split: knn_accuracy(bank, bank_labels, f, y, num_classes, k, ft.knn_temperature, acc)
                for split, (f, y) in queries.items()}  # fmt: skip
+    for split, r in results.items():  # counts summed over the ranks: every rank refuses alike
+        if not r["count"]:  # its top-1 would read 0 of max(0, 1): 0.00%, recorded as the result
+            listed = splits.val if split == "val" else splits.test
+            raise DataError(f"finetune.mode=knn: none of the {len(listed)} {split} images decoded (data.skip_bad_images skipped "
+                            "each): there is nothing to classify there, and nothing was recorded")  # fmt: skip
     wall_time = time.perf_counter() - started
     images = len(splits.train) + sum(r["count"] for r in results.values())
     flat = {f"{split}_{key}": r[key] for split, r in results.items() for key in ("top1", "top5")}

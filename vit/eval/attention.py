@@ -12,7 +12,7 @@ Pure tensor functions; `vit/tools/plots.py` draws them and `scripts/visualize.py
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +26,20 @@ def grid_side(num_patches: int) -> int:
     return side
 
 
+def check_cls(num_prefix_tokens: int) -> None:
+    """Token 0 is [CLS] only where the model has a prefix token: without one, row 0 is the first patch's attention, and a
+    map of it, drawn as where [CLS] looks, would be a different thing without a word."""
+    if num_prefix_tokens < 1:
+        raise ValueError(f"num_prefix_tokens={num_prefix_tokens}: a model with no prefix token has no [CLS] whose attention to read")
+
+
 def cls_attention(attn: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:
     """How much [CLS] attends to each patch, per head: attn (B, H, T, T) -> (B, H, G, G), T = prefix + G*G.
 
     Row 0 (the [CLS] query) over the patch keys; what [CLS] gives to itself is left out,
     so a map sums to one minus that share.
     """
+    check_cls(num_prefix_tokens)
     row = attn[:, :, 0, num_prefix_tokens:]  # (B, H, N)
     g = grid_side(row.shape[-1])
     return row.reshape(*row.shape[:2], g, g)  # (B, H, G, G), patches row-major
@@ -47,6 +55,8 @@ def attention_rollout(maps: Sequence[torch.Tensor], residual: float = 0.5) -> to
     """
     if not maps:
         raise ValueError("attention_rollout needs at least one block's attention")
+    if not 0.0 <= residual <= 1.0:  # outside, A' has negative entries: rows still sum to one, but are no distribution
+        raise ValueError(f"residual must be in [0, 1] (the identity's share of each block), got {residual}")
     rollout = None
     for attn in maps:
         a = attn.float().mean(dim=1)  # (B, T, T), heads averaged
@@ -59,6 +69,7 @@ def attention_rollout(maps: Sequence[torch.Tensor], residual: float = 0.5) -> to
 
 def rollout_cls_map(rollout: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:
     """The [CLS] row of a rollout over the patches: (B, T, T) -> (B, G, G)."""
+    check_cls(num_prefix_tokens)
     row = rollout[:, 0, num_prefix_tokens:]  # (B, N)
     g = grid_side(row.shape[-1])
     return row.reshape(-1, g, g)
@@ -98,10 +109,18 @@ def patch_grid_overlay(images: torch.Tensor, patch_size: int, color: Sequence[fl
     """Draw the patch boundaries on images: (B, C, H, W) or (C, H, W) in [0, 1] -> same shape, a copy.
 
     Lines of `width` pixels in `color` start at every multiple of `patch_size` (rows and columns),
-    so each drawn cell is one patch the encoder sees as one token.
+    so each drawn cell is one patch the encoder sees as one token. `color` has one value per channel, or one for all
+    (a grey colour, the default white among them, draws on images of any channel count).
     """
     out = images.clone()
     h, w = out.shape[-2:]
+    channels = out.shape[-3]
+    if patch_size < 1:
+        raise ValueError(f"patch_size must be positive, got {patch_size}")
+    fill = torch.as_tensor(color, dtype=out.dtype, device=out.device).flatten()
+    grey = fill.numel() > 0 and bool((fill == fill[0]).all())  # one value for every channel
+    if fill.numel() != channels and not grey:
+        raise ValueError(f"{fill.numel()} colour values for images of {channels} channels: give {channels}, or one for all")
     if h % patch_size or w % patch_size:
         raise ValueError(f"image size {h}x{w} is not divisible by patch size {patch_size}")
     rows = torch.zeros(h, dtype=torch.bool, device=out.device)
@@ -110,7 +129,7 @@ def patch_grid_overlay(images: torch.Tensor, patch_size: int, color: Sequence[fl
         rows[offset::patch_size] = True
         cols[offset::patch_size] = True
     line = rows.view(-1, 1) | cols.view(1, -1)  # (H, W)
-    fill = torch.as_tensor(color, dtype=out.dtype, device=out.device).view(-1, 1, 1).expand(out.shape[-3], h, w)  # (C, H, W)
+    fill = (fill if fill.numel() == channels else fill[:1]).view(-1, 1, 1).expand(channels, h, w)  # (C, H, W)
     return torch.where(line, fill, out)
 
 

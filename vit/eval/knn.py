@@ -22,6 +22,8 @@ from vit.data.splits import seeded_generator
 
 Pool = Literal["token", "avg"]
 
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest temperature whose votes stay finite (check_vote's floor)
+
 
 def pooled(encoder, images: torch.Tensor, pool: Pool) -> torch.Tensor:
     """images: (B, C, H, W) -> (B, D): the [CLS] token or the mean of the patch tokens of the final-normed features."""
@@ -88,9 +90,20 @@ def knn_log_scores(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch
     return log_votes(F.normalize(bank.float(), dim=1), bank_labels, queries, num_classes, k, temperature)
 
 
+def check_vote(k: int, temperature: float) -> None:
+    """Refuse what `finetune.knn_*` / `mae.knn_*` refuse in the config, for a caller of the vote itself: k < 1 voted with no
+    neighbour (top-1 0% for any features) or stopped in topk, T = 0 or NaN made every score NaN, a negative T weighted
+    the farthest neighbours most, and below float32's smallest normal number a vote's log weight became -inf (NaN)."""
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    if not temperature >= FLOAT32_TINY:  # NaN fails it too
+        raise ValueError(f"temperature must be at least {FLOAT32_TINY:.2g} (float32's smallest normal number), got {temperature}")
+
+
 def log_votes(unit_bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, num_classes: int, k: int,
               temperature: float) -> torch.Tensor:  # fmt: skip
     """`knn_log_scores` against a bank already L2-normalised (float32), so that a chunked vote normalises it once."""
+    check_vote(k, temperature)
     queries = F.normalize(queries.float(), dim=1)
     sim, index = (queries @ unit_bank.T).topk(min(k, unit_bank.shape[0]), dim=1)  # (Q, k), most similar first
     # Each vote's log weight relative to the query's nearest neighbour, (s - s_max) / T <= 0. exp() of it underflows
@@ -115,6 +128,7 @@ def knn_accuracy(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.T
     """
     # [top-1 hits, top-5 hits, queries], int64 (MPS has no float64), summed on the device: the host reads them once
     hits = torch.tensor([0, 0, queries.shape[0]], dtype=torch.long, device=queries.device)
+    check_vote(k, temperature)  # here too: with no query, the vote below never runs
     unit_bank = F.normalize(bank.float(), dim=1)  # once, not once per chunk
     for lo in range(0, queries.shape[0], chunk):  # (chunk, M) similarities at a time keeps memory flat
         scores = log_votes(unit_bank, bank_labels, queries[lo : lo + chunk], num_classes, k, temperature)

@@ -12,6 +12,7 @@ from pretrain.config import PretrainConfig
 from pretrain.figures import save_reconstruction_figure
 from pretrain.model import MaskedAutoencoder, build_mae
 from vit.cli import parse
+from vit.data.files import ShardSet
 from vit.data.loaders import Data, open_data
 from vit.data.provenance import split_record
 from vit.errors import exit_on_user_error
@@ -67,6 +68,13 @@ def knn_monitor(cfg: PretrainConfig, run: Run, data: Data):
     k = min(mae_cfg.knn_k, len(bank))  # the vote takes the whole bank where k is larger: say so, and print the k that votes
     if k < mae_cfg.knn_k:
         run.warn(f"mae.knn_k={mae_cfg.knn_k} is more than the {len(bank)} training images of the kNN monitor's bank: all {k} vote")
+    held = bank.labels.unique().numel()  # streamed shards give their first samples, not a seeded draw: of a few classes, if sorted
+    if held < num_classes:
+        shards = isinstance(splits.train, ShardSet)
+        how = "the shards' first samples, in their order" if shards else "a seeded draw"
+        fix = "write shards that mix the classes, or raise mae.knn_bank_size" if shards else "raise mae.knn_bank_size"
+        run.warn(f"the kNN monitor's bank ({len(bank)} training images, {how}) holds {held} of the {num_classes} classes: "
+                 f"its kNN accuracy cannot reach the images of the others; {fix}")  # fmt: skip
 
     def evaluate(encoder, epoch: int, epoch_seconds: float) -> dict[str, float]:
         r = knn_evaluate(encoder, bank_loader, query_loader, run.accelerator, num_classes, k=k,

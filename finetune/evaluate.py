@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from vit.errors import DataError
 from vit.tools.plots import pyplot, save
 
 
@@ -51,7 +52,7 @@ def scorer(model: nn.Module, num_classes: int, accelerator) -> Callable[[torch.T
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
+def evaluate(model: nn.Module, loader, accelerator, num_classes: int, split: str = "evaluated") -> dict:
     """Accuracy of `model` over every sample of `loader` (each rank holds a disjoint shard).
 
     Returns {"top1", "top5", "loss", "count", "per_class": [C] (None for a class
@@ -71,6 +72,9 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int) -> dict:
     loss_sum = accelerator.reduce(tally.loss_sum, reduction="sum")
     model.train(was_training)
     count = int(seen.sum())
+    if not count:  # its top-1 read 0 of max(0, 1): 0.00%, recorded as the result (every rank sees the same sum)
+        raise DataError(f"no image of the {split} split decoded (data.skip_bad_images skipped each): there is no {split} accuracy "
+                        "to record; the training's last state is saved (run.resume=auto continues from it once the files read)")  # fmt: skip
     # A class with no image here has no accuracy: None (null in summary.json), where 0.0 read as "never right".
     per_class = [hits / n if n else None for hits, n in zip(confusion.diag().tolist(), seen.tolist())]
     return {

@@ -233,7 +233,7 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
     def on_epoch_end(epoch: int, progress: Progress) -> dict:
         if "val" not in task.evals or (epoch % cfg.finetune.eval_every and epoch != spec.epoch_limit):
             return {}
-        r = evaluate(unwrap(module), task.evals["val"], acc, num_classes)
+        r = evaluate(unwrap(module), task.evals["val"], acc, num_classes, "val")
         evaluated.update(step=progress.step, val=r)
         best = max(progress.best.get("val_top1", 0.0), r["top1"])
         progress.best["val_top1"] = best
@@ -243,7 +243,7 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
 
     progress = fit(run, t.forward, t.optimizer, task.train, t.loss_fn, spec, load_state(run), on_epoch_end)
     at_end = evaluated["step"] == progress.step  # the last epoch's end evaluated these very weights on val: not again
-    results = {split: evaluated["val"] if split == "val" and at_end else evaluate(unwrap(module), loader, acc, num_classes)
+    results = {split: evaluated["val"] if split == "val" and at_end else evaluate(unwrap(module), loader, acc, num_classes, split)
                for split, loader in task.evals.items()}  # fmt: skip
     if "val" in results and not at_end:
         # A time budget (or schedule.max_steps) ends mid-epoch, where no epoch end evaluated: the final weights' val
@@ -296,7 +296,7 @@ def run_eval(cfg: FinetuneConfig) -> int:
                         f"which eval keeps), and {cfg.data.root or cfg.data.dataset} has no test split")  # fmt: skip
     run.ready()
     model = model.to(acc.device)
-    results = {s: evaluate(model, loader, acc, len(splits.train.classes)) for s, loader in evals.items()}
+    results = {s: evaluate(model, loader, acc, len(splits.train.classes), s) for s, loader in evals.items()}
     flat = report_eval(run, results, splits.train.classes, f"eval {payload['arch']}", cfg.finetune.confusion_matrix)
     summary = run.finish({"mode": "eval", "init": cfg.finetune.init, "model": payload["arch"], "data": splits.describe(), **flat})
     run.print("eval: " + ", ".join(f"{s} top-1 {r['top1']:.2%}" for s, r in results.items()))

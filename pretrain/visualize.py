@@ -61,6 +61,7 @@ class Loaded:
     run_dir: Path | None  # the run folder with its config.yaml, when one is found
     run_config: dict[str, Any] | None
     norm: tuple[tuple[float, ...], tuple[float, ...]] | None  # (mean, std) the classifier was trained with
+    pool: str = "token"  # what a classifier's head reads, [CLS] or the patch tokens' mean ("avg"); an encoder.pt: [CLS]
 
 
 def find_run_dir(*candidates: Path | str | None) -> Path | None:
@@ -113,7 +114,10 @@ def load_checkpoint(checkpoint: str) -> Loaded:
         encoder, payload = classifier_encoder(path)
         run_dir = find_run_dir(path.parent)
         norm = stored_norm(path, payload.get("data"), encoder.patch_embed.proj.in_channels)
-        loaded = Loaded(encoder, "classifier", path, run_dir, read_config(run_dir) if run_dir else None, norm)
+        # An avg-pool head never reads [CLS]: the attention figures follow what it reads (a probe's pooling is its own)
+        pool = (payload.get("build") or {}).get("pool") if payload.get("arch") == "linear_probe" else encoder.global_pool
+        loaded = Loaded(encoder, "classifier", path, run_dir, read_config(run_dir) if run_dir else None, norm,
+                        pool if pool in ("token", "avg") else "token")  # fmt: skip
     else:
         raise CheckpointError(f"{path} is not an {ENCODER_FILE} or {CLASSIFIER_FILE} (format {fmt!r})")
     if encoder.patch_embed.proj.in_channels != 3:  # every figure here draws RGB images, and feeds them to the encoder
@@ -271,8 +275,8 @@ def visualize(checkpoint: str, image_spec: list[str], out: Path, num_images: int
         print(f"reconstruction: skipped ({why_not})")
 
     maps = encoder.attention_maps(x)  # depth x (B, heads, T, T)
-    written["attention_heads"] = figure_attention_heads(images, maps[-1], out / "attention_heads.png")
-    written["attention_rollout"] = figure_rollout(images, maps, out / "attention_rollout.png")
+    written["attention_heads"] = figure_attention_heads(images, maps[-1], out / "attention_heads.png", pool=loaded.pool)
+    written["attention_rollout"] = figure_rollout(images, maps, out / "attention_rollout.png", pool=loaded.pool)
     written["pos_embed_similarity"] = figure_pos_similarity(encoder.pos_embed, out / "pos_embed_similarity.png")
     written["patch_grid"] = figure_patch_grid(images, encoder.patch_embed.patch_size, out / "patch_grid.png")
     written["sincos_table"] = figure_sincos_table(encoder, out / "sincos_table.png")

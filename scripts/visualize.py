@@ -14,8 +14,10 @@ Writes into `--out`:
 - reconstruction.png: original | masked | reconstruction | reconstruction with the visible
   patches pasted back (pretraining runs: the whole MAE, rebuilt from the mae.pt beside
   encoder.pt; encoder.pt holds only the encoder);
-- attention_heads.png: where [CLS] looks in the last block, one column per head;
-- attention_rollout.png: attention rollout (Abnar & Zuidema 2020) of [CLS] over all blocks;
+- attention_heads.png: where [CLS] looks in the last block, one column per head (a classifier
+  with an avg-pool head: where the patch tokens it averages look, their rows' mean; it never reads [CLS]);
+- attention_rollout.png: attention rollout (Abnar & Zuidema 2020) of [CLS] (or, as above, of the
+  patch tokens' mean) over all blocks;
 - pos_embed_similarity.png: for each patch position, the cosine similarity of its positional
   embedding with every other position's, as a grid of small heatmaps;
 - patch_grid.png: the inputs cut into the patches the encoder sees;

@@ -4,7 +4,7 @@
     save(fig, path)                                  # PNG at DPI, figure closed
     png_path(Path("out/fig"))                        # out/fig.png: the file a figure is written to; a bad path is a UserError
     plot_curves({"run": curve}, "step", path, ...)   # one metric of several runs, overlaid
-    figure_attention_heads(images, maps[-1], path)   # [CLS] attention per head over the input images
+    figure_attention_heads(images, maps[-1], path)   # [CLS] attention per head (pool='avg': the patch tokens' mean)
     equal_compute_plot(tables, path)                 # RESULTS.md's equal-compute figure, from `vit.tools.results` tables
 
 A curve is anything with `steps`, `times` (None where not timed) and `values`, one entry per logged point.
@@ -24,11 +24,9 @@ import torch
 from vit.errors import UserError
 from vit.eval.attention import (
     attention_rollout,
-    cls_attention,
     grid_side,
     patch_grid_overlay,
     pos_embed_similarity,
-    rollout_cls_map,
     upsample_maps,
 )
 from vit.models.pos_embed import sincos_2d
@@ -156,7 +154,7 @@ def plot_curves(curves: dict[str, Curve], axis: str, path: Path, colour: dict, y
         if not x:
             continue
         y = [100 * v for v in y] if percent else y
-        style = dict(marker="o", markersize=3) if len(x) < 30 else {}
+        style = {"marker": "o", "markersize": 3} if len(x) < 30 else {}
         ax.plot(x, y, color=colour[name], label=name, linewidth=1.2, **style)
         drawn += 1
     if not drawn:
@@ -253,9 +251,25 @@ def overlay(ax, image: torch.Tensor, heat: torch.Tensor | None = None, title: st
     ax.axis("off")
 
 
-def figure_attention_heads(images: torch.Tensor, attn_last: torch.Tensor, path: Path) -> Path:
-    """images (B, 3, S, S) in [0, 1], attn_last (B, H, T, T). Rows: images; columns: the input, then each head's [CLS] map."""
-    heads = cls_attention(attn_last)  # (B, H, G, G)
+# What the attention figures follow: the token a classifier's head reads ([CLS], or the mean of the patch tokens).
+READER = {"token": "[CLS]", "avg": "the patch tokens' mean\n(what the avg-pool head reads, not [CLS])"}
+
+
+def reader_rows(attn: torch.Tensor, pool: str = "token") -> torch.Tensor:
+    """Where the pooled output looks, over the patches: attn (..., T, T) -> (..., G, G). 'token': [CLS]'s row; 'avg': the
+    mean of the patch tokens' rows, which is the attention of their mean (what an avg-pool head reads, not [CLS])."""
+    if pool not in READER:
+        raise ValueError(f"pool must be 'token' or 'avg', got {pool!r}")
+    # [CLS]'s row (token 0), or the patch queries' rows averaged; over the patch keys either way (as `cls_attention`)
+    row = attn[..., 0, 1:].float() if pool == "token" else attn[..., 1:, 1:].float().mean(dim=-2)  # (..., N)
+    g = grid_side(row.shape[-1])
+    return row.reshape(*row.shape[:-1], g, g)
+
+
+def figure_attention_heads(images: torch.Tensor, attn_last: torch.Tensor, path: Path, pool: str = "token") -> Path:
+    """images (B, 3, S, S) in [0, 1], attn_last (B, H, T, T). Rows: images; columns: the input, then each head's map of
+    where the pooled output looks (`reader_rows`: [CLS] with pool 'token', the patch tokens' mean with 'avg')."""
+    heads = reader_rows(attn_last, pool)  # (B, H, G, G)
     b, h = heads.shape[:2]
     size = images.shape[-1]
     plt = pyplot()
@@ -265,14 +279,16 @@ def figure_attention_heads(images: torch.Tensor, attn_last: torch.Tensor, path: 
         maps = upsample_maps(heads[i], size)  # (H, S, S), each in [0, 1]
         for j in range(h):
             overlay(axes[i, j + 1], images[i], maps[j], title=f"head {j}" if i == 0 else None)
-    fig.suptitle("[CLS] attention, last block (each map scaled to its own max)", fontsize=8)
+    # upsample_maps stretches each map from its own min to its own max: "scaled to its own max" said its min stayed 0.
+    fig.suptitle(f"last block: attention of {READER[pool]}\n(each map stretched from its own min to its own max)", fontsize=8)
     fig.tight_layout()
     return save(fig, path)
 
 
-def figure_rollout(images: torch.Tensor, maps: list[torch.Tensor], path: Path) -> Path:
-    """images (B, 3, S, S), maps depth x (B, H, T, T). Row 1: the inputs; row 2: [CLS]'s attention rollout over them."""
-    rollout = rollout_cls_map(attention_rollout(maps))  # (B, G, G)
+def figure_rollout(images: torch.Tensor, maps: list[torch.Tensor], path: Path, pool: str = "token") -> Path:
+    """images (B, 3, S, S), maps depth x (B, H, T, T). Row 1: the inputs; row 2: the attention rollout of the pooled
+    output over them ([CLS], or the patch tokens' mean: `reader_rows`)."""
+    rollout = reader_rows(attention_rollout(maps), pool)  # (B, G, G)
     heat = upsample_maps(rollout, images.shape[-1])  # (B, S, S)
     b = images.shape[0]
     plt = pyplot()
@@ -280,7 +296,7 @@ def figure_rollout(images: torch.Tensor, maps: list[torch.Tensor], path: Path) -
     for i in range(b):
         overlay(axes[0, i], images[i])
         overlay(axes[1, i], images[i], heat[i])
-    fig.suptitle(f"attention rollout of [CLS] through {len(maps)} block(s)", fontsize=8)
+    fig.suptitle(f"attention rollout through {len(maps)} block(s) of {READER[pool]}\n(each map stretched from its min to its max)", fontsize=8)
     fig.tight_layout()
     return save(fig, path)
 

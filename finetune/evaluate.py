@@ -56,7 +56,8 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int, split: str
     """Accuracy of `model` over every sample of `loader` (each rank holds a disjoint shard).
 
     Returns {"top1", "top5", "loss", "count", "per_class": [C] (None for a class
-    with no image), "confusion": (C, C) counts, rows = true class,
+    with no image), "confusion": (C, C) counts, rows = true class, "images": (C,) each class's images (those with
+    non-finite logits too),
     "non_finite": images whose logits were not finite (no hits, left out of the confusion counts)}.
     """
     was_training = model.training
@@ -84,6 +85,7 @@ def evaluate(model: nn.Module, loader, accelerator, num_classes: int, split: str
         "count": count,
         "per_class": per_class,
         "confusion": confusion,
+        "images": seen,
         "non_finite": count - int(confusion.sum()),
     }
 
@@ -123,12 +125,21 @@ def plain_text(text: str, limit: int | None = None) -> str:
     return text.replace("$", r"\$")
 
 
-def save_confusion_matrix(confusion: torch.Tensor, classes: list[str], path: Path, title: str) -> Path:
+def confusion_rates(confusion: torch.Tensor, images: torch.Tensor | None = None) -> torch.Tensor:
+    """(C, C) counts -> (C, C) float64 shares of each true class's `images` (default the row sums); NaN rows for a class with
+    no image."""
+    totals = (confusion.sum(1) if images is None else images.cpu()).double().unsqueeze(1)  # (C, 1)
+    return torch.where(totals > 0, confusion.double() / totals.clamp(min=1), float("nan"))
+
+
+def save_confusion_matrix(confusion: torch.Tensor, classes: list[str], path: Path, title: str, images: torch.Tensor | None = None) -> Path:
     """A PNG heatmap of row-normalised counts (rows: true class, columns: predicted), at most MAX_SIDE inches of cells
     on a side whatever the number of classes; class names (shortened to MAX_NAME characters) on both axes, every
-    n-th one where there are more than MAX_LABELS."""
+    n-th one where there are more than MAX_LABELS. `images`: each class's images (default the row sums), by which its row
+    is divided: images with non-finite logits are in no column, so a row's diagonal is that class's accuracy. A class
+    with no image is a blank row ("-"), not a row of 0.00 that read as never right."""
     plt = pyplot()
-    rates = confusion.double() / confusion.sum(1, keepdim=True).clamp(min=1)
+    rates = confusion_rates(confusion, images)
     n = len(classes)
     step = -(-n // MAX_LABELS)  # every class named up to MAX_LABELS of them
     ticks = list(range(0, n, step))
@@ -142,7 +153,8 @@ def save_confusion_matrix(confusion: torch.Tensor, classes: list[str], path: Pat
     if n <= 20:
         for i in range(n):
             for j in range(n):
-                ax.text(j, i, f"{rates[i, j]:.2f}", ha="center", va="center", fontsize=6, color="white" if rates[i, j] > 0.5 else "black")
+                text = "-" if rates[i, j].isnan() else f"{rates[i, j]:.2f}"
+                ax.text(j, i, text, ha="center", va="center", fontsize=6, color="white" if rates[i, j] > 0.5 else "black")
     ax.set_xlabel("predicted" if step == 1 else f"predicted (one class in {step} named)")
     ax.set_ylabel("true")
     ax.set_title(plain_text(title), fontsize=9, wrap=True)

@@ -125,7 +125,8 @@ def report_eval(run: Run, results: dict[str, dict], classes: list[str], tag: str
         out[f"{split}_per_class"] = dict(zip(classes, r["per_class"]))
         run.log_table(f"per_class_{split}", ["class", "accuracy"], [[c, a] for c, a in zip(classes, r["per_class"])])
         if figures and run.is_main:
-            path = save_confusion_matrix(r["confusion"], classes, confusion_path(run.dir, split), f"{tag} - {split} top-1 {r['top1']:.2%}")
+            path = save_confusion_matrix(r["confusion"], classes, confusion_path(run.dir, split), f"{tag} - {split} top-1 {r['top1']:.2%}",
+                                         r.get("images"))
             run.log_images({f"confusion_{split}": path})
     return out
 

@@ -77,7 +77,11 @@ def check_not_done(run_dir: Path, cfg: Any, state: Path | None = None) -> None:
     evaluate that step again and write over its records (summary.json's timings, a second record of the step)."""
     summary, which = read_summary(run_dir) if is_finished(run_dir) else None, "its newest state" if state is None else "this state's"
     state = state or newest_state(run_dir)
-    if not summary or state is None or read_state_progress(state).get("step") != summary.get("steps"):
+    try:  # a damaged trainer.json (a crash while saving): `load_state` passes the state over, or names it, in one line
+        step = read_state_progress(state).get("step") if summary and state is not None else None
+    except (OSError, ValueError, AttributeError):
+        return
+    if step is None or step != summary.get("steps"):
         return
     # The max_steps config.yaml records is its first process's: a run resumed with another stopped where that one said,
     # and resumed again with it, has nothing to train either.
@@ -130,6 +134,8 @@ def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead:
 def setting_differences(before: dict[str, Any], now: dict[str, Any]) -> str | None:
     """`key old -> new, ...` for the dotted settings a resume may not change (all but `RESUMABLE_CHANGES`), the first
     five named; None where none differ."""
+    # data.loader=auto picks memory or stream by data.memory_budget_gb: another budget may serve other batches
+    fixed = RESUMABLE_CHANGES - ({"data.memory_budget_gb"} if "auto" in (before.get("data.loader"), now.get("data.loader")) else set())
     differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
-              if key not in RESUMABLE_CHANGES and now.get(key) != before.get(key)]  # fmt: skip
+              if key not in fixed and now.get(key) != before.get(key)]  # fmt: skip
     return ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "") if differ else None

@@ -218,7 +218,7 @@ def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> T
     evaluation = Evaluation(images=len(splits.val) if "val" in task.evals else 0, every=cfg.finetune.eval_every,
                             final_images=sum(len(s) for s in (splits.val, splits.test) if s is not None), timer=timer)  # fmt: skip
     spec = loop_spec(cfg, len(task.train), acc.num_processes, (evaluation,))
-    run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
+    run.print(f"schedule: {spec.described()}, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
     return Training(task, module, optimizer, forward, spec, make_loss(cfg, num_classes), cached)
 
 

@@ -139,7 +139,7 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
     train_loader = data.loader(splits.train, cfg.optim.batch_size, train=True, seed=cfg.run.seed)
     val_loader = data.loader(splits.val, data.eval_batch(cfg.optim.batch_size), train=False) if len(splits.val) else None
     spec = loop_spec(cfg, len(train_loader), acc.num_processes, evaluations(cfg, splits, mae, val_loader, acc))
-    run.print(f"schedule: {spec.epochs if spec.budget is None else 'budget'} epochs x {spec.steps_per_epoch} steps, peak lr {spec.peak_lr:.3g} "
+    run.print(f"schedule: {spec.described()}, peak lr {spec.peak_lr:.3g} "
               f"(effective batch {cfg.optim.batch_size * cfg.optim.grad_accum_steps * acc.num_processes}), warmup {spec.warmup_steps} steps")
     return Pretraining(cfg, run, data, mae, model, optimizer, compile_for_run(run, model, optimizer), train_loader, val_loader, spec)
 

@@ -50,6 +50,14 @@ class LoopSpec:
         """Where training stops: the schedule's end, or `max_steps` (the schedule still spans every epoch)."""
         return self.total_steps if self.max_steps is None else min(self.total_steps, self.max_steps)
 
+    def described(self) -> str:
+        """The start line's schedule: `E epochs x S steps` (or `budget epochs`), and where `max_steps` stops it first (the
+        line said 10 epochs of a run that schedule.max_steps ended within the first)."""
+        said = f"{self.epochs if self.budget is None else 'budget'} epochs x {self.steps_per_epoch} steps"
+        if self.budget is None and self.max_steps is not None and self.max_steps < self.total_steps:
+            said += f" (schedule.max_steps={self.max_steps} stops it at step {self.max_steps}, the learning rate spanning all)"
+        return said
+
     def lr(self, step: int) -> float:
         return lr_at(step, self.total_steps, self.warmup_steps, self.peak_lr, self.min_lr)
 

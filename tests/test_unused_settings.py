@@ -86,3 +86,9 @@ def test_an_archived_record_keeps_no_machine_path_a_warning_named():
     replace = machine_paths(SimpleNamespace(config={"data": {"root": "/data/cifar10"}}, summary=summary))
     assert replace["/home/someone/.cache/x.png"] == "PATH" and replace["/data/cifar10"] == "PATH"
     assert not any(k in replace for k in ("/4", "/cat"))
+
+
+def test_a_base_lr_beside_an_absolute_lr_is_said():
+    """optim.lr sets the peak itself: a base_lr given beside it was ignored without a word."""
+    assert OptimConfig(lr=0.1, base_lr=3e-3).unused() == ["optim.base_lr=0.003 (optim.lr=0.1 is the peak learning rate itself)"]
+    assert OptimConfig(lr=0.1).unused() == OptimConfig(base_lr=3e-3).unused() == []

@@ -200,14 +200,16 @@ class OptimConfig:
         check(self.clip_grad is None or self.clip_grad > 0, "optim.clip_grad", "must be positive")
 
     def unused(self) -> list[str]:
-        """The settings, changed from their defaults, that `name` does not read: momentum is SGD's and LARS's, betas are
-        AdamW's. Said, not refused: a recipe switches its optimiser by `optim.name` alone."""
-        default = type(self)()  # a stage's own defaults (the classification stage's are fine-tuning's)
+        """The settings, changed from their defaults, that this optimiser does not read: momentum is SGD's and LARS's, betas
+        are AdamW's, and base_lr is not read where lr is set. Said, not refused: a recipe switches its optimiser by `optim.name` alone."""
+        default, said = type(self)(), []  # a stage's own defaults (the classification stage's are fine-tuning's)
         if self.name == "adamw" and self.momentum != default.momentum:
-            return [f"optim.momentum={self.momentum:g} (optim.name=adamw reads optim.betas)"]
+            said.append(f"optim.momentum={self.momentum:g} (optim.name=adamw reads optim.betas)")
         if self.name != "adamw" and tuple(self.betas) != default.betas:
-            return [f"optim.betas={list(self.betas)} (optim.name={self.name} reads optim.momentum)"]
-        return []
+            said.append(f"optim.betas={list(self.betas)} (optim.name={self.name} reads optim.momentum)")
+        if self.lr is not None and self.base_lr != default.base_lr:  # MAE's rule too: an absolute lr wins, unsaid
+            said.append(f"optim.base_lr={self.base_lr:g} (optim.lr={self.lr:g} is the peak learning rate itself)")
+        return said
 
 
 @dataclass

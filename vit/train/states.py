@@ -20,6 +20,7 @@ from vit.config import flat_keys, to_dict
 from vit.errors import CheckpointError, ConfigError, StorageError, UserError
 from vit.store.atomic import storage_failure
 from vit.store.runs import (
+    CONFIG_FILE,
     METRICS_FILE,
     PARTIAL_PREFIX,
     STATE_DIR,
@@ -29,6 +30,7 @@ from vit.store.runs import (
     is_complete_state,
     newest_state,
     partial_state_path,
+    read_config,
     read_metrics,
     read_state_progress,
     state_dirs,
@@ -123,7 +125,8 @@ def drop_later_states(run: Run, saved: Path) -> None:
 
 def state_record(run: Run) -> dict[str, Any]:
     """What a state is held to when resumed: the stage, the number of processes, and the settings (`settings`)."""
-    return {"stage": run.stage, "processes": run.accelerator.num_processes, "settings": settings(run.cfg)}
+    return {"stage": run.stage, "processes": run.accelerator.num_processes, "settings": settings(run.cfg),
+            "device": str(run.accelerator.device)}
 
 
 def settings(cfg: Any) -> dict[str, Any]:
@@ -156,6 +159,7 @@ def load_state(run: Run) -> Progress | None:
             run.warn(f"resume state {path} is unreadable ({load_failure(e)}); trying the one before")
             continue
         run.print(f"resume: from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batch})")
+        say_how_it_runs(run, path)
         # The stage's clock (a time budget's stage_seconds) counts the training the processes before this one did; their
         # setup and the steps lost after the state are not counted.
         run.started -= progress.train_time
@@ -167,6 +171,19 @@ def load_state(run: Run) -> Progress | None:
                 run.print(f"resume: dropped {dropped} metrics record(s) logged after step {progress.step}; they are logged again")
         return progress
     raise ConfigError(f"run.resume=auto: none of the saved states in {run.dir / STATE_DIR} loads")
+
+
+def say_how_it_runs(run: Run, path: Path) -> None:
+    """Warn where the run goes on at another precision or on another kind of device than the state was saved at: a resume
+    may (another machine), but its steps from here compute otherwise than those before, which config.yaml (its first
+    process's) and the summary (this one's) each record as the whole run's."""
+    record = read_progress(path)[1] or {}
+    was = {"run.precision": record.get("settings", {}).get("run.precision"), "device": str(record.get("device") or "").split(":")[0] or None}
+    now = {"run.precision": run.cfg.run.precision, "device": run.accelerator.device.type}
+    changed = [f"{key} {was[key]} -> {now[key]}" for key in was if was[key] is not None and was[key] != now[key]]
+    if changed:
+        run.warn(f"resume: this run continues the state {path.name} with {', '.join(changed)}: its steps compute otherwise than "
+                 "those before it, and the run's weights are those of neither setting")  # fmt: skip
 
 
 def load_one(run: Run, path: Path) -> Progress:
@@ -253,18 +270,35 @@ def check_fits(run: Run, path: Path, progress: Progress, record: dict[str, Any] 
         raise ConfigError(f"{named} was saved by {then} process(es), this run has {now}: resume it with {then} (its effective "
                           "batch and schedule), or start a fresh run without run.resume")  # fmt: skip
     if record is not None:
-        check_settings(run, named, record)
+        check_settings(run, named, record, path)
     check_schedule(run, named, progress)
 
 
-def check_settings(run: Run, named: str, record: dict[str, Any]) -> None:
-    """Refuse a state saved by another stage or with settings other than `RESUMABLE_CHANGES`, naming what differs."""
+def check_settings(run: Run, named: str, record: dict[str, Any], path: Path | None = None) -> None:
+    """Refuse a state saved by another stage or with settings other than `RESUMABLE_CHANGES`, naming what differs; where
+    the run folder's config.yaml, which `vit.train.resumes.check_recorded` holds the run to first, was edited since the
+    state was saved, that is what the line names (each check asked for the other's settings: no resume passed both)."""
     if record.get("stage", run.stage) != run.stage:
         raise ConfigError(f"{named} was saved by a {record['stage']} run, not a {run.stage} one; start a fresh run without run.resume")
     shown = setting_differences(record["settings"], settings(run.cfg))  # both as JSON reads them back
+    edited = edited_config(run.dir, record) if path is not None and path.resolve().parent.parent == Path(run.dir).resolve() else None
+    if shown and edited:
+        raise ConfigError(f"{named} was saved with other settings than {Path(run.dir) / CONFIG_FILE} records ({edited}): the file was "
+                          "edited since; put the state's values back in it, then resume with them, or start a fresh run without run.resume")  # fmt: skip
     if shown:
         raise ConfigError(f"{named} was saved by a run with other settings ({shown}); resume it with those settings, or start "
                           "a fresh run without run.resume")  # fmt: skip
+
+
+def edited_config(run_dir: Path, record: dict[str, Any]) -> str | None:
+    """`key state's -> config.yaml's, ...` where `run_dir`'s config.yaml differs from a state's record in settings a
+    resume may not change; None where it does not, or cannot be read."""
+    try:
+        recorded = read_config(run_dir) or {}
+    except UserError:
+        return None
+    recorded.pop("meta", None)
+    return setting_differences(record["settings"], json.loads(json.dumps(flat_keys(recorded), default=str)))
 
 
 def check_schedule(run: Run, named: str, progress: Progress) -> None:

@@ -299,7 +299,8 @@ def run_eval(cfg: FinetuneConfig) -> int:
     model = model.to(acc.device)
     results = {s: evaluate(model, loader, acc, len(splits.train.classes), s) for s, loader in evals.items()}
     flat = report_eval(run, results, splits.train.classes, f"eval {payload['arch']}", cfg.finetune.confusion_matrix)
-    summary = run.finish({"mode": "eval", "init": cfg.finetune.init, "model": payload["arch"], "data": splits.describe(), **flat})
+    summary = run.finish({"mode": "eval", "init": cfg.finetune.init, "model": payload["arch"], "data": splits.describe(),
+                          "bad_images": data.bad_total(acc), **flat})  # fmt: skip
     run.print("eval: " + ", ".join(f"{s} top-1 {r['top1']:.2%}" for s, r in results.items()))
     return 0 if summary else 1
 
@@ -369,11 +370,13 @@ def summarize(cfg: FinetuneConfig, run: Run, data: Data, built: Built, trained: 
     progress, splits = trained.progress, data.splits
     cached = cfg.finetune.mode == "linear" and cfg.finetune.probe_cache
     rate = round(progress.images / max(progress.train_time, 1e-9), 1)
-    rates = {"images_per_sec": rate}
+    rates, bad = {"images_per_sec": rate}, data.bad_total(run.accelerator)
     if cached:
         # A cached probe has two rates: the frozen encoder's over every image (the stage's cost, which `images_per_sec`
-        # keeps meaning across stages), and the head's over the cache.
-        featurised = len(splits.train) + len(splits.val) + (len(splits.test) if splits.test is not None else 0)
+        # keeps meaning across stages), and the head's over the cache. Its images are read once, for the features: those the
+        # stream loaders skipped (data.skip_bad_images; the memory loader's never joined the splits) were not featurised.
+        skipped = bad - len(splits.bad_images)
+        featurised = len(splits.train) + len(splits.val) + (len(splits.test) if splits.test is not None else 0) - skipped
         feature_rate = round(featurised / max(trained.feature_time, 1e-9), 1)
         rates = {"images_per_sec": feature_rate, "feature_images_per_sec": feature_rate, "head_images_per_sec": rate}
     return {
@@ -399,7 +402,7 @@ def summarize(cfg: FinetuneConfig, run: Run, data: Data, built: Built, trained: 
         "final_test_top1": flat.get("test_top1"),
         "data": splits.describe(),
         "test_split": splits.test is not None,
-        "bad_images": data.bad_total(run.accelerator),
+        "bad_images": bad,
         "ranks": rank_checksums(trained.model, run.accelerator),
         **flat,
     }

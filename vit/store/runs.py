@@ -252,10 +252,10 @@ def trim_metrics(path: Path, step: int, at_step: float = math.inf) -> int:
     if not path.is_file():
         return 0
     kept, dropped, seen = [], 0, 0  # seen: records of `step`
-    for line in path.read_text().splitlines():
+    for raw in path.read_bytes().splitlines():  # bytes, as read_metrics: a line that is not UTF-8 is one bad line, not a traceback
         try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
+            record = json.loads(line := raw.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             dropped += 1
             continue
         if isinstance(record, dict) and isinstance(at := record.get("step"), int) and (at > step or (at == step and (seen := seen + 1) > at_step)):

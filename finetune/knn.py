@@ -60,7 +60,7 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
             raise DataError(f"finetune.mode=knn: none of the {len(listed)} {split} images decoded (data.skip_bad_images skipped "
                             "each): there is nothing to classify there, and nothing was recorded")  # fmt: skip
     wall_time = time.perf_counter() - started
-    images = len(splits.train) + sum(r["count"] for r in results.values())
+    images = bank.shape[0] + sum(r["count"] for r in results.values())  # those featurised: skipped images are in no split's count
     flat = {f"{split}_{key}": r[key] for split, r in results.items() for key in ("top1", "top5")}
     run.finish({
         "mode": "knn",
@@ -78,6 +78,7 @@ def run_knn(cfg: FinetuneConfig, run: Run, data: Data, built: Built, parent: str
         "final_test_top1": flat.get("test_top1"),
         "data": splits.describe(),
         "test_split": splits.test is not None,
+        "bad_images": data.bad_total(acc),
         **flat,
     })  # fmt: skip
     lines = [f"{s} top-1 {r['top1']:.2%} top-5 {r['top5']:.2%}" for s, r in results.items()]

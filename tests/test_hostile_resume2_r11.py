@@ -2,24 +2,10 @@
 passed over in silence."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from helpers import reset_accelerate, tiny_overrides
-
-from pretrain.train import main as pretrain
-from vit.store.runs import LOCK_FILE
-
-# A 3-step epoch (48 training images, batches of 16); a state every 2 steps.
-SMALL = {"data.synthetic_size": 64, "data.val_size": 16, "optim.batch_size": 16, "mae.knn_every": 0, "mae.figure_images": 0,
-         "run.save_every": 2, "run.keep_states": 5}  # fmt: skip
-
-
-def run(root: Path, **extra) -> int:
-    code = pretrain(tiny_overrides(root, name="src", **{**SMALL, **extra}))
-    reset_accelerate()
-    return code
+from test_hostile_resume_r11 import copy_of, run  # its tiny run with a state every 2 steps
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +17,6 @@ def stopped(tmp_path_factory) -> dict[str, Path]:
         assert run(root, **{"schedule.max_steps": 4, "run.precision": precision}) == 0
         made[precision] = root / "runs" / "src"
     return made
-
-
-def copy_of(run_dir: Path, tmp_path: Path) -> Path:
-    dest = tmp_path / "runs" / "src"
-    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns(LOCK_FILE))
-    return dest
 
 
 def test_a_resume_at_another_precision_is_said(stopped, tmp_path, capsys):

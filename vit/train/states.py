@@ -124,15 +124,21 @@ def drop_later_states(run: Run, saved: Path) -> None:
 
 
 def state_record(run: Run) -> dict[str, Any]:
-    """What a state is held to when resumed: the stage, the number of processes, and the settings (`settings`)."""
+    """What a state is held to when resumed: the stage, the number of processes, and the settings (`settings`); and the
+    kind of device it ran on, which a resume may change and says (`say_how_it_runs`)."""
     return {"stage": run.stage, "processes": run.accelerator.num_processes, "settings": settings(run.cfg),
-            "device": str(run.accelerator.device)}
+            "device": run.accelerator.device.type}
 
 
 def settings(cfg: Any) -> dict[str, Any]:
     """The config as dotted keys, each value as JSON writes and reads it back (so that a saved record and a live config
     compare alike)."""
-    return json.loads(json.dumps(flat_keys(to_dict(cfg)), default=str))
+    return read_back(flat_keys(to_dict(cfg)))
+
+
+def read_back(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted settings as JSON writes and reads them back: a state's record, a live config and config.yaml compare alike."""
+    return json.loads(json.dumps(flat, default=str))
 
 
 def load_state(run: Run) -> Progress | None:
@@ -150,7 +156,7 @@ def load_state(run: Run) -> Progress | None:
         return None
     for path in candidates:
         try:
-            progress = load_one(run, path)
+            progress, record = load_one(run, path)
         except Exception as e:
             if isinstance(e, UserError) and not isinstance(e, CheckpointError):  # a sound state this run is not to continue
                 raise
@@ -159,7 +165,7 @@ def load_state(run: Run) -> Progress | None:
             run.warn(f"resume state {path} is unreadable ({load_failure(e)}); trying the one before")
             continue
         run.print(f"resume: from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batch})")
-        say_how_it_runs(run, path)
+        say_how_it_runs(run, path, record or {})
         # The stage's clock (a time budget's stage_seconds) counts the training the processes before this one did; their
         # setup and the steps lost after the state are not counted.
         run.started -= progress.train_time
@@ -173,12 +179,11 @@ def load_state(run: Run) -> Progress | None:
     raise ConfigError(f"run.resume=auto: none of the saved states in {run.dir / STATE_DIR} loads")
 
 
-def say_how_it_runs(run: Run, path: Path) -> None:
+def say_how_it_runs(run: Run, path: Path, record: dict[str, Any]) -> None:
     """Warn where the run goes on at another precision or on another kind of device than the state was saved at: a resume
     may (another machine), but its steps from here compute otherwise than those before, which config.yaml (its first
     process's) and the summary (this one's) each record as the whole run's."""
-    record = read_progress(path)[1] or {}
-    was = {"run.precision": record.get("settings", {}).get("run.precision"), "device": str(record.get("device") or "").split(":")[0] or None}
+    was = {"run.precision": record.get("settings", {}).get("run.precision"), "device": record.get("device")}  # no device: saved before it was
     now = {"run.precision": run.cfg.run.precision, "device": run.accelerator.device.type}
     changed = [f"{key} {was[key]} -> {now[key]}" for key in was if was[key] is not None and was[key] != now[key]]
     if changed:
@@ -186,17 +191,18 @@ def say_how_it_runs(run: Run, path: Path) -> None:
                  "those before it, and the run's weights are those of neither setting")  # fmt: skip
 
 
-def load_one(run: Run, path: Path) -> Progress:
+def load_one(run: Run, path: Path) -> tuple[Progress, dict[str, Any] | None]:
     """Load one state into the run's model, optimiser and random streams, checked: its files against its manifest first
     (Accelerate only logs an RNG state it cannot load, and the run would go on from another random state), then its
     progress, and, once loaded (a state of another model fails there, naming the first tensor that differs), that this
-    run is the one to continue it (`check_fits`) and that its weights are finite. Nothing is written before."""
+    run is the one to continue it (`check_fits`) and that its weights are finite. Nothing is written before. Returns its
+    progress and the record of the run that saved it (None for a state saved before states had one)."""
     check_state(path)
     progress, record = read_progress(path)
     run.accelerator.load_state(str(path))
     check_fits(run, path, progress, record)
     check_finite(run.accelerator)
-    return progress
+    return progress, record
 
 
 def resume_candidates(run: Run, resume: str) -> list[Path]:
@@ -298,7 +304,7 @@ def edited_config(run_dir: Path, record: dict[str, Any]) -> str | None:
     except UserError:
         return None
     recorded.pop("meta", None)
-    return setting_differences(record["settings"], json.loads(json.dumps(flat_keys(recorded), default=str)))
+    return setting_differences(record["settings"], read_back(flat_keys(recorded)))
 
 
 def check_schedule(run: Run, named: str, progress: Progress) -> None:

@@ -89,8 +89,8 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations:
     if not math.isfinite(peak):  # optim.lr is finite (the loader refuses inf): only the scaled base_lr can overflow
         raise ConfigError(f"optim.base_lr={cfg.optim.base_lr:g} x effective batch {effective} / 256 overflows to an infinite peak "
                           "learning rate (the warm-up's first step would run at 0 x inf = NaN); lower optim.base_lr")  # fmt: skip
+    how = "optim.lr" if cfg.optim.lr is not None else f"optim.base_lr x effective batch {effective} / 256"  # where the peak comes from
     if peak > FLOAT32_MAX:  # the optimisers step float32 weights: unfused ones fail at the first step past lr 0, fused ones write inf
-        how = "optim.lr" if cfg.optim.lr is not None else f"optim.base_lr={cfg.optim.base_lr:g} x effective batch {effective} / 256"
         raise ConfigError(f"the peak learning rate {peak:.3g} ({how}) is beyond float32's range ({FLOAT32_MAX:.3g}), in which the "
                           "optimisers step the weights; lower it")  # fmt: skip
     decay = peak * cfg.optim.weight_decay
@@ -98,7 +98,6 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations:
         # AdamW multiplies each decayed weight by 1 - lr x weight_decay every step (SGD's coupled decay does the same before
         # its momentum): at >= 1 the peak zeroes the weights or flips their sign. LARS scales the decay into its
         # trust-ratio step, whose size is set by the weight's norm, so the product means nothing there.
-        how = "optim.lr" if cfg.optim.lr is not None else f"optim.base_lr x effective batch {effective} / 256"
         raise ConfigError(f"optim.weight_decay={cfg.optim.weight_decay:g} x the peak learning rate {peak:.3g} ({how}) is {decay:.3g}: "
                           f"{cfg.optim.name} multiplies each decayed weight by 1 - lr x weight_decay every step, which is <= 0 at the "
                           "peak (the weights are zeroed or change sign); lower optim.weight_decay or the learning rate")  # fmt: skip
@@ -109,7 +108,6 @@ def loop_spec(cfg: Any, batches_per_epoch: int, num_processes: int, evaluations:
         raise ConfigError(f"optim.weight_decay={cfg.optim.weight_decay:g} is beyond float32's range ({FLOAT32_MAX:.3g}), in which lars "
                           "adds weight_decay x w to each gradient: its first step would fail; lower optim.weight_decay")  # fmt: skip
     if cfg.optim.min_lr > peak:
-        how = "optim.lr" if cfg.optim.lr is not None else f"optim.base_lr x effective batch {effective} / 256"
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr:g} is above the peak learning rate {peak:.3g} ({how}): the cosine decay "
                           "would climb after the warm-up; lower optim.min_lr")  # fmt: skip
     return LoopSpec(

@@ -87,6 +87,7 @@ def knn_log_scores(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch
                    temperature: float = 0.07) -> torch.Tensor:  # fmt: skip
     """The log of `knn_scores`: bank (M, D), bank_labels (M,), queries (Q, D) -> (Q, num_classes), -inf where no
     neighbour voted. Never underflows: the ranking is exact at any temperature."""
+    check_vote(k, temperature)
     return log_votes(F.normalize(bank.float(), dim=1), bank_labels, queries, num_classes, k, temperature)
 
 
@@ -102,8 +103,8 @@ def check_vote(k: int, temperature: float) -> None:
 
 def log_votes(unit_bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, num_classes: int, k: int,
               temperature: float) -> torch.Tensor:  # fmt: skip
-    """`knn_log_scores` against a bank already L2-normalised (float32), so that a chunked vote normalises it once."""
-    check_vote(k, temperature)
+    """`knn_log_scores` against a bank already L2-normalised (float32), so that a chunked vote normalises it once (the
+    callers check k and the temperature: `check_vote`)."""
     queries = F.normalize(queries.float(), dim=1)
     sim, index = (queries @ unit_bank.T).topk(min(k, unit_bank.shape[0]), dim=1)  # (Q, k), most similar first
     # Each vote's log weight relative to the query's nearest neighbour, (s - s_max) / T <= 0. exp() of it underflows
@@ -128,7 +129,7 @@ def knn_accuracy(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.T
     """
     # [top-1 hits, top-5 hits, queries], int64 (MPS has no float64), summed on the device: the host reads them once
     hits = torch.tensor([0, 0, queries.shape[0]], dtype=torch.long, device=queries.device)
-    check_vote(k, temperature)  # here too: with no query, the vote below never runs
+    check_vote(k, temperature)  # once, not per chunk (and with no query the vote below never runs)
     unit_bank = F.normalize(bank.float(), dim=1)  # once, not once per chunk
     for lo in range(0, queries.shape[0], chunk):  # (chunk, M) similarities at a time keeps memory flat
         scores = log_votes(unit_bank, bank_labels, queries[lo : lo + chunk], num_classes, k, temperature)

@@ -33,16 +33,27 @@ def check_cls(num_prefix_tokens: int) -> None:
         raise ValueError(f"num_prefix_tokens={num_prefix_tokens}: a model with no prefix token has no [CLS] whose attention to read")
 
 
-def cls_attention(attn: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:
-    """How much [CLS] attends to each patch, per head: attn (B, H, T, T) -> (B, H, G, G), T = prefix + G*G.
+def pooled_attention(attn: torch.Tensor, pool: str = "token", num_prefix_tokens: int = 1) -> torch.Tensor:
+    """Where a pooled output looks, over the patches: attn (..., T, T) -> (..., G, G), T = prefix + G*G, patches row-major.
 
-    Row 0 (the [CLS] query) over the patch keys; what [CLS] gives to itself is left out,
-    so a map sums to one minus that share.
+    'token': row 0 (the [CLS] query) over the patch keys; what [CLS] gives to itself is left out, so a map sums to one
+    minus that share. 'avg': the mean of the patch queries' rows (in float32), which is the attention of their mean: what
+    an average-pooling head reads, which never reads [CLS].
     """
-    check_cls(num_prefix_tokens)
-    row = attn[:, :, 0, num_prefix_tokens:]  # (B, H, N)
+    if pool not in ("token", "avg"):
+        raise ValueError(f"pool must be 'token' or 'avg', got {pool!r}")
+    if pool == "token":
+        check_cls(num_prefix_tokens)
+        row = attn[..., 0, num_prefix_tokens:]  # (..., N)
+    else:
+        row = attn[..., num_prefix_tokens:, num_prefix_tokens:].float().mean(dim=-2)  # (..., N)
     g = grid_side(row.shape[-1])
-    return row.reshape(*row.shape[:2], g, g)  # (B, H, G, G), patches row-major
+    return row.reshape(*row.shape[:-1], g, g)
+
+
+def cls_attention(attn: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:
+    """How much [CLS] attends to each patch, per head: attn (B, H, T, T) -> (B, H, G, G) (`pooled_attention`'s 'token')."""
+    return pooled_attention(attn, "token", num_prefix_tokens)
 
 
 def attention_rollout(maps: Sequence[torch.Tensor], residual: float = 0.5) -> torch.Tensor:
@@ -68,11 +79,8 @@ def attention_rollout(maps: Sequence[torch.Tensor], residual: float = 0.5) -> to
 
 
 def rollout_cls_map(rollout: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:
-    """The [CLS] row of a rollout over the patches: (B, T, T) -> (B, G, G)."""
-    check_cls(num_prefix_tokens)
-    row = rollout[:, 0, num_prefix_tokens:]  # (B, N)
-    g = grid_side(row.shape[-1])
-    return row.reshape(-1, g, g)
+    """The [CLS] row of a rollout over the patches: (B, T, T) -> (B, G, G) (`pooled_attention`'s 'token')."""
+    return pooled_attention(rollout, "token", num_prefix_tokens)
 
 
 def pos_embed_similarity(pos_embed: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:

@@ -26,6 +26,7 @@ from vit.eval.attention import (
     attention_rollout,
     grid_side,
     patch_grid_overlay,
+    pooled_attention,
     pos_embed_similarity,
     upsample_maps,
 )
@@ -255,21 +256,10 @@ def overlay(ax, image: torch.Tensor, heat: torch.Tensor | None = None, title: st
 READER = {"token": "[CLS]", "avg": "the patch tokens' mean\n(what the avg-pool head reads, not [CLS])"}
 
 
-def reader_rows(attn: torch.Tensor, pool: str = "token") -> torch.Tensor:
-    """Where the pooled output looks, over the patches: attn (..., T, T) -> (..., G, G). 'token': [CLS]'s row; 'avg': the
-    mean of the patch tokens' rows, which is the attention of their mean (what an avg-pool head reads, not [CLS])."""
-    if pool not in READER:
-        raise ValueError(f"pool must be 'token' or 'avg', got {pool!r}")
-    # [CLS]'s row (token 0), or the patch queries' rows averaged; over the patch keys either way (as `cls_attention`)
-    row = attn[..., 0, 1:].float() if pool == "token" else attn[..., 1:, 1:].float().mean(dim=-2)  # (..., N)
-    g = grid_side(row.shape[-1])
-    return row.reshape(*row.shape[:-1], g, g)
-
-
 def figure_attention_heads(images: torch.Tensor, attn_last: torch.Tensor, path: Path, pool: str = "token") -> Path:
     """images (B, 3, S, S) in [0, 1], attn_last (B, H, T, T). Rows: images; columns: the input, then each head's map of
-    where the pooled output looks (`reader_rows`: [CLS] with pool 'token', the patch tokens' mean with 'avg')."""
-    heads = reader_rows(attn_last, pool)  # (B, H, G, G)
+    where the pooled output looks (`pooled_attention`: [CLS] with pool 'token', the patch tokens' mean with 'avg')."""
+    heads = pooled_attention(attn_last, pool).float()  # (B, H, G, G)
     b, h = heads.shape[:2]
     size = images.shape[-1]
     plt = pyplot()
@@ -287,8 +277,8 @@ def figure_attention_heads(images: torch.Tensor, attn_last: torch.Tensor, path: 
 
 def figure_rollout(images: torch.Tensor, maps: list[torch.Tensor], path: Path, pool: str = "token") -> Path:
     """images (B, 3, S, S), maps depth x (B, H, T, T). Row 1: the inputs; row 2: the attention rollout of the pooled
-    output over them ([CLS], or the patch tokens' mean: `reader_rows`)."""
-    rollout = reader_rows(attention_rollout(maps), pool)  # (B, G, G)
+    output over them ([CLS], or the patch tokens' mean: `pooled_attention`)."""
+    rollout = pooled_attention(attention_rollout(maps), pool)  # (B, G, G)
     heat = upsample_maps(rollout, images.shape[-1])  # (B, S, S)
     b = images.shape[0]
     plt = pyplot()

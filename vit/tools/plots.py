@@ -353,6 +353,16 @@ def figure_sincos_table(encoder, path: Path) -> Path | None:
     return save(fig, path)
 
 
+DATASET_TITLES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "mnist": "MNIST", "fashionmnist": "Fashion-MNIST"}
+
+
+def accuracy_label(tables: dict[str, tuple[list, dict]]) -> str:
+    """The y-axis: 'CIFAR-10 test top-1 (%)', the title of the runs' dataset (their data.dataset names where several)."""
+    arms = [arm for rows, randoms in tables.values() for arm in (*randoms.values(), *(a for r in rows for a in (r.scratch, r.mae, r.probe)))]
+    names = sorted(set().union(*(arm.datasets for arm in arms)))
+    return " ".join([" / ".join(DATASET_TITLES.get(name, f"data.dataset={name}") for name in names), "test top-1 (%)"]).strip()
+
+
 def equal_compute_plot(tables: dict[str, tuple[list, dict]], path: Path) -> Path:
     """The equal-compute table's figure (`vit.tools.results`: {host: (rows, {tag: random-encoder probe arm})}): test top-1
     against the budget for each arm (mean over seeds, min-max bars), one line style per host; a random-encoder probe is a
@@ -383,7 +393,7 @@ def equal_compute_plot(tables: dict[str, tuple[list, dict]], path: Path) -> Path
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
     ax.set_xlabel("minutes for all stages")
-    ax.set_ylabel("CIFAR-10 test top-1 (%)")
+    ax.set_ylabel(accuracy_label(tables))
     title = "Equal compute: MAE against training from scratch"
     ax.set_title(title + (f"\n{next(iter(tables))}" if len(tables) == 1 else ""), fontsize=10)
     ax.grid(alpha=0.3)

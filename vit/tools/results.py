@@ -63,6 +63,7 @@ class Arm:
     unfinished: set[int] = field(default_factory=set)  # seeds of the chosen recipe whose runs have no readable summary
     model: str | None = None  # what the chosen recipe trains (a table may choose another model at each budget)
     unchosen: str | None = None  # why nothing was chosen though finished candidates ran (none has a val top-1 on seed 0)
+    datasets: set[str] = field(default_factory=set)  # the runs' data.dataset (a figure names what its accuracy is of)
 
     def add(self, seed: int, run: RunFolder, minutes: float) -> None:
         """A finished seed; one without a test top-1 (a dataset without a test split) counts, but not in the test numbers."""
@@ -71,6 +72,9 @@ class Arm:
             raise UserError(f"{run.path} trained {model}, but the seeds before it of its recipe trained {self.model}: a seed repeats its recipe")
         self.val[seed], self.minutes[seed] = top1(run, "val"), minutes
         self.model = self.model or model
+        data = run.config.get("data")
+        if isinstance(data, dict) and isinstance(data.get("dataset"), str):
+            self.datasets.add(data["dataset"])
         if top1(run, "test") is not None:
             self.test[seed] = top1(run, "test")
 

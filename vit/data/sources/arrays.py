@@ -35,6 +35,18 @@ CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 MNIST_MEAN, MNIST_STD = (0.1307,) * 3, (0.3081,) * 3
 FASHIONMNIST_MEAN, FASHIONMNIST_STD = (0.2860,) * 3, (0.3530,) * 3
 SYNTHETIC_MEAN, SYNTHETIC_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+# The pickles' label names, in label order (alphabetical, as an ImageFolder tree of them sorts its folders).
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CIFAR100_CLASSES = (
+    "apple", "aquarium_fish", "baby", "bear", "beaver", "bed", "bee", "beetle", "bicycle", "bottle", "bowl", "boy", "bridge", "bus",
+    "butterfly", "camel", "can", "castle", "caterpillar", "cattle", "chair", "chimpanzee", "clock", "cloud", "cockroach", "couch", "crab",
+    "crocodile", "cup", "dinosaur", "dolphin", "elephant", "flatfish", "forest", "fox", "girl", "hamster", "house", "kangaroo",
+    "keyboard", "lamp", "lawn_mower", "leopard", "lion", "lizard", "lobster", "man", "maple_tree", "motorcycle", "mountain", "mouse",
+    "mushroom", "oak_tree", "orange", "orchid", "otter", "palm_tree", "pear", "pickup_truck", "pine_tree", "plain", "plate", "poppy",
+    "porcupine", "possum", "rabbit", "raccoon", "ray", "road", "rocket", "rose", "sea", "seal", "shark", "shrew", "skunk", "skyscraper",
+    "snail", "snake", "spider", "squirrel", "streetcar", "sunflower", "sweet_pepper", "table", "tank", "telephone", "television", "tiger",
+    "tractor", "train", "trout", "tulip", "turtle", "wardrobe", "whale", "willow_tree", "wolf", "woman", "worm"
+)  # fmt: skip
 
 SYNTHETIC_CLASSES = ["red", "green", "blue", "yellow", "magenta", "cyan", "orange", "purple", "white", "black"]
 _SYNTHETIC_COLOURS = (
@@ -56,7 +68,7 @@ class Cifar(ImageTree):
     def file_sets(self) -> dict[str, FileSet]:
         # The stream loader lists the tree the memory loader reads: it must refuse what that refuses.
         sets = super().file_sets()
-        _check_class_count(self.cfg, sets["train"].classes)
+        _check_classes(self.cfg, sets["train"].classes)
         return sets
 
 
@@ -125,14 +137,18 @@ class _CifarSpec:
     meta_file: str
     names_key: str
     labels_key: str
-    num_classes: int
+    classes: tuple[str, ...]
     torchvision_class: str
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
 
 
 _CIFAR = {
     "cifar10": _CifarSpec("CIFAR-10", "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch",
-                          "batches.meta", "label_names", "labels", 10, "CIFAR10"),
-    "cifar100": _CifarSpec("CIFAR-100", "cifar-100-python", ("train",), "test", "meta", "fine_label_names", "fine_labels", 100, "CIFAR100"),
+                          "batches.meta", "label_names", "labels", CIFAR10_CLASSES, "CIFAR10"),
+    "cifar100": _CifarSpec("CIFAR-100", "cifar-100-python", ("train",), "test", "meta", "fine_label_names", "fine_labels", CIFAR100_CLASSES, "CIFAR100"),
 }  # fmt: skip
 
 
@@ -147,7 +163,7 @@ def _load_cifar(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
                 return _read_cifar_pickles(folder, spec)
         if is_archive(root) or (root / "train").is_dir():
             raw = read_tree_cached(cfg, root, skipped)
-            _check_class_count(cfg, raw["train"].classes)
+            _check_classes(cfg, raw["train"].classes)
             return raw
         if root.is_file():
             raise DataError(f"data.root {root} is a file; expected a {spec.folder} folder, a train/<class>/ tree or a .tar.gz of one")
@@ -163,12 +179,19 @@ def _load_cifar(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
     return _read_cifar_pickles(downloads / spec.folder, spec)
 
 
-def _check_class_count(cfg: DataConfig, classes: list[str]) -> None:
-    spec = _CIFAR[cfg.dataset]
+def _check_classes(cfg: DataConfig, classes: list[str]) -> None:
+    """A tree read as CIFAR has its classes: their names (any case), or the label numbers 0..N-1. (A tree of one's own, under
+    the default data.dataset=cifar10, trained with CIFAR's normalisation and its records said CIFAR-10.)"""
+    spec, root = _CIFAR[cfg.dataset], Path(cfg.root).expanduser()
+    # data.dataset defaults to cifar10, so a user's own tree lands here first: say the setting that reads it as it is.
+    own = f"of data.dataset={cfg.dataset}; for a tree of your own classes set data.dataset=imagefolder"
     if len(classes) != spec.num_classes:
-        # data.dataset defaults to cifar10, so a user's own tree lands here first: say the setting that reads it as it is.
-        raise DataError(f"{Path(cfg.root).expanduser()} holds {len(classes)} class folders, expected the {spec.num_classes} {spec.title} classes "
-                        f"of data.dataset={cfg.dataset}; for a tree of your own classes set data.dataset=imagefolder")
+        raise DataError(f"{root} holds {len(classes)} class folders, expected the {spec.num_classes} {spec.title} classes {own}")
+    names = {c.lower() for c in classes}
+    if names != set(spec.classes) and set(classes) != {str(i) for i in range(spec.num_classes)}:
+        others = sorted(c for c in classes if c.lower() not in spec.classes)
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise DataError(f"{root} holds class folders that are not {spec.title}'s ({shown}; its classes are {', '.join(spec.classes[:3])}, ...) {own}")
 
 
 def _read_cifar_pickles(folder: Path, spec: _CifarSpec) -> dict[str, ImageSet]:

@@ -41,7 +41,7 @@ from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
 from vit.train.signals import Preempted
-from vit.train.states import Progress, load_state
+from vit.train.states import Progress, load_state, resumed_loader
 
 
 def job_type(cfg: FinetuneConfig) -> str:
@@ -73,8 +73,11 @@ def input_size(cfg: FinetuneConfig) -> int | None:
 def open_run_data(cfg: FinetuneConfig, run: Run, out_size: int | None) -> Data:
     """The run's labelled data (the main process decodes or scans first, the others then read its cache)."""
     acc = run.accelerator
-    return main_first(acc, lambda: open_data(cfg.data, out_size=out_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
-                                             threads=run.threads, local_processes=run.local_processes, need_labels=True, say=run.print))  # fmt: skip
+    data = main_first(acc, lambda: open_data(cfg.data, out_size=out_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
+                                             threads=run.threads, local_processes=run.local_processes, need_labels=True,
+                                             resumed=resumed_loader(run), say=run.print))  # fmt: skip
+    run.data_loader = data.kind  # its resume states record it: data.loader=auto keeps it on a resume
+    return data
 
 
 def loaders(cfg: FinetuneConfig, data: Data, augment: bool):

@@ -26,7 +26,7 @@ from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
 from vit.train.signals import Preempted
-from vit.train.states import load_state
+from vit.train.states import load_state, resumed_loader
 
 
 @torch.no_grad()
@@ -130,7 +130,9 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
     img_size = mae.encoder.patch_embed.img_size
     # the main process decodes into the cache (or scans the shards), the others then read it
     data = main_first(acc, lambda: open_data(cfg.data, out_size=img_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
-                                             threads=run.threads, local_processes=run.local_processes, say=run.print))  # fmt: skip
+                                             threads=run.threads, local_processes=run.local_processes, resumed=resumed_loader(run),
+                                             say=run.print))  # fmt: skip
+    run.data_loader = data.kind  # its resume states record it: data.loader=auto keeps it on a resume
     splits = data.splits
     run.print(f"data: {splits.describe()} | model: {cfg.model.name} {mae.encoder.config['embed_dim']}d x {mae.encoder.config['depth']}, "
               f"{sum(p.numel() for p in mae.encoder.parameters()) / 1e6:.2f}M encoder parameters, decoder {mae.decoder_config}")

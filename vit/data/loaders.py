@@ -68,8 +68,35 @@ def default_workers(cfg: DataConfig, device: torch.device, threads: int, local_p
     return max(1, per_process - used)
 
 
-def choose_loader(source: Source, out_size: int, listed: dict[str, Any] | None = None) -> tuple[str, str]:
-    """("memory" | "stream", why) for `data.loader`; `listed`: the source's file sets when the caller listed them already."""
+def choose_loader(source: Source, out_size: int, listed: dict[str, Any] | None = None, resumed: str | None = None) -> tuple[str, str]:
+    """("memory" | "stream", why) for `data.loader`; `listed`: the source's file sets when the caller listed them already.
+    `resumed`: the loader the resume state recorded, which `auto` keeps (`keep_resumed`): another machine's RAM, and with
+    it the default budget, would otherwise serve the resumed run other batches."""
+    kind, why = pick_loader(source, out_size, listed)
+    if source.cfg.loader != "auto" or resumed is None or resumed == kind:
+        return kind, why
+    return resumed, keep_resumed(source, out_size, listed, resumed, why)
+
+
+def keep_resumed(source: Source, out_size: int, listed: dict[str, Any] | None, resumed: str, why: str) -> str:
+    """Why `auto` keeps the `resumed` loader where it would now pick the other one (`why`); a DataError naming what to set
+    where that loader cannot read the data as now configured, or the decoded data cannot fit this machine's RAM."""
+    other = "memory" if resumed == "stream" else "stream"
+    cannot = source.why_not_streamed() if resumed == "stream" else source.why_not_memory()
+    instead, ram = "with the data settings it started with", machine_ram()
+    if cannot is None and resumed == "memory" and ram > 0:  # auto picked stream by the data's size
+        count, hw, size = source.decoded_size(out_size, listed)
+        if size > ram:
+            cannot = f"{count:,} images x 3x{hw} = {size / GB:.2f} GB decoded exceed this machine's {ram / GB:.1f} GB of RAM"
+            instead = "on a machine with more memory"
+    if cannot is not None:
+        raise DataError(f"run.resume: this run started with the {resumed} loader (data.loader=auto), which cannot read the data here: "
+                        f"{cannot}; resume it {instead}, or start it afresh without run.resume (run.overwrite=true, or another run.name)")  # fmt: skip
+    return f"auto: kept from the resume state, for the same batches; auto would now pick {other}: {why.removeprefix('auto: ')}"
+
+
+def pick_loader(source: Source, out_size: int, listed: dict[str, Any] | None = None) -> tuple[str, str]:
+    """`data.loader`'s choice for this data on this machine, and why (see `choose_loader`)."""
     cfg = source.cfg
     why_not, why_not_memory = source.why_not_streamed(), source.why_not_memory()
     if cfg.loader == "memory":
@@ -160,10 +187,11 @@ class Data:
 
 
 def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,
-              threads: int = 1, local_processes: int = 1, need_labels: bool = False,
+              threads: int = 1, local_processes: int = 1, need_labels: bool = False, resumed: str | None = None,
               say: Callable[[str], None] = print) -> Data:  # fmt: skip
     """Open `cfg`'s data for a stage whose model takes `out_size` images (None: as stored; memory loader only);
-    `need_labels` refuses an unlabelled source with one line."""
+    `need_labels` refuses an unlabelled source with one line; `resumed`: the loader the state a resume continues recorded
+    (`vit.train.states.resumed_loader`), which `data.loader=auto` keeps."""
     device = torch.device(device)
     source = source_for(cfg)  # the one place `data.dataset` is looked up
     # A large tree is listed once: for `auto`'s estimate, then for the stream loader's splits.
@@ -171,7 +199,7 @@ def open_data(cfg: DataConfig, *, out_size: int | None, device: torch.device | s
     stored = source.stored_size(out_size)
     derived = stored != cfg.image_size
     source.cfg = cfg = replace(cfg, image_size=stored)  # what the memory loader decodes to; `auto`'s estimate counts that size
-    kind, why = choose_loader(source, out_size or cfg.image_size or 32, listed)
+    kind, why = choose_loader(source, out_size or cfg.image_size or 32, listed, resumed)
     if kind == "memory" and derived:
         why += f"; stored at the model's {stored} px (data.image_size unset; set it to store another size)"
     bad = BadImageLog(rank)

@@ -134,7 +134,10 @@ def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead:
 def setting_differences(before: dict[str, Any], now: dict[str, Any]) -> str | None:
     """`key old -> new, ...` for the dotted settings a resume may not change (all but `RESUMABLE_CHANGES`), the first
     five named; None where none differ."""
-    # data.loader=auto picks memory or stream by data.memory_budget_gb: another budget may serve other batches
+    # data.loader=auto picks memory or stream by data.memory_budget_gb: another budget may serve other batches. A state that
+    # records its loader keeps it whatever the budget (`vit.data.loaders.keep_resumed`), one saved before that record does
+    # not, and this check runs before any state is read: a budget given on a resume stays refused (it would switch the
+    # loader of a run whose state does not record it, and change nothing for one whose state does).
     fixed = RESUMABLE_CHANGES - ({"data.memory_budget_gb"} if "auto" in (before.get("data.loader"), now.get("data.loader")) else set())
     differ = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(now) | set(before))
               if key not in fixed and now.get(key) != before.get(key)]  # fmt: skip

@@ -4,7 +4,8 @@ renamed when complete, so `run.resume=auto` never picks up a half-written one; t
 
 Beside the progress, `trainer.json` records the run that saved the state (under `RECORD_KEY`: its stage, processes and
 settings): a state resumed away from its run folder (a copy) is held to them, as `run.resume=auto` is to the folder's
-config.yaml (`vit.train.resumes.check_recorded`)."""
+config.yaml (`vit.train.resumes.check_recorded`). It records the data loader the run used too, which `data.loader=auto`
+keeps on a resume (`resumed_loader`, read before the stage opens its data)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from vit.train.run import Run, StepRecords
 
 RECORD_KEY = "saved_by"  # trainer.json's record of the run that saved the state; no field of `Progress`
 RNG_FILES = "random_states_*.pkl"  # Accelerate writes one per process: a state without a record still says how many saved it
+LOADERS = (None, "memory", "stream")  # a record's data loader; None: saved before records held it, or by a stage that did not say
 
 
 @dataclass
@@ -124,10 +126,11 @@ def drop_later_states(run: Run, saved: Path) -> None:
 
 
 def state_record(run: Run) -> dict[str, Any]:
-    """What a state is held to when resumed: the stage, the number of processes, and the settings (`settings`); and the
-    kind of device it ran on, which a resume may change and says (`say_how_it_runs`)."""
+    """What a state is held to when resumed: the stage, the number of processes, and the settings (`settings`); the
+    kind of device it ran on, which a resume may change and says (`say_how_it_runs`); and the data loader it served its
+    batches with ("memory" | "stream", None where the stage did not say), which `data.loader=auto` keeps (`resumed_loader`)."""
     return {"stage": run.stage, "processes": run.accelerator.num_processes, "settings": settings(run.cfg),
-            "device": run.accelerator.device.type}
+            "device": run.accelerator.device.type, "loader": run.data_loader}
 
 
 def settings(cfg: Any) -> dict[str, Any]:
@@ -177,6 +180,25 @@ def load_state(run: Run) -> Progress | None:
                 run.print(f"resume: dropped {dropped} metrics record(s) logged after step {progress.step}; they are logged again")
         return progress
     raise ConfigError(f"run.resume=auto: none of the saved states in {run.dir / STATE_DIR} loads")
+
+
+def resumed_loader(run: Run) -> str | None:
+    """The data loader ("memory" | "stream") recorded by the state `run.resume` continues, read before the stage opens
+    its data (`vit.data.loaders.open_data` keeps it under `data.loader=auto`): under `auto` the newest state whose
+    trainer.json reads, as `load_state` tries them. None for a fresh run, a state saved before states recorded it, or one
+    that does not read (`load_state` names it, or passes it over; `check_loader` refuses a state of another loader)."""
+    resume = run.cfg.run.resume
+    try:
+        candidates = resume_candidates(run, resume) if resume else []
+    except UserError:
+        return None  # `load_state` says what the path is instead
+    for path in candidates:
+        try:
+            record = read_progress(path)[1]
+        except (OSError, ValueError, CheckpointError):
+            continue
+        return (record or {}).get("loader")
+    return None
 
 
 def say_how_it_runs(run: Run, path: Path, record: dict[str, Any]) -> None:
@@ -260,7 +282,8 @@ def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
             raise CheckpointError(f"{STATE_FILE} has a field {name!r} that no state of this project holds")
         if not checks[name](value):
             raise CheckpointError(f"{STATE_FILE} holds {name}={value!r}, which no run writes")
-    sound = isinstance(record, dict) and isinstance(record.get("settings"), dict) and is_count(record.get("processes"))
+    sound = isinstance(record, dict) and isinstance(record.get("settings"), dict) and is_count(record.get("processes")) \
+        and record.get("loader") in LOADERS
     if record is not None and not sound:
         raise CheckpointError(f"{STATE_FILE}'s {RECORD_KEY!r} is damaged")
     return Progress(**saved), record
@@ -277,7 +300,18 @@ def check_fits(run: Run, path: Path, progress: Progress, record: dict[str, Any] 
                           "batch and schedule), or start a fresh run without run.resume")  # fmt: skip
     if record is not None:
         check_settings(run, named, record, path)
+        check_loader(run, named, record, path)
     check_schedule(run, named, progress)
+
+
+def check_loader(run: Run, named: str, record: dict[str, Any], path: Path) -> None:
+    """Refuse a state saved with the other data loader than this run opened its data with (it serves other batches): under
+    `data.loader=auto` the stage opened it with the loader of the newest state (`resumed_loader`), and this older one,
+    loaded where that one did not, was saved by a run that used the other."""
+    was, now = record.get("loader"), run.data_loader
+    if was is not None and now is not None and was != now:
+        raise ConfigError(f"{named} was saved by a run that read its data with the {was} loader, and this run opened it with the "
+                          f"{now} loader, which serves other batches: resume this state by naming it, run.resume={path}")  # fmt: skip
 
 
 def check_settings(run: Run, named: str, record: dict[str, Any], path: Path | None = None) -> None:

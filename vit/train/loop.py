@@ -13,7 +13,6 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -29,6 +28,7 @@ from vit.train.run import Run
 from vit.train.schedule import LoopSpec
 from vit.train.signals import Preempted, SignalGuard
 from vit.train.states import Progress, holds_position, save_state
+from vit.train.window import MetricWindow
 
 # Steps between the exchanges through which several processes agree on a host fact (a signal, a resume state's time, the
 # budget's measurement): each exchange is a host read, which a step otherwise never makes.
@@ -62,35 +62,6 @@ def fit(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, loader, lo
     return loop.finish()
 
 
-@dataclass
-class MetricWindow:
-    """The optimiser steps since the last record: their count and images, and the loss function's extras summed on the
-    device over the steps whose loss was finite (the loss itself stays in the loop's `LossRing`)."""
-
-    first_step: int  # the window's first step
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    finite: torch.Tensor | int = 0  # steps with a finite loss, on the device once extras were added
-    steps: int = 0
-    images: int = 0
-    start: float = field(default_factory=time.perf_counter)
-
-    def add_step(self, extras: dict[str, torch.Tensor], bad: torch.Tensor, images: int) -> None:
-        """One step: its extras (device scalars) unless its loss was not finite (`bad`, a device bool)."""
-        if extras:
-            for key, value in extras.items():
-                self.sums[key] = self.sums.get(key, 0) + torch.where(bad, 0.0, value)
-            self.finite = self.finite + ~bad
-        self.steps += 1
-        self.images += images
-
-    def extra_means(self) -> dict[str, float]:
-        """{key: mean over the finite steps} of the extras (nan when none was finite), in one host read."""
-        if not self.sums:
-            return {}
-        keys = list(self.sums)
-        return dict(zip(keys, (torch.stack([self.sums[k] for k in keys]) / self.finite).tolist()))
-
-
 class TrainLoop:
     """The parts of `fit`, in the order it calls them, around the state they share: `progress`
     (saved with every resume state), the metrics window, the learning rate and the clock.
@@ -105,6 +76,7 @@ class TrainLoop:
         self.progress = progress
         run.ready()  # the stage is set up: a run this one replaces is cleared now, not before its input was checked
         self.accum = run.cfg.optim.grad_accum_steps
+        # A full step's images, which the budget plans with; the images counted are those a step trained on (`step`).
         self.images_per_step = loader.batch_size * self.accum * run.accelerator.num_processes
         self.lr = spec.lr(progress.step)  # the last step's learning rate, logged with each record
         self.window = MetricWindow(progress.step)
@@ -217,15 +189,18 @@ class TrainLoop:
         p = self.progress
         self.lr = self.spec.lr(p.step)
         if self.graph is not None:
-            loss, bad, extras = self.graph.step(*self.next_batch(batches), self.lr)
+            images, targets = self.next_batch(batches)
+            loss, bad, extras = self.graph.step(images, targets, self.lr)  # a short batch runs eagerly (vit.train.graph)
             self.losses.keep(loss, p.step)
             p.batch += 1
             self.announce_graph()
+            trained = images.shape[0]
         else:
-            bad, extras = self.eager_step(batches)
+            bad, extras, trained = self.eager_step(batches)
         p.step += 1
-        p.images += self.images_per_step
-        self.window.add_step(extras, bad, self.images_per_step)
+        # This process's images, short batches as they came (data.skip_bad_images): the next record adds the others'.
+        p.images += trained
+        self.window.add_step(extras, bad, trained)
         if self.bar is not None:
             self.bar.update(1)
 
@@ -246,14 +221,15 @@ class TrainLoop:
         self.run.graph_capture = {"eager_steps": graph.warmup, "capture_sec": round(graph.capture_seconds, 3)}
         self.run.print(f"cuda graph: the step was captured after {graph.warmup} eager steps, in {graph.capture_seconds:.2f} s")
 
-    def eager_step(self, batches: Iterator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The step as the host runs it, micro-batch by micro-batch: (the guard's decision, the extras)."""
+    def eager_step(self, batches: Iterator) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """The step as the host runs it, micro-batch by micro-batch: (the guard's decision, the extras, its images)."""
         acc, p, accum = self.run.accelerator, self.progress, self.accum
         set_lr(self.optimizer, self.lr)
-        loss_sum = None
+        loss_sum, trained = None, 0
         extras_sum: dict[str, torch.Tensor] = {}
         for micro in range(accum):
             images, labels = self.next_batch(batches)
+            trained += images.shape[0]
             # No gradient all-reduce until the last micro-batch of the step.
             sync = micro == accum - 1
             with acc.no_sync(self.model) if not sync and acc.num_processes > 1 else contextlib.nullcontext():
@@ -273,7 +249,7 @@ class TrainLoop:
                 acc.clip_grad_norm_(self.model.parameters(), clip)
             self.scaler_skips.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        return bad, extras_sum
+        return bad, extras_sum, trained
 
     def plan_budget(self) -> None:
         """Fix the step count from the measured step time, once, identically on every rank; it goes into every resume state."""
@@ -353,11 +329,22 @@ class TrainLoop:
         # A step's loss is that of its effective batch, the mean of every process's (equal) share, as one process logs it.
         finite = [sum(row) / len(row) for row in self.host_losses().values() if all(math.isfinite(v) for v in row)]
         metrics = {"loss": sum(finite) / len(finite) if finite else float("nan"), **w.extra_means()}
+        images = self.all_images(w.images)
+        p.images += images - w.images  # the other processes' images of the window (each step added this one's)
         elapsed = time.perf_counter() - w.start  # after the host read: the device has finished the window's steps
         self.window = MetricWindow(p.step)
         return {"step": p.step, "epoch": p.epochs_done(len(self.loader)), "lr": self.lr, **metrics,
-                "images_per_sec": w.images / elapsed if elapsed > 0 else 0.0,
+                "images_per_sec": images / elapsed if elapsed > 0 else 0.0,
                 "time": round(p.train_time + time.perf_counter() - self.segment_start, 2), **(extra or {})}  # fmt: skip
+
+    def all_images(self, mine: int) -> int:
+        """The images every process trained on in the window, `mine` this one's. Several processes sum theirs here, at the
+        record (every resume state and the end close one, so their counts are whole): a short batch's size is known to its
+        process alone, and a step exchanging it would wait for the device."""
+        acc = self.run.accelerator
+        if acc.num_processes == 1:
+            return mine
+        return int(acc.reduce(torch.tensor([mine], dtype=torch.int64, device=acc.device), reduction="sum").item())
 
     def end_epoch(self, on_epoch_end: EpochEnd | None) -> None:
         """Close the epoch: its evaluation, its last record (with the evaluation's metrics), and the resume state of its

@@ -162,9 +162,7 @@ def _load_cifar(cfg: DataConfig, skipped: list) -> dict[str, ImageSet]:
             if (folder / spec.meta_file).is_file():
                 return _read_cifar_pickles(folder, spec)
         if is_archive(root) or (root / "train").is_dir():
-            raw = read_tree_cached(cfg, root, skipped)
-            _check_classes(cfg, raw["train"].classes)
-            return raw
+            return read_tree_cached(cfg, root, skipped, check=lambda classes: _check_classes(cfg, classes))
         if root.is_file():
             raise DataError(f"data.root {root} is a file; expected a {spec.folder} folder, a train/<class>/ tree or a .tar.gz of one")
         looked.append(str(root))
@@ -187,11 +185,24 @@ def _check_classes(cfg: DataConfig, classes: list[str]) -> None:
     own = f"of data.dataset={cfg.dataset}; for a tree of your own classes set data.dataset=imagefolder"
     if len(classes) != spec.num_classes:
         raise DataError(f"{root} holds {len(classes)} class folders, expected the {spec.num_classes} {spec.title} classes {own}")
-    names = {c.lower() for c in classes}
-    if names != set(spec.classes) and set(classes) != {str(i) for i in range(spec.num_classes)}:
-        others = sorted(c for c in classes if c.lower() not in spec.classes)
-        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise DataError(f"{root} holds class folders that are not {spec.title}'s ({shown}; its classes are {', '.join(spec.classes[:3])}, ...) {own}")
+    names = [c.lower() for c in classes]
+    if set(names) == set(spec.classes) or set(classes) == {str(i) for i in range(spec.num_classes)}:
+        return
+    others = sorted(c for c in classes if c.lower() not in spec.classes)
+    if not others:  # each a class of it, one in two cases ('cat' and 'Cat'): no folder named a stranger
+        twice = [_shown(c) for c in classes if names.count(c.lower()) > 1]
+        lacking = [c for c in spec.classes if c not in names]
+        raise DataError(f"{root} holds the class folders {' and '.join(twice)}, one {spec.title} class in two cases, and none for "
+                        f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''} (data.dataset={cfg.dataset}): merge the two; for a tree of your "
+                        "own classes set data.dataset=imagefolder")  # fmt: skip
+    shown = ", ".join(map(_shown, others[:3])) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    raise DataError(f"{root} holds class folders that are not {spec.title}'s ({shown}; its classes are {', '.join(spec.classes[:3])}, ...) {own}")
+
+
+def _shown(name: str) -> str:
+    """A folder name as a message shows it: quoted, escapes and all, where it is not plain text (' cat', or 'cat' spelled
+    with a Cyrillic letter), which would print as the class name it fails to be."""
+    return name if name.isascii() and name.isprintable() and name.strip() == name else ascii(name)
 
 
 def _read_cifar_pickles(folder: Path, spec: _CifarSpec) -> dict[str, ImageSet]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tarfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -69,9 +70,27 @@ def decode_file_sets(cfg: DataConfig, sets: dict[str, FileSet], bad: list) -> di
     return {split: decode_files(files, cfg.image_size, cfg.skip_bad_images, bad, cfg.max_image_pixels) for split, files in sets.items()}
 
 
-def read_tree_cached(cfg: DataConfig, root: Path, skipped: list) -> dict[str, ImageSet]:
-    """A tree or archive decoded once into the cache (`read_tree`)."""
-    return cached(cfg, root, lambda bad: read_tree(root, cfg.image_size, cfg.skip_bad_images, bad, cfg.max_image_pixels), skipped)
+def read_tree_cached(cfg: DataConfig, root: Path, skipped: list, check: Callable[[list[str]], None] | None = None) -> dict[str, ImageSet]:
+    """A tree or archive decoded once into the cache (`read_tree`). `check(classes)` refuses it by its training classes:
+    a folder's before any image is decoded (hours, for a large tree), an archive's (whose classes its decode finds) before
+    its images are cached, and a cache's as it is read (one decoded before the check)."""
+    check = check or (lambda classes: None)
+    if not is_archive(root) and (root / "train").is_dir():  # else `read_tree` says what the root is instead
+        check(train_classes(root))
+
+    def decode(bad: list) -> dict[str, ImageSet]:
+        result = read_tree(root, cfg.image_size, cfg.skip_bad_images, bad, cfg.max_image_pixels)
+        check(result["train"].classes)
+        return result
+
+    result = cached(cfg, root, decode, skipped)
+    check(result["train"].classes)
+    return result
+
+
+def train_classes(root: Path) -> list[str]:
+    """The class folders of a tree's train/, in label order, as `vit.data.files.tree_files` names them, no image listed."""
+    return [as_text(name) for name in sorted(p.name for p in (root / "train").iterdir() if p.is_dir() and not p.name.startswith("."))]
 
 
 def read_tree(source: Path, image_size: int | None, skip_bad: bool = False, bad: list | None = None,

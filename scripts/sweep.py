@@ -18,7 +18,6 @@ the running jobs save a resume state and exit, one line says what each was left 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,9 +26,8 @@ from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
 from vit.cli import split_overrides
 from vit.errors import exit_on_user_error
+from vit.tools.compare import compare
 from vit.tools.sweep import Stopped, check_overrides, read_sweep, run_sweep, select_jobs
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @exit_on_user_error
@@ -58,8 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sweep: {sum(v == 'ok' for v in outcome.values())}/{len(outcome)} jobs ok in {time.perf_counter() - started:.0f}s")
     finished = [str(out / name) for name, v in outcome.items() if v == "ok"]
     if finished:
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), *finished], cwd=ROOT, check=False)
+        print_table(finished)  # its failure is told in one line and leaves the sweep's exit code to the jobs
     return 0 if all(v == "ok" for v in outcome.values()) else 1
+
+
+@exit_on_user_error
+def print_table(runs: list[str]) -> int:
+    """The table `scripts/compare_runs.py RUN...` prints, computed in this process (its packages are imported already:
+    no second interpreter to start)."""
+    print(compare(runs)["table"], flush=True)
+    return 0
 
 
 if __name__ == "__main__":

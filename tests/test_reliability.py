@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -49,20 +50,26 @@ def wait_for_state(run_dir: Path, proc: subprocess.Popen, timeout: float = 120.0
         time.sleep(0.02)
 
 
+def kill_at_first_state(run_dir: Path, proc: subprocess.Popen) -> None:
+    wait_for_state(run_dir, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "encoder.pt", weights_only=True)["state_dict"]
 
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_ends_with_bitwise_equal_weights(tmp_path):
-    # The reference: the same run, never interrupted.
-    assert pretrain(long_run(tmp_path, "whole")) == 0
-    reset_accelerate()
     run_dir = tmp_path / "runs" / "killed"
     proc = cli(long_run(tmp_path, "killed"))
-    wait_for_state(run_dir, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    with ThreadPoolExecutor(max_workers=1) as watcher:  # killed at its first state while the reference below runs
+        killed = watcher.submit(kill_at_first_state, run_dir, proc)
+        # The reference: the same run, never interrupted (one thread each: the two runs do not disturb each other's numbers).
+        assert pretrain(long_run(tmp_path, "whole")) == 0
+        reset_accelerate()
+        killed.result()
     assert proc.returncode == -signal.SIGKILL
     saved = json.loads((state_dirs(run_dir)[-1] / "trainer.json").read_text())
     assert 0 < saved["step"] < 116 and not (run_dir / "summary.json").exists()

@@ -495,6 +495,7 @@ def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_kee
     said = proc.stdout
     assert "sweep: pre: ok" in said and "sweep: ft: ok" in said and "sweep: bad: exit 2" in said
     assert "sweep: after_bad: skipped (bad failed)" in said and "sweep: 2/4 jobs ok" in said
+    assert "\n| pre | pretrain | - |" in said and "\n| ft | finetune | pre |" in said  # the finished runs' table
     summary = json.loads((out / "ft" / "summary.json").read_text())
     assert Path(summary["parent"]).name == "pre" and summary["epochs"] == 1
     assert f"encoder checkpoint {tmp_path / 'no_run'} does not exist" in (out / "bad.log").read_text()
@@ -505,6 +506,7 @@ def test_sweep_runs_jobs_after_their_encoder_skips_those_of_a_failed_one_and_kee
     said = proc.stdout
     assert "sweep: pre: finished earlier, kept" in said and "sweep: ft: finished earlier, kept" in said and "sweep: bad: exit 2" in said
     assert (out / "ft" / "summary.json").stat().st_mtime_ns == before
+    assert "\n| pre | pretrain | - |" in said and "\n| ft | finetune | pre |" in said
 
 
 def test_sweep_jobs_run_side_by_side_are_told_how_many_share_the_machine(tmp_path, monkeypatch):

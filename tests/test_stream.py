@@ -735,22 +735,31 @@ def test_pretrain_on_an_unlabelled_folder_at_64_then_finetune_at_32(tmp_path, ca
     assert json.loads((tmp_path / "runs" / "ft32" / "summary.json").read_text())["val_top1"] > 0.1
 
 
-def peak_rss_of_pretraining(tmp_path, name: str, images: int) -> tuple[dict, float]:
-    folder = tmp_path / f"photos{images}"
-    write_folder(folder, images, size=(224, 224), nested=False)
-    overrides = tiny_overrides(tmp_path, name, **{
-        "data.dataset": "folder", "data.root": str(folder), "data.val_size": 0, "data.memory_budget_gb": 0.001,
-        "data.workers": 1, "model.img_size": 224, "model.patch_size": 32, "optim.batch_size": 16, "schedule.epochs": 1,
-        "schedule.max_steps": 3,  # the same work on both sizes: only the number of images differs
-        "mae.knn_every": 0, "mae.figure_images": 0,
-    })  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "pretrain", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "stream loader (auto:" in proc.stdout
-    summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
-    decoded_gb = images * 3 * 224 * 224 / 1e9
-    return summary, decoded_gb
+def peak_rss_of_pretraining(tmp_path, runs: dict[str, int]) -> dict[str, tuple[dict, float]]:
+    """Pretrain once per `runs` entry (name: images) in its own process, side by side (each figure is its own process's
+    peak resident set): {name: (summary, GB the images take decoded)}."""
+    procs = {}
+    for name, images in runs.items():  # the next folder is written while the run before it starts
+        folder = tmp_path / f"photos{images}"
+        write_folder(folder, images, size=(224, 224), nested=False)
+        overrides = tiny_overrides(tmp_path, name, **{
+            "data.dataset": "folder", "data.root": str(folder), "data.val_size": 0, "data.memory_budget_gb": 0.001,
+            "data.workers": 1, "data.cache_dir": str(tmp_path / f"cache_{name}"), "model.img_size": 224, "model.patch_size": 32,
+            "optim.batch_size": 16, "schedule.epochs": 1,
+            "schedule.max_steps": 3,  # the same work on both sizes: only the number of images differs
+            "mae.knn_every": 0, "mae.figure_images": 0,
+        })  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        procs[name] = subprocess.Popen([sys.executable, "-m", "pretrain", *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)  # fmt: skip
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+        assert "stream loader (auto:" in out
+        summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+        results[name] = summary, runs[name] * 3 * 224 * 224 / 1e9
+    return results
 
 
 @pytest.mark.slow
@@ -770,8 +779,8 @@ def test_the_readmes_photo_folder_example_runs_on_photos_of_mixed_sizes(tmp_path
 
 @pytest.mark.slow
 def test_streamed_pretraining_memory_does_not_grow_with_the_images(tmp_path):
-    small, small_gb = peak_rss_of_pretraining(tmp_path, "small", 48)
-    large, large_gb = peak_rss_of_pretraining(tmp_path, "large", 960)
+    runs = peak_rss_of_pretraining(tmp_path, {"small": 48, "large": 960})
+    (small, small_gb), (large, large_gb) = runs["small"], runs["large"]
     assert large["steps"] == small["steps"] == 3 and large["data"]["train"] == 960
     grown = large["memory"]["peak_rss_mib"] - small["memory"]["peak_rss_mib"]
     decoded_mib = (large_gb - small_gb) * 1e3 / 1.048576

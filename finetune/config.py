@@ -37,6 +37,9 @@ class FinetuneSection:
     knn_temperature: float = 0.07  # knn mode: vote weight exp(cosine similarity / temperature)
     allow_overlap: bool = False  # go on when val images were training images of the encoder (or, in eval mode, the classifier)
     patch_keep: float = 1.0  # full mode, ViTs: fraction of patches each training image keeps (patch dropout); eval sees all
+    # full mode: evaluate and save an exponential moving average of the weights with this decay (e.g. 0.9998; vit.train.ema),
+    # not the last step's weights; None: the trained weights themselves
+    ema_decay: float | None = None
     eval_every: int = 1  # epochs between evaluations
     confusion_matrix: bool = True
 
@@ -45,6 +48,7 @@ class FinetuneSection:
         check(0.0 <= self.label_smoothing < 1.0, "finetune.label_smoothing", "must be in [0, 1)")
         check(self.eval_every > 0, "finetune.eval_every", "must be positive")
         check(0.0 < self.patch_keep <= 1.0, "finetune.patch_keep", "must be in (0, 1]")
+        check(self.ema_decay is None or 0.0 < self.ema_decay < 1.0, "finetune.ema_decay", "must be in (0, 1), or null for no average")
         # eval mode trains nothing, so a training recipe's patch_keep is accepted there (and unused): its config evaluates as it is
         check(self.patch_keep == 1.0 or (self.arch in ("vit", "timm_vit") and self.mode in ("full", "eval")), "finetune.patch_keep",
                "< 1 needs finetune.mode=full and a ViT (finetune.arch=vit or timm_vit)")
@@ -101,7 +105,7 @@ class FinetuneConfig(StageConfig):
         if self.run.grad_checkpointing and (ft.mode != "full" or ft.arch == "resnet18"):
             where = "finetune.arch=resnet18 has no transformer blocks" if ft.mode == "full" else f"finetune.mode={ft.mode}'s encoder records no gradient"
             said.append(f"run.grad_checkpointing=true ({where} to recompute)")
-        for key, mode in (("probe_cache", "linear"), ("knn_k", "knn"), ("knn_temperature", "knn")):
+        for key, mode in (("probe_cache", "linear"), ("knn_k", "knn"), ("knn_temperature", "knn"), ("ema_decay", "full")):
             if ft.mode != mode and getattr(ft, key) != getattr(default, key):
                 said.append(f"finetune.{key}={getattr(ft, key)} (read by finetune.mode={mode} only)")
         return said

@@ -36,6 +36,7 @@ from vit.store.runs import CLASSIFIER_FILE, confusion_path
 from vit.train import tracking
 from vit.train.accelerator import compile_for_run, main_first
 from vit.train.budget import Evaluation, evaluation_timer
+from vit.train.ema import WeightAverage, weight_average
 from vit.train.loop import fit
 from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
@@ -202,6 +203,11 @@ class Training:
     spec: LoopSpec
     loss_fn: Any
     cached: bool  # a linear probe on cached features
+    average: WeightAverage | None = None  # finetune.ema_decay's average of the weights, which is evaluated and saved
+
+    def evaluated(self) -> nn.Module:
+        """The weights the run evaluates and saves: the average where there is one, else the trained ones."""
+        return self.average.module if self.average is not None else unwrap(self.module)
 
 
 def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Training:
@@ -213,6 +219,7 @@ def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> T
     module, optimizer = acc.prepare(task.module, optimizer)
     # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
     forward = compile_for_run(run, module, optimizer, compile=not cached)
+    average = weight_average(unwrap(module), optimizer, acc, cfg.finetune.ema_decay if cfg.finetune.mode == "full" else None)
     # For a time budget: the val split every `finetune.eval_every` epochs, then val and test once at the end.
     # An evaluation's images are timed on the val split's (or test's) first batches, each scored as `evaluate` scores it.
     timed = next(iter(task.evals.values()), None)
@@ -221,8 +228,9 @@ def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> T
     evaluation = Evaluation(images=len(splits.val) if "val" in task.evals else 0, every=cfg.finetune.eval_every,
                             final_images=sum(len(s) for s in (splits.val, splits.test) if s is not None), timer=timer)  # fmt: skip
     spec = loop_spec(cfg, len(task.train), acc.num_processes, (evaluation,))
-    run.print(f"schedule: {spec.described()}, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}")
-    return Training(task, module, optimizer, forward, spec, make_loss(cfg, num_classes), cached)
+    averaged = f", weights averaged (EMA decay {average.decay:g})" if average is not None else ""
+    run.print(f"schedule: {spec.described()}, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}{averaged}")
+    return Training(task, module, optimizer, forward, spec, make_loss(cfg, num_classes), cached, average)
 
 
 def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
@@ -237,7 +245,7 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
     def on_epoch_end(epoch: int, progress: Progress) -> dict:
         if "val" not in task.evals or (epoch % cfg.finetune.eval_every and epoch != spec.epoch_limit):
             return {}
-        r = evaluate(unwrap(module), task.evals["val"], acc, num_classes, "val")
+        r = evaluate(t.evaluated(), task.evals["val"], acc, num_classes, "val")
         evaluated.update(step=progress.step, val=r)
         best = max(progress.best.get("val_top1", 0.0), r["top1"])
         progress.best["val_top1"] = best
@@ -247,7 +255,7 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
 
     progress = fit(run, t.forward, t.optimizer, task.train, t.loss_fn, spec, load_state(run), on_epoch_end)
     at_end = evaluated["step"] == progress.step  # the last epoch's end evaluated these very weights on val: not again
-    results = {split: evaluated["val"] if split == "val" and at_end else evaluate(unwrap(module), loader, acc, num_classes, split)
+    results = {split: evaluated["val"] if split == "val" and at_end else evaluate(t.evaluated(), loader, acc, num_classes, split)
                for split, loader in task.evals.items()}  # fmt: skip
     if "val" in results and not at_end:
         # A time budget (or schedule.max_steps) ends mid-epoch, where no epoch end evaluated: the final weights' val
@@ -258,7 +266,7 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
         run.log({"step": progress.step, "epoch": epoch, "val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]})
     if t.cached:
         built.model.head = unwrap(module)
-    return Trained(built.model if t.cached else unwrap(module), results, progress, task.feature_time)
+    return Trained(built.model if t.cached else t.evaluated(), results, progress, task.feature_time)
 
 
 def unused_in_eval(cfg: FinetuneConfig) -> list[str]:

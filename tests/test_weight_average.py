@@ -1,0 +1,110 @@
+"""finetune.ema_decay: the fine-tune evaluates and saves an exponential moving average of its weights (vit.train.ema),
+updated on the device after every optimiser step that changed them, carried by resume states."""
+
+import json
+
+import pytest
+import torch
+from helpers import finetuning_loop, reset_accelerate, tiny_overrides
+from safetensors.torch import load_file
+from torch import nn
+
+from finetune.train import main as finetune
+from vit.store.runs import state_path
+from vit.train import accelerator, graph
+from vit.train.ema import WeightAverage
+from vit.train.graph import rerun_capture
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate():
+    yield
+    reset_accelerate()
+
+
+def test_the_average_follows_the_decay_and_its_warm_up_after_each_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    average = WeightAverage(model, decay=0.8).follow(optimizer)
+    expected = [p.detach().clone() for p in model.parameters()]
+    for n in range(8):
+        loss = (model(torch.randn(5, 4)) - 1).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        d = min(0.8, (1 + n) / (10 + n))  # timm's warm-up: the first averages lean on the new weights
+        expected = [a + (1 - d) * (w.detach() - a) for a, w in zip(expected, model.parameters())]
+    for got, want, trained in zip(average.module.parameters(), expected, model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(got, trained)  # an average, not the last weights
+    assert average.count.item() == 8
+    # buffers are the model's (BatchNorm's statistics), not averaged
+    assert torch.equal(average.module[0].running_mean, model[0].running_mean) and average.module[0].num_batches_tracked == 8
+    assert not average.module.training and not any(p.requires_grad for p in average.module.parameters())
+
+
+def test_a_step_the_guard_skipped_moves_nothing():
+    model = nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, fused=True)  # takes the guard's flag, as the run's optimisers do
+    average = WeightAverage(model, decay=0.5).follow(optimizer)
+    before = [p.clone() for p in average.module.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # weights the average would move towards
+    optimizer.found_inf = torch.tensor(1.0)  # the non-finite-loss guard's flag: this step changed nothing
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(average.module.parameters(), before)) and average.count.item() == 0
+    optimizer.found_inf = torch.tensor(0.0)
+    optimizer.step()
+    assert not torch.equal(next(average.module.parameters()), before[0]) and average.count.item() == 1
+
+
+def ema_run(tmp_path, name, **extra):
+    return finetune(tiny_overrides(tmp_path, name, **{"finetune.ema_decay": 0.9, "run.keep_states": 10, **extra}))
+
+
+def test_a_fine_tune_evaluates_and_saves_the_average_and_resumes_it_exactly(tmp_path, capsys):
+    assert ema_run(tmp_path, "whole") == 0
+    assert "weights averaged (EMA decay 0.9)" in capsys.readouterr().out
+    run = tmp_path / "runs" / "whole"
+    summary = json.loads((run / "summary.json").read_text())
+    last = state_path(run, summary["steps"])
+    saved = torch.load(run / "classifier.pt", weights_only=False)["state_dict"]
+    averaged = torch.load(last / "custom_checkpoint_0.pkl", weights_only=False)["weights"]
+    trained = load_file(last / "model.safetensors")
+    assert saved.keys() == averaged.keys() and all(torch.equal(saved[k], averaged[k]) for k in saved)
+    assert not all(torch.equal(saved[k], trained[k]) for k in saved)  # the average, not the trained weights
+    # stopped after 3 steps and resumed: the same average, bit for bit
+    reset_accelerate()
+    assert ema_run(tmp_path, "cut", **{"schedule.max_steps": 3}) == 0
+    reset_accelerate()
+    assert ema_run(tmp_path, "cut", **{"run.resume": "auto"}) == 0
+    resumed = torch.load(tmp_path / "runs" / "cut" / "classifier.pt", weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[k], resumed[k]) for k in saved)
+    assert json.loads((tmp_path / "runs" / "cut" / "summary.json").read_text())["final_val_top1"] == summary["final_val_top1"]
+
+
+def test_the_captured_step_updates_the_average_at_each_replay_and_not_past_a_non_finite_loss(tmp_path, monkeypatch):
+    # On a GPU the update is captured with the step; here a stand-in replays the step's body as a graph would.
+    monkeypatch.setattr(accelerator, "step_graph_for", lambda run, optimizer, recomputed=False: True)
+    monkeypatch.setattr(graph, "cuda_capture", rerun_capture)
+    loop, batches = finetuning_loop(tmp_path, "graphed", **{"finetune.ema_decay": 0.9, "run.log_every": 1000})
+    average = next(hook.__self__ for hook in loop.optimizer.optimizer._optimizer_step_post_hooks.values())
+    for _ in range(graph.WARMUP_STEPS + 3):
+        loop.step(batches)
+    assert loop.graph.replay is not None and average.count.item() == graph.WARMUP_STEPS + 3
+    before = [p.clone() for p in average.module.parameters()]
+    poisoned = loop.graph.loss_fn
+    loop.graph.loss_fn = lambda model, images, targets: (lambda loss, extras: (loss * float("nan"), extras))(*poisoned(model, images, targets))
+    loop.step(batches)
+    assert all(torch.equal(a, b) for a, b in zip(average.module.parameters(), before)) and average.count.item() == graph.WARMUP_STEPS + 3
+
+
+def test_the_setting_is_checked_and_said_unused_where_nothing_trains_the_weights(tmp_path, capsys):
+    assert finetune(tiny_overrides(tmp_path, "bad", **{"finetune.ema_decay": 1.0})) == 2
+    err = capsys.readouterr().err
+    assert "finetune.ema_decay" in err and "must be in (0, 1)" in err and "Traceback" not in err
+    assert finetune(tiny_overrides(tmp_path, "probe", **{"finetune.ema_decay": 0.99, "finetune.mode": "linear", "schedule.epochs": 1})) == 0
+    assert "finetune.ema_decay=0.99 (read by finetune.mode=full only)" in capsys.readouterr().err

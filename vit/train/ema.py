@@ -1,0 +1,82 @@
+"""An exponential moving average of a model's weights (Polyak averaging; timm's `ModelEmaV3`, DeiT's `--model-ema`):
+the weights a fine-tune evaluates and saves where `finetune.ema_decay` is set.
+
+    average = weight_average(model, optimizer, accelerator, decay=0.9998)   # None where decay is None
+    evaluate(average.module, ...)                                             # the averaged weights, in eval mode
+
+The update runs on the device, after the optimiser's step (a step post-hook), with nothing the host reads: it runs
+wherever the optimiser steps, in eager steps and inside a captured CUDA graph's replays (`vit.train.graph`), and skips
+where the step did (the non-finite-loss guard's `found_inf`, fp16's scaler). Its count of updates is a device tensor,
+so the warm-up of the decay (timm's: `min(decay, (1 + n) / (10 + n))` after n updates, where an average of a few
+steps would otherwise be mostly the first weights) is captured with the rest. Resume states carry the average
+(`state_dict`, registered with Accelerate)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from vit.errors import CheckpointError
+
+
+class WeightAverage:
+    """The average of `model`'s weights as `module`, a copy of it in eval mode that takes no gradients. Parameters are
+    averaged; buffers (BatchNorm's statistics) are copied from the model at each update, as timm does."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"a weight average's decay must be in (0, 1), not {decay}")
+        self.decay = decay
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self.source = list(model.parameters())
+        self.averaged = list(self.module.parameters())
+        self.source_buffers, self.buffers = list(model.buffers()), list(self.module.buffers())
+        device = self.source[0].device
+        self.count = torch.zeros((), dtype=torch.float32, device=device)  # updates made, on the device (a graph replays them)
+
+    def follow(self, optimizer) -> WeightAverage:
+        """Update after every step of `optimizer` (its torch optimiser, under Accelerate's wrapper)."""
+        getattr(optimizer, "optimizer", optimizer).register_step_post_hook(self.after_step)
+        return self
+
+    def after_step(self, optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The optimiser's step post-hook: one update, gated by the flag the step was gated by (1: it changed nothing)."""
+        skipped = kwargs.get("found_inf", getattr(optimizer, "found_inf", None))
+        self.update(skipped)
+
+    @torch.no_grad()
+    def update(self, skipped: torch.Tensor | None = None) -> None:
+        """Move the average towards the model's weights: `a += (1 - d) * (w - a)`, d the decay after its warm-up; where
+        `skipped` (a device flag) is 1, nothing moves and the count stays."""
+        taken = torch.ones_like(self.count) if skipped is None else 1.0 - skipped.to(self.count.dtype).reshape(())
+        decay = torch.clamp((1.0 + self.count) / (10.0 + self.count), max=self.decay)
+        torch._foreach_lerp_(self.averaged, self.source, (1.0 - decay) * taken)
+        for mine, theirs in zip(self.buffers, self.source_buffers):
+            mine.copy_(theirs)
+        self.count.add_(taken)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "count": self.count.item(), "weights": self.module.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resume state's average. Its decay must be this run's (the run's settings say so before this is read)."""
+        if state.get("decay") != self.decay:
+            raise CheckpointError(f"the resume state's weight average has decay {state.get('decay')}, this run's finetune.ema_decay is {self.decay}")
+        weights = state["weights"]
+        if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
+            raise CheckpointError("the resume state's weight average holds non-finite weights")
+        self.module.load_state_dict(weights, strict=True)
+        self.count.fill_(float(state["count"]))
+
+
+def weight_average(model: nn.Module, optimizer, accelerator, decay: float | None) -> WeightAverage | None:
+    """The average of `model`'s weights that `optimizer`'s steps update and `accelerator`'s resume states carry; None
+    where `decay` is None (no average)."""
+    if decay is None:
+        return None
+    average = WeightAverage(model, decay).follow(optimizer)
+    accelerator.register_for_checkpointing(average)  # before a resume state is loaded: Accelerate loads it with the rest
+    return average

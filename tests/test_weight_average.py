@@ -96,8 +96,13 @@ def test_the_captured_step_updates_the_average_at_each_replay_and_not_past_a_non
         loop.step(batches)
     assert loop.graph.replay is not None and average.count.item() == graph.WARMUP_STEPS + 3
     before = [p.clone() for p in average.module.parameters()]
-    poisoned = loop.graph.loss_fn
-    loop.graph.loss_fn = lambda model, images, targets: (lambda loss, extras: (loss * float("nan"), extras))(*poisoned(model, images, targets))
+    finite = loop.graph.loss_fn
+
+    def non_finite(model, images, targets):
+        loss, extras = finite(model, images, targets)
+        return loss * float("nan"), extras
+
+    loop.graph.loss_fn = non_finite
     loop.step(batches)
     assert all(torch.equal(a, b) for a, b in zip(average.module.parameters(), before)) and average.count.item() == graph.WARMUP_STEPS + 3
 

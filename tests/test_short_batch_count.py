@@ -4,9 +4,7 @@ states, summary.json) and `images_per_sec` (metrics.jsonl, summary.json) were to
 
 import json
 
-import pytest
 from helpers import finetuning_loop, image_tree, reset_accelerate, tiny_overrides
-from test_ranks import launch
 
 import vit.train.loop as loop_module
 from finetune.train import main as finetune
@@ -104,15 +102,3 @@ def test_a_resume_state_and_the_summary_count_the_images_trained_and_resume_exac
     # the stage's rate is its images over its training time, which the last state holds unrounded
     train_time = read_state_progress(state_path(run_dir, 12))["train_time"]
     assert summary["images_per_sec"] == round(sum(sizes) / train_time, 1)
-
-
-@pytest.mark.slow  # two processes
-def test_two_processes_count_the_images_both_trained(tmp_path):
-    # Each rank skips its own undecodable files: the counts differ between ranks and are summed at the records.
-    settings = tree_settings(tmp_path, bad=lambda split, label, i: split == "train" and i in (1, 2, 4), **{"schedule.epochs": 1})
-    out = launch(["-m", "finetune"], tiny_overrides(tmp_path, "two", **settings), timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "runs" / "two" / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["bad_images"] > 0
-    # one epoch, and training alone reads the training files: every image of its batches either trained or was skipped
-    assert summary["images"] == summary["steps"] * BATCH * 2 - summary["bad_images"]

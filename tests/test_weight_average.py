@@ -61,6 +61,15 @@ def test_a_step_the_guard_skipped_moves_nothing():
     assert not torch.equal(next(average.module.parameters()), before[0]) and average.count.item() == 1
 
 
+def test_an_update_reads_nothing_from_the_device():
+    # On the meta device a tensor has no value: an update that turned one into a number (a host read, which waits for a
+    # GPU at every step and which a CUDA graph capture refuses) fails here.
+    average = WeightAverage(nn.Linear(3, 2, device="meta"), decay=0.9)
+    average.update()
+    average.update(torch.ones((), device="meta"))
+    assert average.count.device.type == "meta"
+
+
 def ema_run(tmp_path, name, **extra):
     return finetune(tiny_overrides(tmp_path, name, **{"finetune.ema_decay": 0.9, "run.keep_states": 10, **extra}))
 

@@ -53,7 +53,11 @@ class WeightAverage:
         `skipped` (a device flag) is 1, nothing moves and the count stays."""
         taken = torch.ones_like(self.count) if skipped is None else 1.0 - skipped.to(self.count.dtype).reshape(())
         decay = torch.clamp((1.0 + self.count) / (10.0 + self.count), max=self.decay)
-        torch._foreach_lerp_(self.averaged, self.source, (1.0 - decay) * taken)
+        # (w - a) * weight, then a += it: the weight stays a device tensor (`_foreach_lerp_` takes it as a number, a host
+        # read at every step, which a graph capture refuses)
+        moved = torch._foreach_sub(self.source, self.averaged)
+        torch._foreach_mul_(moved, (1.0 - decay) * taken)
+        torch._foreach_add_(self.averaged, moved)
         for mine, theirs in zip(self.buffers, self.source_buffers):
             mine.copy_(theirs)
         self.count.add_(taken)

@@ -219,7 +219,7 @@ def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> T
     module, optimizer = acc.prepare(task.module, optimizer)
     # A cached probe's head is one BatchNorm and one Linear: nothing for torch.compile to speed up.
     forward = compile_for_run(run, module, optimizer, compile=not cached)
-    average = weight_average(unwrap(module), optimizer, acc, cfg.finetune.ema_decay if cfg.finetune.mode == "full" else None)
+    average = weight_average(unwrap(module), optimizer, run, cfg.finetune.ema_decay if cfg.finetune.mode == "full" else None)
     # For a time budget: the val split every `finetune.eval_every` epochs, then val and test once at the end.
     # An evaluation's images are timed on the val split's (or test's) first batches, each scored as `evaluate` scores it.
     timed = next(iter(task.evals.values()), None)

@@ -33,7 +33,7 @@ def test_the_average_follows_the_decay_and_its_warm_up_after_each_step():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        d = min(0.8, (1 + n) / (10 + n))  # timm's warm-up: the first averages lean on the new weights
+        d = min(0.8, (1 + n) / (10 + n))  # the warm-up (TensorFlow's): the first averages lean on the new weights
         expected = [a + (1 - d) * (w.detach() - a) for a, w in zip(expected, model.parameters())]
     for got, want, trained in zip(average.module.parameters(), expected, model.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,15 +1,17 @@
-"""An exponential moving average of a model's weights (Polyak averaging; timm's `ModelEmaV3`, DeiT's `--model-ema`):
-the weights a fine-tune evaluates and saves where `finetune.ema_decay` is set.
+"""An exponential moving average of a model's weights (Polyak averaging; the model EMA of timm's `ModelEmaV3` and DeiT's
+`--model-ema`): the weights a fine-tune evaluates and saves where `finetune.ema_decay` is set.
 
-    average = weight_average(model, optimizer, accelerator, decay=0.9998)   # None where decay is None
-    evaluate(average.module, ...)                                             # the averaged weights, in eval mode
+    average = weight_average(model, optimizer, run, decay=0.9998)   # None where decay is None
+    evaluate(average.module, ...)                                     # the averaged weights, in eval mode
 
 The update runs on the device, after the optimiser's step (a step post-hook), with nothing the host reads: it runs
 wherever the optimiser steps, in eager steps and inside a captured CUDA graph's replays (`vit.train.graph`), and skips
 where the step did (the non-finite-loss guard's `found_inf`, fp16's scaler). Its count of updates is a device tensor,
-so the warm-up of the decay (timm's: `min(decay, (1 + n) / (10 + n))` after n updates, where an average of a few
-steps would otherwise be mostly the first weights) is captured with the rest. Resume states carry the average
-(`state_dict`, registered with Accelerate)."""
+so the warm-up of the decay is captured with the rest: `min(decay, (1 + n) / (10 + n))` for the update after n
+updates, TensorFlow's `ExponentialMovingAverage(num_updates=...)`, where an average of a few steps would otherwise be
+mostly the first weights. (timm's `ModelEmaV3` counts alike, `get_decay(step)` taking n + 1, but copies the weights at
+its first update and then warms up, if at all, by `1 - (1 + n) ** -2/3`; DeiT's has no warm-up.) Resume states carry
+the average (`state_dict`, registered with Accelerate)."""
 
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from vit.errors import CheckpointError
+from vit.errors import CheckpointError, ConfigError, UserError
+from vit.train.states import read_progress, resume_candidates
 
 
 class WeightAverage:
     """The average of `model`'s weights as `module`, a copy of it in eval mode that takes no gradients. Parameters are
-    averaged; buffers (BatchNorm's statistics) are copied from the model at each update, as timm does."""
+    averaged; buffers (BatchNorm's statistics) are copied from the model at each update, as timm's
+    `ModelEmaV3(exclude_buffers=True)` does (by default it averages floating-point buffers too)."""
 
     def __init__(self, model: nn.Module, decay: float):
         if not 0.0 < decay < 1.0:
@@ -76,11 +80,40 @@ class WeightAverage:
         self.count.fill_(float(state["count"]))
 
 
-def weight_average(model: nn.Module, optimizer, accelerator, decay: float | None) -> WeightAverage | None:
-    """The average of `model`'s weights that `optimizer`'s steps update and `accelerator`'s resume states carry; None
-    where `decay` is None (no average)."""
+def weight_average(model: nn.Module, optimizer, run, decay: float | None) -> WeightAverage | None:
+    """The average of `model`'s weights that `optimizer`'s steps update and `run`'s resume states carry; None where `decay`
+    is None (no average). A state that `run.resume` names with another average is refused first (`check_resumed`)."""
+    check_resumed(run, decay)
     if decay is None:
         return None
     average = WeightAverage(model, decay).follow(optimizer)
-    accelerator.register_for_checkpointing(average)  # before a resume state is loaded: Accelerate loads it with the rest
+    run.accelerator.register_for_checkpointing(average)  # before a resume state is loaded: Accelerate loads it with the rest
     return average
+
+
+def check_resumed(run, decay: float | None) -> None:
+    """Refuse, in one line, a resume state saved with another average than this run's `decay` (one where this run has
+    none, none where it has one, or another decay), by the settings its record holds: the state `run.resume` names, or
+    under `auto` the newest whose record reads, as `load_state` tries them. `load_state` compares a state's settings
+    only once it has loaded it, and Accelerate refuses one with another number of averages first, in words that name
+    neither the setting nor the state (a state copied away from its run folder, whose config.yaml said it before)."""
+    resume = run.cfg.run.resume
+    try:
+        candidates = resume_candidates(run, resume) if resume else []
+    except UserError:
+        return  # `load_state` says what the path is instead
+    for path in candidates:
+        try:
+            record = read_progress(path)[1]
+        except (OSError, ValueError, CheckpointError):
+            continue  # `load_state` passes it over, or names it
+        # a state saved before states recorded their settings is older than averages: it holds none
+        settings = (record or {}).get("settings") or {}
+        was = settings.get("finetune.ema_decay") if settings.get("finetune.mode") == "full" else None  # full fine-tuning's only
+        if was != decay:
+            said, now = ("null" if d is None else f"{d:g}" for d in (was, decay))
+            where = f"the state {path}" if resume == "auto" else "the state"
+            raise ConfigError(f"run.resume={resume}: {where} was saved with {'no weight average' if was is None else 'a weight average'} "
+                              f"(finetune.ema_decay={said}), this run has finetune.ema_decay={now}: resume it with "
+                              f"finetune.ema_decay={said}, or start a fresh run without run.resume")  # fmt: skip
+        return

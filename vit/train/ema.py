@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vit.errors import CheckpointError, ConfigError, UserError
-from vit.train.states import read_progress, resume_candidates
+from vit.errors import CheckpointError, ConfigError
+from vit.train.states import resumed_record
 
 
 class WeightAverage:
@@ -97,23 +97,17 @@ def check_resumed(run, decay: float | None) -> None:
     under `auto` the newest whose record reads, as `load_state` tries them. `load_state` compares a state's settings
     only once it has loaded it, and Accelerate refuses one with another number of averages first, in words that name
     neither the setting nor the state (a state copied away from its run folder, whose config.yaml said it before)."""
-    resume = run.cfg.run.resume
-    try:
-        candidates = resume_candidates(run, resume) if resume else []
-    except UserError:
-        return  # `load_state` says what the path is instead
-    for path in candidates:
-        try:
-            record = read_progress(path)[1]
-        except (OSError, ValueError, CheckpointError):
-            continue  # `load_state` passes it over, or names it
-        # a state saved before states recorded their settings is older than averages: it holds none
-        settings = (record or {}).get("settings") or {}
-        was = settings.get("finetune.ema_decay") if settings.get("finetune.mode") == "full" else None  # full fine-tuning's only
-        if was != decay:
-            said, now = ("null" if d is None else f"{d:g}" for d in (was, decay))
-            where = f"the state {path}" if resume == "auto" else "the state"
-            raise ConfigError(f"run.resume={resume}: {where} was saved with {'no weight average' if was is None else 'a weight average'} "
-                              f"(finetune.ema_decay={said}), this run has finetune.ema_decay={now}: resume it with "
-                              f"finetune.ema_decay={said}, or start a fresh run without run.resume")  # fmt: skip
+    resumed = resumed_record(run)
+    if resumed is None:
         return
+    path, record = resumed
+    # a state saved before states recorded their settings is older than averages: it holds none
+    settings = record.get("settings") or {}
+    was = settings.get("finetune.ema_decay") if settings.get("finetune.mode") == "full" else None  # full fine-tuning's only
+    if was != decay:
+        resume = run.cfg.run.resume
+        said, now = ("null" if d is None else f"{d:g}" for d in (was, decay))
+        where = f"the state {path}" if resume == "auto" else "the state"
+        raise ConfigError(f"run.resume={resume}: {where} was saved with {'no weight average' if was is None else 'a weight average'} "
+                          f"(finetune.ema_decay={said}), this run has finetune.ema_decay={now}: resume it with "
+                          f"finetune.ema_decay={said}, or start a fresh run without run.resume")  # fmt: skip

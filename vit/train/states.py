@@ -182,11 +182,11 @@ def load_state(run: Run) -> Progress | None:
     raise ConfigError(f"run.resume=auto: none of the saved states in {run.dir / STATE_DIR} loads")
 
 
-def resumed_loader(run: Run) -> str | None:
-    """The data loader ("memory" | "stream") recorded by the state `run.resume` continues, read before the stage opens
-    its data (`vit.data.loaders.open_data` keeps it under `data.loader=auto`): under `auto` the newest state whose
-    trainer.json reads, as `load_state` tries them. None for a fresh run, a state saved before states recorded it, or one
-    that does not read (`load_state` names it, or passes it over; `check_loader` refuses a state of another loader)."""
+def resumed_record(run: Run) -> tuple[Path, dict[str, Any]] | None:
+    """(the state, the record of the run that saved it) that `run.resume` continues, read before anything loads (the
+    stage's data and average depend on it): under `auto` the newest state whose trainer.json reads, as `load_state` tries
+    them; a state saved before states had a record gives {}. None for a fresh run or where no state reads (`load_state`
+    names it, or passes it over)."""
     resume = run.cfg.run.resume
     try:
         candidates = resume_candidates(run, resume) if resume else []
@@ -197,8 +197,16 @@ def resumed_loader(run: Run) -> str | None:
             record = read_progress(path)[1]
         except (OSError, ValueError, CheckpointError):
             continue
-        return (record or {}).get("loader")
+        return path, record or {}
     return None
+
+
+def resumed_loader(run: Run) -> str | None:
+    """The data loader ("memory" | "stream") recorded by the state `run.resume` continues (`resumed_record`), which
+    `vit.data.loaders.open_data` keeps under `data.loader=auto`; None for a fresh run or a state saved before states
+    recorded it (`check_loader` refuses an older state of another loader that `auto` falls back to)."""
+    resumed = resumed_record(run)
+    return resumed[1].get("loader") if resumed is not None else None
 
 
 def say_how_it_runs(run: Run, path: Path, record: dict[str, Any]) -> None:

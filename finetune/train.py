@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from finetune.config import FinetuneConfig, FinetuneSection
 from finetune.evaluate import evaluate, save_confusion_matrix, scorer, sync_from_main
 from finetune.features import FeatureLoader, extract_features
 from finetune.knn import check_knn_data, run_knn
+from finetune.loss import make_loss
 from finetune.inits import check_finite_weights, encoder_init, read_init_encoder, unfinished_encoder
 from finetune.models import Built, build_classifier, load_classifier, save_classifier
 from vit.cli import parse
@@ -97,28 +97,6 @@ def eval_loaders(cfg: FinetuneConfig, data: Data) -> dict[str, Any]:
     return evals
 
 
-def make_loss(cfg: FinetuneConfig, num_classes: int):
-    """Cross-entropy with label smoothing; full fine-tuning mixes images (mixup / cutmix) with soft targets where enabled."""
-    aug, smoothing = cfg.aug, cfg.finetune.label_smoothing
-    mixup = None
-    if cfg.finetune.mode == "full" and (aug.mixup > 0 or aug.cutmix > 0) and aug.mix_prob > 0:
-        from timm.data import Mixup
-
-        mixup = Mixup(mixup_alpha=aug.mixup, cutmix_alpha=aug.cutmix, prob=aug.mix_prob, switch_prob=aug.switch_prob,
-                      label_smoothing=smoothing, num_classes=num_classes)  # fmt: skip
-
-    def loss_fn(model, images, targets):
-        logits = model(images)
-        if targets.ndim == 2:  # mixed: soft targets (B, C), smoothing included
-            return torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean(), {}
-        return F.cross_entropy(logits.float(), targets, label_smoothing=smoothing), {}
-
-    if mixup is not None:
-        # Mixup draws its mixing on the host: the loop runs it before the step, which may be a replayed CUDA graph.
-        loss_fn.prepare = lambda images, labels: mixup(images, labels) if images.shape[0] % 2 == 0 else (images, labels)
-    return loss_fn
-
-
 def report_eval(run: Run, results: dict[str, dict], classes: list[str], tag: str, figures: bool) -> dict:
     """Flatten results for summary.json and write the per-class table and confusion-matrix PNGs."""
     out = {}
@@ -155,6 +133,7 @@ class Trained:
     results: dict[str, dict]  # the final evaluation per split
     progress: Progress
     feature_time: float  # seconds spent computing the cached probe's features (0 otherwise)
+    trained_val_top1: float | None = None  # with a weight average (which `results` are of): the trained weights' own val top-1
 
 
 def classifier_task(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Task:
@@ -264,9 +243,13 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
         progress.best["val_top1"] = max(progress.best.get("val_top1", 0.0), r["top1"])
         epoch = progress.epochs_done(len(task.train))
         run.log({"step": progress.step, "epoch": epoch, "val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]})
+    trained_val = None
+    if t.average is not None and "val" in task.evals:  # whether the average helps, told on val by the same run
+        trained_val = evaluate(unwrap(module), task.evals["val"], acc, num_classes, "val")["top1"]
+        run.print(f"weight average: val top-1 {results['val']['top1']:.2%}; the trained weights' own {trained_val:.2%}")
     if t.cached:
         built.model.head = unwrap(module)
-    return Trained(built.model if t.cached else t.evaluated(), results, progress, task.feature_time)
+    return Trained(built.model if t.cached else t.evaluated(), results, progress, task.feature_time, trained_val)
 
 
 def unused_in_eval(cfg: FinetuneConfig) -> list[str]:
@@ -410,6 +393,7 @@ def summarize(cfg: FinetuneConfig, run: Run, data: Data, built: Built, trained: 
         "final_val_loss": flat.get("val_loss"),
         "best_val_top1": progress.best.get("val_top1"),
         "final_val_top1": flat.get("val_top1"),
+        **({"trained_weights_val_top1": trained.trained_val_top1} if trained.trained_val_top1 is not None else {}),
         "final_test_top1": flat.get("test_top1"),
         "data": splits.describe(),
         "test_split": splits.test is not None,

@@ -13,9 +13,9 @@ from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
 from finetune.config import FinetuneConfig
+from finetune.loss import make_loss
 from finetune.models import Built, LinearProbe, build_classifier, load_classifier, save_classifier
 from finetune.train import main as finetune
-from finetune.train import make_loss
 from vit.config import load_config
 from vit.errors import CheckpointError, ConfigError
 from vit.models.encoder import create_model

@@ -9,6 +9,8 @@ from helpers import finetuning_loop, reset_accelerate, tiny_overrides
 from safetensors.torch import load_file
 from torch import nn
 
+import finetune.train as finetune_train
+from finetune.evaluate import evaluate
 from finetune.train import main as finetune
 from vit.store.runs import state_path
 from vit.train import accelerator, graph
@@ -93,6 +95,26 @@ def test_a_fine_tune_evaluates_and_saves_the_average_and_resumes_it_exactly(tmp_
     resumed = torch.load(tmp_path / "runs" / "cut" / "classifier.pt", weights_only=False)["state_dict"]
     assert all(torch.equal(saved[k], resumed[k]) for k in saved)
     assert json.loads((tmp_path / "runs" / "cut" / "summary.json").read_text())["final_val_top1"] == summary["final_val_top1"]
+    assert 0.0 <= summary["trained_weights_val_top1"] <= 1.0  # the trained weights' own val, beside the average's
+
+
+def test_the_trained_weights_val_is_evaluated_on_the_trained_weights(tmp_path, capsys, monkeypatch):
+    evaluated = []
+
+    def spy(model, loader, acc, num_classes, split):
+        r = evaluate(model, loader, acc, num_classes, split)
+        evaluated.append(({k: v.clone() for k, v in model.state_dict().items()}, r["top1"]))
+        return r
+
+    monkeypatch.setattr(finetune_train, "evaluate", spy)
+    assert ema_run(tmp_path, "two") == 0
+    run = tmp_path / "runs" / "two"
+    summary = json.loads((run / "summary.json").read_text())
+    trained = load_file(state_path(run, summary["steps"]) / "model.safetensors")
+    weights, top1 = evaluated[-1]  # the last evaluation: the trained weights' val
+    assert weights.keys() == trained.keys() and all(torch.equal(weights[k], trained[k]) for k in weights)
+    assert summary["trained_weights_val_top1"] == top1
+    assert f"the trained weights' own {top1:.2%}" in capsys.readouterr().out
 
 
 def test_the_captured_step_updates_the_average_at_each_replay_and_not_past_a_non_finite_loss(tmp_path, monkeypatch):
@@ -122,3 +144,4 @@ def test_the_setting_is_checked_and_said_unused_where_nothing_trains_the_weights
     assert "finetune.ema_decay" in err and "must be in (0, 1)" in err and "Traceback" not in err
     assert finetune(tiny_overrides(tmp_path, "probe", **{"finetune.ema_decay": 0.99, "finetune.mode": "linear", "schedule.epochs": 1})) == 0
     assert "finetune.ema_decay=0.99 (read by finetune.mode=full only)" in capsys.readouterr().err
+    assert "trained_weights_val_top1" not in json.loads((tmp_path / "runs" / "probe" / "summary.json").read_text())  # no average

@@ -204,8 +204,10 @@ def setup_training(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> T
     timed = next(iter(task.evals.values()), None)
     model, num_classes = unwrap(module), len(splits.train.classes)
     timer = evaluation_timer(model, timed, acc, scorer(model, num_classes, acc)) if timed is not None else None
+    # the end evaluates val and test, and with a weight average the trained weights on val too (`train`)
+    final = sum(len(s) for s in (splits.val, splits.test, splits.val if average is not None else None) if s is not None)
     evaluation = Evaluation(images=len(splits.val) if "val" in task.evals else 0, every=cfg.finetune.eval_every,
-                            final_images=sum(len(s) for s in (splits.val, splits.test) if s is not None), timer=timer)  # fmt: skip
+                            final_images=final, timer=timer)  # fmt: skip
     spec = loop_spec(cfg, len(task.train), acc.num_processes, (evaluation,))
     averaged = f", weights averaged (EMA decay {average.decay:g})" if average is not None else ""
     run.print(f"schedule: {spec.described()}, peak lr {spec.peak_lr:.3g}, layer decay {task.layer_decay}{averaged}")

@@ -145,3 +145,12 @@ def test_the_setting_is_checked_and_said_unused_where_nothing_trains_the_weights
     assert finetune(tiny_overrides(tmp_path, "probe", **{"finetune.ema_decay": 0.99, "finetune.mode": "linear", "schedule.epochs": 1})) == 0
     assert "finetune.ema_decay=0.99 (read by finetune.mode=full only)" in capsys.readouterr().err
     assert "trained_weights_val_top1" not in json.loads((tmp_path / "runs" / "probe" / "summary.json").read_text())  # no average
+
+
+def test_a_time_budget_plans_the_trained_weights_val_at_the_end(tmp_path):
+    # The end evaluates val and test, and val a second time for the trained weights: the plan counts all three.
+    plain, _ = finetuning_loop(tmp_path, "plain", **{"schedule.budget_minutes": 1})
+    reset_accelerate()
+    averaged, _ = finetuning_loop(tmp_path, "averaged", **{"schedule.budget_minutes": 1, "finetune.ema_decay": 0.9})
+    val = 40  # tiny_overrides' data.val_size
+    assert averaged.spec.budget.evaluations[0].final_images == plain.spec.budget.evaluations[0].final_images + val

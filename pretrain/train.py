@@ -87,13 +87,22 @@ def knn_monitor(cfg: PretrainConfig, run: Run, data: Data):
     return evaluate
 
 
-def rank_report(run: Run, model, first_batch_sum: float, images_seen: int) -> list[dict]:
-    """Per-rank facts for summary.json: proof that every rank trained, on its own data, with the same weights."""
+def rank_report(run: Run, model, first_batch_sum: float, rank_images: list[int]) -> list[dict]:
+    """Per-rank facts for summary.json: proof that every rank trained, on its own data, with the same weights.
+    `rank_images`: each rank's training images (rank order), the same list on every rank."""
     acc = run.accelerator
     checksum = param_checksum(unwrap(model))
-    local = torch.tensor([float(acc.process_index), first_batch_sum, float(images_seen), checksum.item()], device=acc.device)
+    local = torch.tensor([float(acc.process_index), first_batch_sum, checksum.item()], device=acc.device)
     gathered = acc.gather(local.unsqueeze(0)).cpu().tolist()
-    return [{"rank": int(r), "first_batch_sum": b, "images": int(n), "param_checksum": c} for r, b, n, c in gathered]
+    return [{"rank": int(r), "first_batch_sum": b, "images": rank_images[int(r)], "param_checksum": c} for r, b, c in gathered]
+
+
+def images_of_ranks(progress, processes: int) -> list[int]:
+    """Each rank's training images (rank order), as the loop counted them. A run resumed from a state saved before states
+    held them knows their sum alone: each rank is given the mean, which is its count only where no rank skipped an image."""
+    if progress.rank_images is not None:
+        return progress.rank_images
+    return [progress.images // processes] * processes
 
 
 # encoder.pt and mae.pt are refreshed at an epoch's end at most this often (and always at the end): a CPU epoch takes
@@ -237,7 +246,7 @@ def summarize(cfg: PretrainConfig, run: Run, t: Pretraining, progress, final_val
         "mask_ratio": cfg.mae.mask_ratio,
         "data": splits.describe(),
         "bad_images": t.data.bad_total(acc),
-        "ranks": rank_report(run, model, first_batch_sum, progress.images // acc.num_processes),
+        "ranks": rank_report(run, model, first_batch_sum, images_of_ranks(progress, acc.num_processes)),
     }
 
 

@@ -97,6 +97,9 @@ def test_an_image_that_does_not_decode_is_counted_once_however_many_ranks_skip_i
     # The images counted are those trained on: in an epoch whose batches hold the image, one batch of one rank came out one
     # image short (the ranks' counts differ, and are summed at the records); every step was counted full before.
     assert s["steps"] * 4 * 2 - s["epochs"] <= s["images"] < s["steps"] * 4 * 2
+    # Each rank's images are its own count, not the mean: the ranks skipped the image in different numbers of epochs.
+    ranks = [r["images"] for r in s["ranks"]]
+    assert sum(ranks) == s["images"] and ranks[0] != ranks[1] and max(ranks) < s["steps"] * 4
 
 
 NAN_ON_RANK_1 = '''

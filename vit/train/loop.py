@@ -329,22 +329,22 @@ class TrainLoop:
         # A step's loss is that of its effective batch, the mean of every process's (equal) share, as one process logs it.
         finite = [sum(row) / len(row) for row in self.host_losses().values() if all(math.isfinite(v) for v in row)]
         metrics = {"loss": sum(finite) / len(finite) if finite else float("nan"), **w.extra_means()}
-        images = self.all_images(w.images)
-        p.images += images - w.images  # the other processes' images of the window (each step added this one's)
+        each = self.all_images(w.images)
+        p.add_images(each, w.images)  # the other processes' images of the window (each step added this one's), and every rank's
         elapsed = time.perf_counter() - w.start  # after the host read: the device has finished the window's steps
         self.window = MetricWindow(p.step)
         return {"step": p.step, "epoch": p.epochs_done(len(self.loader)), "lr": self.lr, **metrics,
-                "images_per_sec": images / elapsed if elapsed > 0 else 0.0,
+                "images_per_sec": sum(each) / elapsed if elapsed > 0 else 0.0,
                 "time": round(p.train_time + time.perf_counter() - self.segment_start, 2), **(extra or {})}  # fmt: skip
 
-    def all_images(self, mine: int) -> int:
-        """The images every process trained on in the window, `mine` this one's. Several processes sum theirs here, at the
-        record (every resume state and the end close one, so their counts are whole): a short batch's size is known to its
-        process alone, and a step exchanging it would wait for the device."""
+    def all_images(self, mine: int) -> list[int]:
+        """The images each process trained on in the window (rank order), `mine` this one's. Several processes gather theirs
+        here, at the record (every resume state and the end close one, so their counts are whole): a short batch's size is
+        known to its process alone, and a step exchanging it would wait for the device."""
         acc = self.run.accelerator
         if acc.num_processes == 1:
-            return mine
-        return int(acc.reduce(torch.tensor([mine], dtype=torch.int64, device=acc.device), reduction="sum").item())
+            return [mine]
+        return acc.gather(torch.tensor([mine], dtype=torch.int64, device=acc.device)).tolist()
 
     def end_epoch(self, on_epoch_end: EpochEnd | None) -> None:
         """Close the epoch: its evaluation, its last record (with the evaluation's metrics), and the resume state of its

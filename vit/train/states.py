@@ -65,6 +65,18 @@ class Progress:
     # metrics records of `step` logged when the state was saved: a resume drops those logged after it (a finished run's
     # final evaluation, logged again by a resume from its last state), as it drops the records of later steps
     logged: int | None = None
+    # each process's training images (rank order), whole at every record and so in every state; None until the first record,
+    # and for good in a run resumed from a state saved before states held them (its images were counted as a sum alone)
+    rank_images: list[int] | None = None
+
+    def add_images(self, each: list[int], mine: int) -> None:
+        """Count a record's window: `each` process's images in it (rank order), `mine` this one's, which its steps added
+        to `images` already."""
+        if self.rank_images is None and self.images == mine:  # nothing counted before this window: a fresh run
+            self.rank_images = [0] * len(each)
+        self.images += sum(each) - mine
+        if self.rank_images is not None:
+            self.rank_images = [n + m for n, m in zip(self.rank_images, each)]
 
     def epochs_done(self, batches_per_epoch: int) -> float:
         """The epochs trained, the current one's consumed micro-batches counted: a metrics record's `epoch`."""
@@ -284,7 +296,8 @@ def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
     checks = {**{name: lambda v: is_count(v) for name in COUNTS}, "best": lambda v: isinstance(v, dict),
               "train_time": lambda v: is_finite(v) and v >= 0,
               "planned_steps": lambda v: v is None or (is_count(v) and v > 0), "plan": lambda v: v is None or isinstance(v, dict),
-              "logged": lambda v: v is None or is_count(v)}  # fmt: skip
+              "logged": lambda v: v is None or is_count(v),
+              "rank_images": lambda v: v is None or (isinstance(v, list) and len(v) > 0 and all(map(is_count, v)))}  # fmt: skip
     for name, value in saved.items():
         if name not in PROGRESS_FIELDS:
             raise CheckpointError(f"{STATE_FILE} has a field {name!r} that no state of this project holds")
@@ -294,7 +307,10 @@ def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
         and record.get("loader") in LOADERS
     if record is not None and not sound:
         raise CheckpointError(f"{STATE_FILE}'s {RECORD_KEY!r} is damaged")
-    return Progress(**saved), record
+    progress = Progress(**saved)
+    if progress.rank_images is not None and sum(progress.rank_images) != progress.images:  # a state closes a record: whole counts
+        raise CheckpointError(f"{STATE_FILE} holds rank_images={progress.rank_images!r}, whose sum is not its images={progress.images!r}")
+    return progress, record
 
 
 def check_fits(run: Run, path: Path, progress: Progress, record: dict[str, Any] | None) -> None:

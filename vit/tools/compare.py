@@ -20,6 +20,7 @@ from vit.device import host_label
 from vit.errors import UserError
 from vit.store.lineage import PARENT_RUN_ID, RUN_ID, parent_changed
 from vit.store.runs import CLASSIFICATION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder, is_run_folder
+from vit.store.values import is_finite
 from vit.tools import plots
 from vit.tools.reading import Series, last_value, load_runs, mistyped_host_field, series
 
@@ -73,7 +74,7 @@ def first(*values):
 
 NUMBER_KEYS = ("epochs", "steps", "wall_time_sec", "feature_images_per_sec", "images_per_sec", "processes", "final_loss",
                "final_val_loss", "val_loss", "final_val_top1", "val_top1", "best_val_top1", "final_test_top1", "test_top1",
-               "final_knn_top1")  # fmt: skip
+               "final_knn_top1", "trained_weights_val_top1")  # fmt: skip
 TEXT_KEYS = ("stage", "job_type", "model", "arch", "init", "parent", "precision")
 CONFIG_SECTIONS = ("model", "data", "run", "finetune", "meta")
 
@@ -94,6 +95,7 @@ def drop_mistyped(run: RunFolder) -> None:
     bad = drop(run.config, dict.fromkeys(CONFIG_SECTIONS, dict), f"{CONFIG_FILE} ")
     for section, key in (("model", "name"), ("finetune", "init"), ("run", "precision"), ("data", "dataset")):
         bad += drop(run.config.get(section) or {}, {key: str}, f"{CONFIG_FILE} {section}.")
+    bad += drop(run.config.get("finetune") or {}, {"ema_decay": (int, float)}, f"{CONFIG_FILE} finetune.")
     bad += drop(run.meta, dict.fromkeys(TEXT_KEYS, str), f"{CONFIG_FILE} meta.")
     kinds = {"host": dict, "data": dict, **dict.fromkeys(NUMBER_KEYS, (int, float)), **dict.fromkeys(TEXT_KEYS, str)}
     bad += drop(run.summary or {}, kinds, f"{SUMMARY_FILE} ")
@@ -103,6 +105,14 @@ def drop_mistyped(run: RunFolder) -> None:
         bad.append(f"{SUMMARY_FILE} host")
     if bad:
         run.problems.append(f"not of the expected type, left out: {', '.join(bad)}")
+
+
+def weight_average_decay(config: dict) -> float | None:
+    """The decay of the weight average whose weights a classification run evaluated and saved (`finetune.ema_decay`, read by
+    full fine-tuning only), from its config.yaml; None where it trained none: its val and test top-1 are its trained weights'."""
+    ft = config.get("finetune") if isinstance(config.get("finetune"), dict) else {}
+    decay = ft.get("ema_decay") if ft.get("mode") == "full" else None
+    return decay if isinstance(decay, (int, float)) and not isinstance(decay, bool) else None
 
 
 def row(run: RunFolder) -> dict[str, Any]:
@@ -142,6 +152,9 @@ def row(run: RunFolder) -> dict[str, Any]:
         "val_top1": first(s.get("final_val_top1"), s.get("val_top1"), val_top1[-1] if val_top1 else None),
         "best_val_top1": first(s.get("best_val_top1"), max(val_top1) if val_top1 else None),
         "test_top1": first(s.get("final_test_top1"), s.get("test_top1")),
+        # a weight average's run: its val and test top-1 are the average's, beside its trained weights' own val top-1
+        "ema_decay": weight_average_decay(run.config) if run.group == CLASSIFICATION else None,
+        "trained_val_top1": s.get("trained_weights_val_top1"),
         "knn_top1": first(s.get("final_knn_top1"), last_value(run, "knn_top1")),
         "dataset": data.get("dataset") or (run.config.get("data") or {}).get("dataset"),
         "train_images": data.get("train"),
@@ -225,6 +238,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                 text = str(value)
             else:
                 text = "-" if value is None else fmt(value)
+            if key in ("val_top1", "test_top1") and value is not None and r.get("ema_decay") is not None:
+                text += averaged(r, key)
             if key == "name" and not r["status"].startswith("finished"):
                 text += " (unfinished)"
             elif key == "name" and "; " in r["status"]:  # finished, but a file of it is damaged: its row may be wrong
@@ -232,11 +247,20 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             cells.append(cell(text))
         lines.append("| " + " | ".join(cells) + " |")
     legend = [f"host {k}: {h}" for h, k in keys.items()]
+    if any(r.get("ema_decay") is not None for r in rows):
+        legend.append("EMA d: the val and test top-1 of a run with finetune.ema_decay=d are its weight average's; "
+                      "trained: its trained weights' own val top-1")  # fmt: skip
     # "unfinished" alone would hide a run whose summary (or config) does not read: one that crashed while writing it, or
     # was damaged after it finished. A cut-off last line of metrics.jsonl is what a run being written looks like.
     damaged = [f"{r['name']} (unfinished): {'; '.join(why)}" for r in rows if not r["status"].startswith("finished")
                and (why := [p for p in r["status"].split("; ")[1:] if not p.endswith(f"line(s) in {METRICS_FILE}")])]  # fmt: skip
     return "\n".join(lines + ([""] + legend if legend else []) + ([""] + damaged if damaged else []))
+
+
+def averaged(r: dict[str, Any], key: str) -> str:
+    """' (EMA 0.9998; trained 71.2%)' after a weight average's val top-1, ' (EMA 0.9998)' after its test top-1."""
+    trained = r.get("trained_val_top1") if key == "val_top1" else None
+    return f" (EMA {r['ema_decay']:g}" + (f"; trained {fmt_percent(trained)})" if is_finite(trained) else ")")
 
 
 def check_outputs(out: Path | None, csv_path: Path | None) -> None:

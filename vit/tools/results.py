@@ -33,6 +33,7 @@ from vit.errors import UserError
 from vit.store.lineage import PARENT_RUN_ID, RUN_ID, parent_change, parent_changed
 from vit.store.runs import CONFIG_FILE, SUMMARY_FILE, RunFolder, is_run_folder, read_run
 from vit.store.values import is_finite, is_number
+from vit.tools.compare import weight_average_decay
 from vit.tools.reading import HOST_FIELDS, brief, is_text
 from vit.tools.records import by_host
 
@@ -62,6 +63,7 @@ class Arm:
     variant: str | None = None  # the recipe variant chosen on val (a key of VARIANTS)
     unfinished: set[int] = field(default_factory=set)  # seeds of the chosen recipe whose runs have no readable summary
     model: str | None = None  # what the chosen recipe trains (a table may choose another model at each budget)
+    average: float | None = None  # its finetune.ema_decay: its val and test top-1 are a weight average's (None: none)
     unchosen: str | None = None  # why nothing was chosen though finished candidates ran (none has a val top-1 on seed 0)
     datasets: set[str] = field(default_factory=set)  # the runs' data.dataset (a figure names what its accuracy is of)
 
@@ -70,8 +72,11 @@ class Arm:
         model = run.summary.get("model")
         if self.model and model and model != self.model:  # a mean over two models' seeds is neither's number
             raise UserError(f"{run.path} trained {model}, but the seeds before it of its recipe trained {self.model}: a seed repeats its recipe")
-        self.val[seed], self.minutes[seed] = top1(run, "val"), minutes
-        self.model = self.model or model
+        average = weight_average_decay(run.config)  # a mean over one seed's weight average and another's trained weights is neither's
+        if self.val and average != self.average:
+            raise UserError(f"{run.path} ran finetune.ema_decay={average or 'null'}, but the seeds before it of its recipe ran "
+                            f"finetune.ema_decay={self.average or 'null'}: a seed repeats its recipe")  # fmt: skip
+        self.val[seed], self.minutes[seed], self.average, self.model = top1(run, "val"), minutes, average, self.model or model
         data = run.config.get("data")
         if isinstance(data, dict) and isinstance(data.get("dataset"), str):
             self.datasets.add(data["dataset"])
@@ -280,7 +285,7 @@ def scratch_search(scratch_runs: dict, unfinished: dict) -> list[dict[str, Any]]
     for variant in sorted({v for v, _ in [*scratch_runs, *unfinished]}, key=str):
         if (run := scratch_runs.get((variant, 0))) is not None:
             search.append({"arm": "scratch", "share": None, "variant": variant, "model": run.summary.get("model"), "finetune_min": stage_minutes(run),
-                           "finetune_epochs": run.summary.get("epochs"), "finetune_val": top1(run, "val")})  # fmt: skip
+                           "average": weight_average_decay(run.config), "finetune_epochs": run.summary.get("epochs"), "finetune_val": top1(run, "val")})  # fmt: skip
         elif (name := unfinished.get((variant, 0))) is not None:
             search.append({"arm": "scratch", "share": None, "variant": variant, "finetune_min": None, "finetune_epochs": None,
                            "finetune_val": None, "unfinished": name})  # fmt: skip
@@ -299,7 +304,7 @@ def mae_search(runs: dict[str, RunFolder], ft_runs: dict, unfinished: dict, budg
         ft, pt = runs[name], pretraining_of(runs, name, budget, share)
         probe = probe_of(runs, pt.name)
         search.append({
-            "arm": "mae", "share": share, "variant": variant, "pretraining": pt.name, "model": ft.summary.get("model"),
+            "arm": "mae", "share": share, "variant": variant, "pretraining": pt.name, "model": ft.summary.get("model"), "average": weight_average_decay(ft.config),
             "pretrain_min": stage_minutes(pt), "pretrain_epochs": pt.summary.get("epochs"), "knn_top1": pt.summary.get("final_knn_top1"),
             "finetune_min": stage_minutes(ft), "finetune_epochs": ft.summary.get("epochs"), "finetune_val": top1(ft, "val"),
             "probe_min": stage_minutes(probe) if probe else None, "probe_val": top1(probe, "val") if probe else None,
@@ -370,10 +375,10 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def recipe(share: int | None, variant: str | None, with_variant: bool = True) -> str:
-    """'pretraining 0.25 of the budget, strong augmentation' (either part may be absent)."""
+def recipe(share: int | None, variant: str | None, with_variant: bool = True, average: float | None = None) -> str:
+    """'pretraining 0.25 of the budget, strong augmentation, weight average (EMA 0.9998)' (each part may be absent)."""
     parts = ([f"pretraining {share / 100:.2f} of the budget"] if share is not None else []) + ([VARIANTS.get(variant, variant)] if with_variant else [])
-    return ", ".join(parts)
+    return ", ".join(parts + ([f"weight average (EMA {average:g})"] if average is not None else []))
 
 
 def cell(arm: Arm, with_variant: bool = True, with_model: bool = False) -> str:
@@ -388,7 +393,7 @@ def cell(arm: Arm, with_variant: bool = True, with_model: bool = False) -> str:
         text = f"{pct(arm.mean())} ({100 * lo:.1f}-{100 * hi:.1f}, {arm.seeds()})"
     else:
         text = f"{pct(arm.mean())} ({arm.seeds()})"
-    chosen = ", ".join(filter(None, [recipe(arm.share, arm.variant, with_variant), arm.model if with_model else None]))
+    chosen = ", ".join(filter(None, [recipe(arm.share, arm.variant, with_variant, arm.average), arm.model if with_model else None]))
     return text + (f"; {chosen}" if chosen else "")
 
 
@@ -437,7 +442,7 @@ def markdown(rows: list[Row], randoms: dict[str, Arm], unfinished: dict[str, str
                 lines.append(f"| {r.minutes:g} min | {arm}; {recipe(s['share'], s['variant'])} | {s.get('pretraining', '-')} | "
                              f"unfinished: {s['unfinished']} | - | - | - | - |")  # fmt: skip
                 continue
-            what = recipe(s["share"], s["variant"]) + (f", {s['model']}" if many and s.get("model") else "")
+            what = recipe(s["share"], s["variant"], True, s.get("average")) + (f", {s['model']}" if many and s.get("model") else "")
             lines.append(f"| {r.minutes:g} min | {arm}; {what} | {mins(s.get('pretrain_min'), s.get('pretrain_epochs'))} | "
                          f"{mins(s['finetune_min'], s['finetune_epochs'])} | {mins(s.get('probe_min'))} | {pct(s['finetune_val'])} | "
                          f"{pct(s.get('probe_val'))} | {pct(s.get('knn_top1'))} |")  # fmt: skip

@@ -78,17 +78,30 @@ def check_not_done(run_dir: Path, cfg: Any, state: Path | None = None) -> None:
     summary, which = read_summary(run_dir) if is_finished(run_dir) else None, "its newest state" if state is None else "this state's"
     state = state or newest_state(run_dir)
     try:  # a damaged trainer.json (a crash while saving): `load_state` passes the state over, or names it, in one line
-        step = read_state_progress(state).get("step") if summary and state is not None else None
+        progress = read_state_progress(state) if summary and state is not None else {}
+        step = progress.get("step")
     except (OSError, ValueError, AttributeError):
         return
     if step is None or step != summary.get("steps"):
         return
     # The max_steps config.yaml records is its first process's: a run resumed with another stopped where that one said,
-    # and resumed again with it, has nothing to train either.
+    # and resumed again with it, has nothing to train either; nor has one whose schedule ended there, resumed uncapped
+    # (started with a max_steps, then finished by a resume without it).
     max_steps = cfg.schedule.max_steps
-    if ((read_config(run_dir) or {}).get("schedule") or {}).get("max_steps") == max_steps or max_steps == summary["steps"]:
+    recorded = ((read_config(run_dir) or {}).get("schedule") or {}).get("max_steps")
+    if recorded == max_steps or max_steps == summary["steps"] or (max_steps is None and schedule_ended(cfg, progress)):
         raise NothingToDo(f"run.resume={cfg.run.resume}: {run_dir} finished at step {summary['steps']}, {which}: nothing to resume; "
                           f"its results are in {run_dir / SUMMARY_FILE} (run.overwrite=true without run.resume trains it again)")  # fmt: skip
+
+
+def schedule_ended(cfg: Any, progress: dict[str, Any]) -> bool:
+    """Whether a state's progress is its schedule's end: every epoch of `schedule.epochs` trained, or a time budget's
+    planned steps taken."""
+    planned = progress.get("planned_steps")
+    if cfg.schedule.budget_minutes is not None:
+        return isinstance(planned, int) and progress.get("step", 0) >= planned
+    epoch = progress.get("epoch")
+    return isinstance(epoch, int) and epoch >= cfg.schedule.epochs
 
 
 def check_recorded(run_dir: Path, cfg: Any, stage: str, processes: int, instead: str = "choose another run.name",

@@ -24,7 +24,7 @@ from finetune.models import Built, build_classifier, load_classifier, save_class
 from vit.cli import parse
 from vit.config import ModelConfig
 from vit.data.files import ShardSet
-from vit.data.loaders import Data, open_data
+from vit.data.loaders import Data
 from vit.data.provenance import SPLIT_KEYS, check_overlap, split_record, unrecorded
 from vit.data.randaug import make_ops
 from vit.data.splits import Splits
@@ -34,7 +34,7 @@ from vit.store.checkpoint import unwrap
 from vit.store.hub import hub_provenance, is_hub_init
 from vit.store.runs import CLASSIFIER_FILE, confusion_path
 from vit.train import tracking
-from vit.train.accelerator import compile_for_run, main_first
+from vit.train.accelerator import compile_for_run
 from vit.train.budget import Evaluation, evaluation_timer
 from vit.train.ema import WeightAverage, weight_average
 from vit.train.loop import fit
@@ -42,7 +42,7 @@ from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
 from vit.train.signals import Preempted
-from vit.train.states import Progress, load_state, resumed_loader
+from vit.train.states import Progress, load_state, open_stage_data
 
 
 def job_type(cfg: FinetuneConfig) -> str:
@@ -73,12 +73,7 @@ def input_size(cfg: FinetuneConfig) -> int | None:
 
 def open_run_data(cfg: FinetuneConfig, run: Run, out_size: int | None) -> Data:
     """The run's labelled data (the main process decodes or scans first, the others then read its cache)."""
-    acc = run.accelerator
-    data = main_first(acc, lambda: open_data(cfg.data, out_size=out_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
-                                             threads=run.threads, local_processes=run.local_processes, need_labels=True,
-                                             resumed=resumed_loader(run), say=run.print))  # fmt: skip
-    run.data_loader = data.kind  # its resume states record it: data.loader=auto keeps it on a resume
-    return data
+    return open_stage_data(run, cfg.data, out_size, need_labels=True)
 
 
 def loaders(cfg: FinetuneConfig, data: Data, augment: bool):

@@ -13,20 +13,20 @@ from pretrain.figures import save_reconstruction_figure
 from pretrain.model import MaskedAutoencoder, build_mae
 from vit.cli import parse
 from vit.data.files import ShardSet
-from vit.data.loaders import Data, open_data
+from vit.data.loaders import Data
 from vit.data.provenance import split_record
 from vit.errors import exit_on_user_error
 from vit.eval.knn import knn_evaluate, pooled, seeded_subset
 from vit.store.checkpoint import save_encoder, save_mae, unwrap
 from vit.store.runs import ENCODER_FILE, MAE_FILE, RECONSTRUCTION_FILE, epoch_figure_path, read_metrics
-from vit.train.accelerator import compile_for_run, main_first
+from vit.train.accelerator import compile_for_run
 from vit.train.budget import FORWARD_SHARE, Evaluation, evaluation_timer
 from vit.train.loop import fit
 from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
 from vit.train.signals import Preempted
-from vit.train.states import load_state, resumed_loader
+from vit.train.states import load_state, open_stage_data
 
 
 @torch.no_grad()
@@ -137,11 +137,7 @@ def setup(cfg: PretrainConfig, run: Run) -> Pretraining:
     acc = run.accelerator
     mae = build_mae(cfg, acc.device)
     img_size = mae.encoder.patch_embed.img_size
-    # the main process decodes into the cache (or scans the shards), the others then read it
-    data = main_first(acc, lambda: open_data(cfg.data, out_size=img_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
-                                             threads=run.threads, local_processes=run.local_processes, resumed=resumed_loader(run),
-                                             say=run.print))  # fmt: skip
-    run.data_loader = data.kind  # its resume states record it: data.loader=auto keeps it on a resume
+    data = open_stage_data(run, cfg.data, img_size)
     splits = data.splits
     run.print(f"data: {splits.describe()} | model: {cfg.model.name} {mae.encoder.config['embed_dim']}d x {mae.encoder.config['depth']}, "
               f"{sum(p.numel() for p in mae.encoder.parameters()) / 1e6:.2f}M encoder parameters, decoder {mae.decoder_config}")

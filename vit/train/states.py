@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vit.config import flat_keys, to_dict
+from vit.config import DataConfig, flat_keys, to_dict
+from vit.data.loaders import Data, open_data
 from vit.errors import CheckpointError, ConfigError, StorageError, UserError
 from vit.store.atomic import storage_failure
 from vit.store.runs import (
@@ -40,6 +41,7 @@ from vit.store.runs import (
     trim_states,
 )
 from vit.store.values import is_count, is_finite
+from vit.train.accelerator import main_first
 from vit.train.resumes import setting_differences
 from vit.train.run import Run, StepRecords
 
@@ -219,6 +221,18 @@ def resumed_loader(run: Run) -> str | None:
     recorded it (`check_loader` refuses an older state of another loader that `auto` falls back to)."""
     resumed = resumed_record(run)
     return resumed[1].get("loader") if resumed is not None else None
+
+
+def open_stage_data(run: Run, cfg: DataConfig, out_size: int | None, need_labels: bool = False) -> Data:
+    """A stage's data (`vit.data.loaders.open_data`: the main process decodes or scans first, the others then read its
+    cache), under `data.loader=auto` with the loader the resume state recorded (`resumed_loader`); the run's states
+    record the loader it opened (`Run.data_loader`)."""
+    acc = run.accelerator
+    data = main_first(acc, lambda: open_data(cfg, out_size=out_size, device=acc.device, rank=acc.process_index, world_size=acc.num_processes,
+                                             threads=run.threads, local_processes=run.local_processes, need_labels=need_labels,
+                                             resumed=resumed_loader(run), say=run.print))  # fmt: skip
+    run.data_loader = data.kind
+    return data
 
 
 def say_how_it_runs(run: Run, path: Path, record: dict[str, Any]) -> None:

@@ -162,11 +162,16 @@ def folder_files(root: Path) -> FileSet:
     return FileSet(PathReader(root, files), torch.arange(n), torch.full((n,), UNLABELLED, dtype=torch.int64), [])
 
 
+def class_folders(folder: Path) -> list[str]:
+    """The class folders of a split folder (`<root>/train`), by name in torchvision's order: sorted, hidden ones left out."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
 def tree_files(root: Path, split_names: tuple[str, ...]) -> dict[str, FileSet]:
     """A labelled tree `<root>/<split>/<class>/**/<image>`: {split: FileSet} for the splits present; classes from train/."""
     if not (root / "train").is_dir():
         raise DataError(f"{root} has no train/ folder: expected {root}/train/<class>/<image>")
-    folders = sorted(p.name for p in (root / "train").iterdir() if p.is_dir() and not p.name.startswith("."))  # torchvision's order
+    folders = class_folders(root / "train")
     if not folders:
         raise DataError(f"{root / 'train'} has no class folders: expected {root}/train/<class>/<image>")
     index = {c: i for i, c in enumerate(folders)}
@@ -177,7 +182,7 @@ def tree_files(root: Path, split_names: tuple[str, ...]) -> dict[str, FileSet]:
         if not folder.is_dir():
             continue
         paths, labels = [], []
-        for class_dir in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for class_dir in (folder / name for name in class_folders(folder)):
             if class_dir.name not in index:
                 raise no_counterpart(root, split, as_text(class_dir.name), classes)
             files = list_images(class_dir)

@@ -18,7 +18,7 @@ import torch
 from vit.config import DataConfig
 from vit.data.cache import cached
 from vit.data.decode import IMAGE_EXTENSIONS, BadImage, decode_image, is_image_name
-from vit.data.files import FileSet, SizeCheck, as_text, decode_files, folder_files, no_counterpart, tree_files
+from vit.data.files import FileSet, SizeCheck, as_text, class_folders, decode_files, folder_files, no_counterpart, tree_files
 from vit.data.sources.base import IMAGENET_MEAN, IMAGENET_STD, SPLIT_NAMES, Source, existing_root, is_archive, tree_why_not
 from vit.data.splits import ImageSet
 from vit.errors import DataError
@@ -90,7 +90,7 @@ def read_tree_cached(cfg: DataConfig, root: Path, skipped: list, check: Callable
 
 def train_classes(root: Path) -> list[str]:
     """The class folders of a tree's train/, in label order, as `vit.data.files.tree_files` names them, no image listed."""
-    return [as_text(name) for name in sorted(p.name for p in (root / "train").iterdir() if p.is_dir() and not p.name.startswith("."))]
+    return [as_text(name) for name in class_folders(root / "train")]
 
 
 def read_tree(source: Path, image_size: int | None, skip_bad: bool = False, bad: list | None = None,

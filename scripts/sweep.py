@@ -43,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel < 1:
         parser.error("--parallel must be >= 1")
     extra = check_overrides(extra, "overrides after --")
-    common, jobs = read_sweep(args.sweep)
+    common, jobs, compile_cache = read_sweep(args.sweep)
     if args.only:
         jobs = select_jobs(jobs, args.only)
     out = args.out.expanduser().absolute()  # the jobs' run.dir and the table's run folders: the same folder
     started = time.perf_counter()
     try:
-        outcome = run_sweep(jobs, out, common, extra, args.parallel, configs={"pretrain": PretrainConfig, "finetune": FinetuneConfig})
+        configs = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
+        outcome = run_sweep(jobs, out, common, extra, args.parallel, configs=configs, compile_cache=compile_cache)
     except Stopped as e:
         print(e, flush=True)
         return e.code

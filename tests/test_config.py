@@ -144,7 +144,7 @@ def test_every_shipped_config_loads(path):
 
 @pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_job_of_every_shipped_sweep_loads(path):
-    common, jobs = read_sweep(path)
+    common, jobs, _ = read_sweep(path)
     for job in jobs:
         cls = PretrainConfig if job.module == "pretrain" else FinetuneConfig
         load_config(cls, ROOT / job.config, common + job.overrides)

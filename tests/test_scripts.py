@@ -526,7 +526,7 @@ def test_sweep_jobs_run_side_by_side_are_told_how_many_share_the_machine(tmp_pat
     monkeypatch.setattr(sweep.subprocess, "Popen", Finished)
     monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
     pre = {"module": "pretrain", "config": "configs/pretrain/cpu.yaml"}
-    _, jobs = read_sweep(write_sweep(tmp_path / "sweep.yaml", [{"name": "a", **pre}, {"name": "b", **pre}, {"name": "c", **pre}]))
+    _, jobs, _ = read_sweep(write_sweep(tmp_path / "sweep.yaml", [{"name": "a", **pre}, {"name": "b", **pre}, {"name": "c", **pre}]))
     outcome = sweep.run_sweep(jobs, tmp_path / "out", [], [], parallel=3)
     assert outcome == {"a": "ok", "b": "ok", "c": "ok"}
     assert seen == [("pretrain", "3")] * 3
@@ -552,7 +552,7 @@ def test_only_runs_the_named_jobs_in_that_order_after_the_jobs_they_start_from(t
 def test_every_job_of_the_shipped_sweep_files_reads_as_a_valid_config(sweep):
     """Each job's config with the common and its own overrides passes the stage's checks (keys, types, values, the
     model's and decoder's sizes), so a sweep does not fail a job minutes in for a setting that could never run."""
-    common, jobs = read_sweep(sweep)
+    common, jobs, _ = read_sweep(sweep)
     for job in jobs:
         cls = PretrainConfig if job.module == "pretrain" else FinetuneConfig
         init = [f"finetune.init=runs/sweep/{job.init}"] if job.init else []

@@ -55,7 +55,7 @@ def test_a_relative_out_and_config_name_the_current_folders_for_the_checks_and_t
     (tmp_path / "mine.yaml").write_text("optim:\n  base_lr: 1.0e-3\n")
     spec = write_sweep(tmp_path / "sweep.yaml", [{"name": "mine", "module": "pretrain", "config": "mine.yaml"},
                                                  {"name": "shipped", "module": "pretrain", "config": CPU}])  # fmt: skip
-    _, jobs = read_sweep(spec)
+    _, jobs, _ = read_sweep(spec)
     assert [job.config for job in jobs] == [str(tmp_path / "mine.yaml"), str(ROOT / CPU)]
     assert run_sweep(jobs, Path("out"), [], [], parallel=2) == {"mine": "ok", "shipped": "ok"}
     for argv, kwargs in started.calls:
@@ -311,5 +311,5 @@ def test_a_job_whose_settings_do_not_load_is_refused_before_any_job_starts(tmp_p
 def test_every_shipped_sweep_loads_as_its_header_runs_it(tmp_path, started):
     """Each of configs/sweeps/*.yaml passes the check, with the overrides their headers give after --."""
     for path in sorted((ROOT / "configs" / "sweeps").glob("*.yaml")):
-        common, jobs = read_sweep(path)
+        common, jobs, _ = read_sweep(path)
         sweep.check_configs(jobs, tmp_path / "out", common, ["data.root=PATH", "run.device=cuda"], CONFIGS)

@@ -1,6 +1,6 @@
 """Sweeps: the sweep file (a list of stage commands), its jobs' command lines, and running them several at a time.
 
-    common, jobs = read_sweep(Path("configs/sweeps/cifar10_round2.yaml"))
+    common, jobs, compile_cache = read_sweep(Path("configs/sweeps/cifar10_round2.yaml"))
     jobs = select_jobs(jobs, ["ft_blr1e-3"])     # optional, part of a sweep: these jobs, in this order, each after the job it starts from
     outcome = run_sweep(jobs, Path("runs/round2"), common, extra=[], parallel=4)   # {job name: "ok" | "exit N" | "skipped (...)"}
 
@@ -16,6 +16,7 @@ A sweep file lists jobs; each is one ordinary stage command (`python -m pretrain
         module: finetune
         config: configs/finetune/cpu.yaml
         init: mae_blr1e-3                                 # finetune.init=<out>/mae_blr1e-3; runs after that job succeeded
+    compile_cache: shared                                 # or `empty` (optional; see below)
 
 A job's command line is: its config, run.dir/run.name, finetune.init (from `init`), `common`, its `overrides`, then the
 overrides given to the whole sweep. It runs in the current folder, as if typed there: a relative --out and every relative
@@ -30,6 +31,12 @@ now gives is refused before anything starts (`vit.tools.kept.check_kept`), not k
 its running jobs are passed the signal (they save a resume state and exit), and once they ended `Stopped` says what
 each was left as; an error while the sweep runs stops them the same way before it is raised.
 
+`compile_cache`: where a compiled job (`run.compile`) finds torch.compile's caches. `shared` (the default) leaves them
+where torch keeps them, so a job reuses what the jobs before it compiled, as a user's runs do. `empty`: each job starts
+on empty caches of its own (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in a new temporary folder, deleted when the job
+ends), so that a table of time-budgeted jobs gives each the same cold compilation inside its budget, whatever ran
+before it in the sweep. Each run records which it found (`summary.json`'s `compile.cache`).
+
 `scripts/sweep.py` is its command line (and prints the comparison table of the finished jobs).
 """
 
@@ -38,13 +45,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -59,6 +68,7 @@ MODULES = ("pretrain", "finetune")
 RESERVED = ("run.dir", "run.name", "run.resume")  # the sweep sets these per job
 LOG_SUFFIX = ".log"  # <out>/<name>.log: a job's output
 NAME_MAX = 255  # bytes of a file name on Linux's, macOS's and Windows' file systems
+COMPILE_CACHES = ("shared", "empty")  # the sweep file's `compile_cache`
 
 
 @dataclass
@@ -76,8 +86,15 @@ class Job:
         return argv + common + self.overrides + extra
 
 
-def read_sweep(path: Path) -> tuple[list[str], list[Job]]:
-    """The sweep file's common overrides and jobs, checked (`read_job`); a job's config is named by its absolute path."""
+class SweepFile(NamedTuple):
+    common: list[str]
+    jobs: list[Job]
+    compile_cache: str = "shared"
+
+
+def read_sweep(path: Path) -> SweepFile:
+    """The sweep file's common overrides, jobs (checked: `read_job`; a job's config is named by its absolute path) and
+    compile_cache."""
     try:
         data = read_yaml(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -88,14 +105,17 @@ def read_sweep(path: Path) -> tuple[list[str], list[Job]]:
         raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict) or not isinstance(data.get("jobs"), list) or not data["jobs"]:
         raise ConfigError(f"{path} must hold a mapping with a non-empty list `jobs`")
-    unknown = set(data) - {"common", "jobs"}
+    unknown = set(data) - {"common", "jobs", "compile_cache"}
     if unknown:
-        raise ConfigError(f"unknown key(s) {sorted(map(str, unknown))} in {path}; expected common, jobs")
+        raise ConfigError(f"unknown key(s) {sorted(map(str, unknown))} in {path}; expected common, jobs, compile_cache")
+    compile_cache = data.get("compile_cache", "shared")
+    if compile_cache not in COMPILE_CACHES:
+        raise ConfigError(f"{path}: compile_cache must be one of {', '.join(COMPILE_CACHES)}, got {compile_cache!r}")
     common = check_overrides(data.get("common") or [], f"{path}: common")
     jobs: list[Job] = []
     for i, raw in enumerate(data["jobs"]):
         jobs.append(read_job(raw, f"{path}: jobs[{i}]", jobs))
-    return common, jobs
+    return SweepFile(common, jobs, compile_cache)
 
 
 def read_job(raw, where: str, earlier: list[Job]) -> Job:
@@ -185,8 +205,9 @@ def check_inits(jobs: list[Job], common: list[str], extra: list[str]) -> None:
 
 
 def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], parallel: int,
-              configs: dict[str, type] | None = None) -> dict[str, str]:  # fmt: skip
-    """Run the jobs, at most `parallel` at once, a job only after its `init` succeeded. Returns name -> outcome.
+              configs: dict[str, type] | None = None, compile_cache: str = "shared") -> dict[str, str]:  # fmt: skip
+    """Run the jobs, at most `parallel` at once, a job only after its `init` succeeded, each on torch.compile's caches as
+    `compile_cache` says (the module's docstring). Returns name -> outcome.
 
     A relative `out` is the current folder's, and the jobs run in the current folder, so that --out, the finished-earlier
     check and every relative path of the overrides (data.root=...) name what the caller sees. What a job would fail on or
@@ -202,7 +223,7 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
     check_paths(jobs, out)
     check_kept(jobs, out, common, extra)
     out.mkdir(parents=True, exist_ok=True)
-    sweep = Sweep(out, common, extra, parallel, pending=list(jobs))
+    sweep = Sweep(out, common, extra, parallel, pending=list(jobs), compile_cache=compile_cache)
     with StopSignals() as stop:
         try:
             while sweep.running or (sweep.pending and stop.received is None):
@@ -216,6 +237,8 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
             stop.forward([process for process, _ in sweep.running.values()])
             for process, _ in sweep.running.values():
                 process.wait()
+            for folder in sweep.caches.values():
+                shutil.rmtree(folder, ignore_errors=True)
     if stop.received is not None:
         raise Stopped(stop.received, sweep.stopped_line(stop.received))
     return sweep.outcome
@@ -232,6 +255,8 @@ class Sweep:
     pending: list[Job]
     running: dict[str, tuple[subprocess.Popen, float]] = field(default_factory=dict)
     outcome: dict[str, str] = field(default_factory=dict)
+    compile_cache: str = "shared"
+    caches: dict[str, str] = field(default_factory=dict)  # a running job's own compile cache folder (compile_cache: empty)
 
     def reap(self, stopping: bool) -> None:
         """Record the jobs that ended; while the sweep stops, one that failed is `stopped` (said in `stopped_line`)."""
@@ -240,6 +265,8 @@ class Sweep:
             if code is None:
                 continue
             del self.running[name]
+            if name in self.caches:
+                shutil.rmtree(self.caches.pop(name), ignore_errors=True)
             self.outcome[name] = "ok" if code == 0 else (stopped(code) if stopping else f"exit {code}")
             if not self.outcome[name].startswith("stopped"):
                 print(f"sweep: {name}: {self.outcome[name]} after {time.perf_counter() - started:.0f}s", flush=True)
@@ -269,6 +296,9 @@ class Sweep:
         # Each job takes its share of the cores unless run.threads says; it runs the checkout's stages, as the sweep does.
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, SHARED_BY_ENV: str(self.parallel), "PYTHONPATH": path}
+        if self.compile_cache == "empty":
+            self.caches[job.name] = cache = tempfile.mkdtemp(prefix="compile-cache-")
+            env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
         print(f"sweep: start {job.name}: {shlex.join(['python', *argv[1:]])}", flush=True)
         with open(self.out / f"{job.name}{LOG_SUFFIX}", "a") as log:
             # A session of its own: a Ctrl-C at the terminal reaches the job once, passed on by the sweep, not also

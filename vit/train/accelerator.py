@@ -223,6 +223,14 @@ def check_compile_cache() -> None:
                           "point it at a folder, or unset it") from None  # fmt: skip
 
 
+def compile_cache_state() -> str:
+    """"empty" where torch.compile's cache folder (TORCHINDUCTOR_CACHE_DIR, else torch's default) holds nothing yet, so
+    every kernel of this run compiles inside its time; "used" where it holds what earlier compilations left."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # torch's own resolution of the folder (and makes it)
+
+    return "used" if any(Path(cache_dir()).iterdir()) else "empty"
+
+
 def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = True) -> nn.Module:
     """`module` compiled as `run.compile` asks (the training forward only: evaluation runs the plain module), and
     whether the loop captures its whole step (`run.cuda_graph`), which the compile mode depends on. `compile=False`:
@@ -240,7 +248,9 @@ def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = Tr
         if graph:
             run.print(f"cuda graph: the whole step is captured as one CUDA graph after its first steps (run.cuda_graph={run.cfg.run.cuda_graph})")
         return module
-    run.print(f"compile: torch.compile mode {mode} (run.compile={run.cfg.run.compile}){graph}; the first steps compile, and count in the stage's time")
+    run.compile_cache = compile_cache_state()
+    run.print(f"compile: torch.compile mode {mode} (run.compile={run.cfg.run.compile}){graph}; the first steps compile, and count in the stage's time"
+              f" (its cache folder: {run.compile_cache})")  # fmt: skip
     return torch.compile(module, mode=mode)
 
 

@@ -94,6 +94,7 @@ class Run:
     meta: dict[str, Any] = field(default_factory=dict)  # written under `meta` in config.yaml
     started: float = field(default_factory=time.perf_counter)  # the stage's clock, for time budgets
     compile_mode: str | None = None  # what `compile_for_run` chose
+    compile_cache: str | None = None  # compiled: whether torch.compile's cache folder was "empty" or "used" as it began
     cuda_graph: bool = False  # whether the loop captures its whole step as one CUDA graph (`compile_for_run` chose)
     data_loader: str | None = None  # "memory" or "stream": what the stage's data opened with; its resume states record it
     graph_capture: dict | None = None  # that graph's eager warm-up steps and capture seconds, once captured
@@ -320,7 +321,7 @@ class Run:
                    "device": str(self.accelerator.device), "threads_per_process": self.threads, "precision": self.cfg.run.precision,
                    "seed": self.cfg.run.seed, "git_commit": self.meta["git_commit"], "run_dir": str(self.dir),
                    "host": host(self.accelerator.device), "memory": peak_memory(),
-                   "compile": {"mode": self.compile_mode, "first_step_sec": self.first_step_seconds},
+                   "compile": {"mode": self.compile_mode, "first_step_sec": self.first_step_seconds, "cache": self.compile_cache},
                    "cuda_graph": self.graph_capture if self.cuda_graph else None, "gpu_busy_percent": self.gpu_busy}  # fmt: skip
         schedule = getattr(self.cfg, "schedule", None)
         if schedule is not None and schedule.budget_minutes is not None:

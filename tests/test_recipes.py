@@ -24,8 +24,8 @@ RECIPES = [
     ("configs/pretrain/gpu_5min.yaml", PretrainConfig, "mae_2.5min_s0"),
     ("configs/finetune/gpu_5min.yaml", FinetuneConfig, "ft_m5_f50_crop_s0"),
     ("configs/baselines/vit_scratch_gpu_5min.yaml", FinetuneConfig, "scratch_m5_crop_s0"),
-    ("configs/pretrain/gpu_10min.yaml", PretrainConfig, "mae_5min_s0"),
-    ("configs/finetune/gpu_10min.yaml", FinetuneConfig, "ft_m10_f50_crop_s0"),
+    ("configs/pretrain/gpu_10min.yaml", PretrainConfig, "mae_7.5min_s0"),
+    ("configs/finetune/gpu_10min.yaml", FinetuneConfig, "ft_m10_f75_mix_s0"),
 ]
 
 

@@ -539,7 +539,7 @@ def test_only_runs_the_named_jobs_in_that_order_after_the_jobs_they_start_from(t
         {"name": "pre_a", **pre}, {"name": "ft_a", "init": "pre_a", **ft}, {"name": "probe_a", "init": "ft_a", **ft},
         {"name": "pre_b", **pre}, {"name": "ft_b", "init": "pre_b", **ft}, {"name": "scratch", **ft},
     ])  # fmt: skip
-    _, jobs = read_sweep(spec)
+    _, jobs, _ = read_sweep(spec)
     chosen = select_jobs(jobs, ["scratch", "probe_a", "ft_b", "pre_a"])
     assert [job.name for job in chosen] == ["scratch", "pre_a", "ft_a", "probe_a", "pre_b", "ft_b"]
     assert chosen[2] is jobs[1]  # the jobs themselves, overrides and init unchanged

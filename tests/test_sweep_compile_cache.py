@@ -55,8 +55,14 @@ def test_shared_leaves_torchs_cache_to_every_job(tmp_path, started, monkeypatch)
         assert kwargs["env"]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "users_cache") and "TRITON_CACHE_DIR" not in kwargs["env"]
 
 
-def test_a_run_tells_an_empty_compile_cache_from_a_used_one(tmp_path, monkeypatch):
+def test_a_run_tells_an_empty_compile_cache_from_a_used_one_and_one_it_cannot_list(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     assert compile_cache_state() == "empty"  # made, empty
     (tmp_path / "cache" / "fxgraph").mkdir()
     assert compile_cache_state() == "used"
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", unreadable)  # a folder this process cannot list
+    assert compile_cache_state() == "unknown"

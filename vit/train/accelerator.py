@@ -225,10 +225,14 @@ def check_compile_cache() -> None:
 
 def compile_cache_state() -> str:
     """"empty" where torch.compile's cache folder (TORCHINDUCTOR_CACHE_DIR, else torch's default) holds nothing yet, so
-    every kernel of this run compiles inside its time; "used" where it holds what earlier compilations left."""
+    every kernel of this run compiles inside its time; "used" where it holds what earlier compilations left; "unknown"
+    where it cannot be listed."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir  # torch's own resolution of the folder (and makes it)
 
-    return "used" if any(Path(cache_dir()).iterdir()) else "empty"
+    try:
+        return "used" if any(Path(cache_dir()).iterdir()) else "empty"
+    except OSError:  # a folder this process cannot list: the compiler says so itself when it writes there
+        return "unknown"
 
 
 def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = True) -> nn.Module:

@@ -94,7 +94,7 @@ class Run:
     meta: dict[str, Any] = field(default_factory=dict)  # written under `meta` in config.yaml
     started: float = field(default_factory=time.perf_counter)  # the stage's clock, for time budgets
     compile_mode: str | None = None  # what `compile_for_run` chose
-    compile_cache: str | None = None  # compiled: whether torch.compile's cache folder was "empty" or "used" as it began
+    compile_cache: str | None = None  # compiled: torch.compile's cache folder as it began ("empty", "used"; `compile_cache_state`)
     cuda_graph: bool = False  # whether the loop captures its whole step as one CUDA graph (`compile_for_run` chose)
     data_loader: str | None = None  # "memory" or "stream": what the stage's data opened with; its resume states record it
     graph_capture: dict | None = None  # that graph's eager warm-up steps and capture seconds, once captured

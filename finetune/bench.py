@@ -48,7 +48,7 @@ def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable
         loader = BatchLoader(data, s.e2e_batch, device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32, train=True, seed=s.seed,
                              ops=ops)  # fmt: skip
         model = create_model("vit_cifar_tiny", num_classes=NUM_CLASSES, **our_defaults(device))
-        return stream_step(model, classify, batches_forever(loader), device, precision, s.compile, s.cuda_graph != "off")
+        return stream_step(model, classify, batches_forever(loader), device, precision, s.compile, s.cuda_graph != "off", s.compile_scope)
 
     def ref() -> Step:
         model = timm_vit(cfg)

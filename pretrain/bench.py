@@ -77,7 +77,7 @@ def mae_cases(s: Settings, device: torch.device, precisions: list[str]) -> list[
         for precision in precisions:
             step = partial(training_step, loss_fn=reconstruct, batch=s.batch, img_size=img, device=device, precision=precision, seed=s.seed)
             ours = lambda step=step, p=preset, o=overrides: step(recomputed(our_mae(p, {**o, **ours_kw}), s), compile=s.compile,  # noqa: E731
-                                                                 graph=ours_graphed(s))
+                                                                 graph=ours_graphed(s), scope=s.compile_scope)
             flops = mae_flops_per_image(preset, overrides)
             cases.append(Case(f"mae/{label}/{precision}", "mae", precision, s.batch, ours=ours,
                               ref=lambda step=step, p=preset, o=overrides: step(reference_mae(p, o), compile=s.compile_ref),
@@ -129,7 +129,8 @@ def e2e_case(s: Settings, device: torch.device, precision: str, images: Callable
     def ours() -> Step:
         loader = BatchLoader(images(), s.e2e_batch, device=device, mean=CIFAR10_MEAN, std=CIFAR10_STD, out_size=32, train=True, seed=s.seed)
         model = our_mae("vit_cifar_tiny", our_defaults(device))
-        return stream_step(model, reconstruct, batches_forever(loader), device, precision, s.compile, s.cuda_graph != "off")
+        loop = batches_forever(loader)
+        return stream_step(model, reconstruct, loop, device, precision, s.compile, s.cuda_graph != "off", s.compile_scope)
 
     def ref() -> Step:
         model = reference_mae("vit_cifar_tiny", {})

@@ -119,6 +119,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
                    "(default: the small ones, and vit_base_p16 on CUDA; quick: vit_cifar_tiny)")
     p.add_argument("--compile", default="auto", choices=["auto", "off", "on", "reduce-overhead", "max-autotune"],
                    help="torch.compile of our models, as run.compile (default auto: compiled on a GPU, off on a CPU)")
+    p.add_argument("--compile-scope", default="model", choices=["model", "blocks"],
+                   help="what --compile compiles of our models, as run.compile_scope (default model: the whole forward; blocks: each "
+                   "transformer block alone)")
     p.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"],
                    help="our steps, as run.cuda_graph (default auto: on a GPU each step whole is one CUDA graph)")
     p.add_argument("--compile-ref", default="off", choices=["auto", "off", "on", "reduce-overhead", "max-autotune"],

@@ -250,6 +250,10 @@ class RunConfig:
     # where compilation cost more minutes than it saved; `on` is torch.compile's default mode. Its time is the first
     # steps' and counts in a time budget.
     compile: Literal["auto", "off", "on", "reduce-overhead", "max-autotune"] = "auto"
+    # What run.compile compiles: the training forward as a whole (`model`), or each transformer block of our ViT and MAE
+    # alone (`blocks`: one compilation serves every block of a shape, so the first step is shorter; the rest runs
+    # eagerly, and a model without our blocks compiles whole). Evaluation runs the eager model either way.
+    compile_scope: Literal["model", "blocks"] = "model"
     # The whole training step (forward, backward, guard, clipping, optimiser) as one CUDA graph, replayed every step
     # (vit/train/graph.py): `auto` where the step allows it (one CUDA process, optim.grad_accum_steps 1, fused AdamW or
     # SGD, no fp16), and run.compile=auto then compiles without graphs of its own; `on` also says why where it cannot.

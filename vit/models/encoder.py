@@ -225,6 +225,11 @@ class PatchDropout(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
+    compiled = None  # `compute` compiled alone (run.compile_scope=blocks), which the block runs in training mode
+
+    def __getstate__(self):  # a copy (the weight average's) runs its own weights, never this block's compiled forward
+        return {k: v for k, v in super().__getstate__().items() if k != "compiled"}
+
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, attn_impl: AttnImpl = "sdpa"):
         super().__init__()
         self.norm1 = layer_norm(dim)
@@ -236,6 +241,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, return_attn: bool = False, index: torch.Tensor | None = None):
         """x: (B, T, D) -> (B, T, D); with `index` (B, M) only those tokens' outputs, (B, M, D)."""
+        if self.compiled is not None and self.training and not return_attn:
+            return self.compiled(x, index=index)
+        return self.compute(x, return_attn, index)
+
+    def compute(self, x: torch.Tensor, return_attn: bool = False, index: torch.Tensor | None = None):
         if index is not None:
             x_kept = gather_tokens(x, index)  # (B, M, D)
             x = x_kept + self.drop_path(self.attn(self.norm1(x), index=index))
@@ -413,7 +423,6 @@ class VisionTransformer(nn.Module):
 
 
 # --------------------------------------------------------------------------- presets
-
 # PRESETS (`vit.models.presets`, re-exported here): plain sizes, which `vit.config` checks a config's overrides against.
 
 
@@ -430,8 +439,7 @@ def create_model(name: str, **overrides) -> VisionTransformer:
     """A preset encoder with any constructor argument overridden, e.g. `create_model('vit_tiny', img_size=32, patch_size=4)`."""
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
-    kwargs = {**PRESETS[name], **overrides}
-    return VisionTransformer(**kwargs)
+    return VisionTransformer(**{**PRESETS[name], **overrides})
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

@@ -38,7 +38,7 @@ from vit.data.sources import load_splits
 from vit.data.splits import ImageSet
 from vit.device import BusySampler, synchronize
 from vit.errors import ConfigError
-from vit.train.accelerator import compile_mode, native_bf16
+from vit.train.accelerator import compile_mode, compile_module, native_bf16
 from vit.train.graph import StepGraph, graph_unfit, step_autocast
 from vit.train.optim import make_optimizer, param_groups
 
@@ -79,6 +79,7 @@ class Settings:
     stream_dir: str | None = None  # where the stream section writes its JPEGs (default: a temporary folder)
     models: str | None = None  # comma-separated MODELS of the encoder and MAE sections; None: SMALL_MODELS, and ViT-B/16 on CUDA
     compile: str = "auto"  # ours, as `run.compile` (auto: compiled on CUDA, off on CPUs)
+    compile_scope: str = "model"  # ours, as `run.compile_scope` (the whole model, or each transformer block alone)
     cuda_graph: str = "auto"  # ours, as `run.cuda_graph` (auto: the whole step one CUDA graph on a GPU)
     compile_ref: str = "off"  # the references (timm, the official-style MAE, Hugging Face), as `run.compile`
     grad_checkpointing: bool = False  # ours (encoder and MAE sections), as `run.grad_checkpointing`; then without a CUDA graph
@@ -132,11 +133,11 @@ def models(s: Settings, device: torch.device) -> list[str]:
     return list(SMALL_MODELS) + (["vit_base_p16"] if device.type == "cuda" else [])
 
 
-def compiled(model: nn.Module, requested: str, device: torch.device, graphed: bool = False) -> nn.Module:
-    """`model` under torch.compile as `run.compile=requested` would compile it on `device` (one process; `graphed`: inside
-    a step captured as one CUDA graph)."""
+def compiled(model: nn.Module, requested: str, device: torch.device, graphed: bool = False, scope: str = "model") -> nn.Module:
+    """`model` under torch.compile as `run.compile=requested` and `run.compile_scope=scope` would compile it on `device`
+    (one process; `graphed`: inside a step captured as one CUDA graph)."""
     mode = compile_mode(requested, device, 1, graphed)
-    return model if mode is None else torch.compile(model, mode=mode)
+    return model if mode is None else compile_module(model, mode, scope)[0]
 
 
 def seed_everything(seed: int) -> None:
@@ -170,18 +171,19 @@ def reconstruct(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) ->
 
 
 def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torch.device, precision: str, compile: str = "off",
-                graph: bool = False) -> Step:  # fmt: skip
+                graph: bool = False, scope: str = "model") -> Step:  # fmt: skip
     """A training step that first takes its batch from `batches` (loading and augmentation are timed too).
 
     zero_grad, forward under autocast, backward, AdamW step. The optimiser is the project's own
     (`make_optimizer`: fused AdamW on CPU and CUDA) for both sides, so the comparison is between models.
-    `compile`: the model's forward under torch.compile, as `run.compile` would compile it. `graph`: on CUDA, the whole
+    `compile`, `scope`: the model's forward under torch.compile, as `run.compile` and `run.compile_scope` would compile it
+    (`--compile`, `--compile-scope`: ours; the references compile whole). `graph`: on CUDA, the whole
     step captured as one CUDA graph and replayed, as the training loop runs it (`run.cuda_graph`).
     """
     model.to(device).train()
     optimizer = make_optimizer(param_groups(model, weight_decay=0.05), OptimConfig(), device)
     graphed = graph and graph_unfit(device, 1, 1, optimizer, None) is None
-    model = compiled(model, compile, device, graphed)
+    model = compiled(model, compile, device, graphed, scope)
     for group in optimizer.param_groups:
         group["lr"] = LR  # make_optimizer leaves the LR to the schedule
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -202,12 +204,12 @@ def stream_step(model: nn.Module, loss_fn: Loss, batches: Iterator, device: torc
 
 
 def training_step(model: nn.Module, loss_fn: Loss, batch: int, img_size: int, device: torch.device, precision: str, seed: int,
-                  compile: str = "off", graph: bool = False) -> Step:  # fmt: skip
+                  compile: str = "off", graph: bool = False, scope: str = "model") -> Step:  # fmt: skip
     """`stream_step` on one fixed batch drawn from `seed` (both sides see the same one): the model alone is timed."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, 3, img_size, img_size, generator=g).to(device)
     labels = torch.randint(0, NUM_CLASSES, (batch,), generator=g).to(device)
-    return stream_step(model, loss_fn, itertools.repeat((images, labels)), device, precision, compile, graph)
+    return stream_step(model, loss_fn, itertools.repeat((images, labels)), device, precision, compile, graph, scope)
 
 
 def bench_images(s: Settings) -> ImageSet:

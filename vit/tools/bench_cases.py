@@ -74,7 +74,7 @@ def encoder_cases(s: Settings, device: torch.device, precisions: list[str]) -> l
             cases.append(Case(
                 f"encoder/{label}/{precision}", "encoder", precision, s.batch,
                 ours=lambda step=step, p=preset, o=overrides: step(recomputed(create_model(p, num_classes=NUM_CLASSES, **o, **ours_kw), s),
-                                                                      compile=s.compile, graph=ours_graphed(s)),
+                                                                      compile=s.compile, graph=ours_graphed(s), scope=s.compile_scope),
                 ref=lambda step=step, cfg=cfg: step(timm_vit(cfg), compile=s.compile_ref),
                 ref_name="timm VisionTransformer" + compile_note(s.compile_ref, device), flops_per_image=flops_per_image(cfg),
             ))  # fmt: skip
@@ -141,8 +141,8 @@ def bare_step(forward: nn.Module, optimizer, loss_fn, images: torch.Tensor, labe
 
 def pipeline_overrides(s: Settings, device: torch.device, name: str) -> list[str]:
     """Overrides of a stage's recipe for the pipeline section: its batch (`--e2e-batch`), `--data` (else synthetic
-    images), no tracker, bar or saved figures, a throw-away run folder (removed when the process ends), `--compile`
-    and `--cuda-graph`."""
+    images), no tracker, bar or saved figures, a throw-away run folder (removed when the process ends), `--compile`,
+    `--compile-scope` and `--cuda-graph`."""
     run_dir = tempfile.mkdtemp(prefix="bench-pipeline-")
     atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
     data = ["data.dataset=cifar10", f"data.root={s.data}", "data.download=false"] if s.data else \
@@ -150,7 +150,8 @@ def pipeline_overrides(s: Settings, device: torch.device, name: str) -> list[str
     # A CPU loop computes with the benchmark's threads; a GPU one keeps the stage's own default (vit.train.accelerator.set_threads).
     threads = [f"run.threads={torch.get_num_threads()}"] if device.type == "cpu" else []
     return data + threads + [f"optim.batch_size={s.e2e_batch}", f"run.dir={run_dir}", f"run.name={name}", "run.tracker=none", "run.progress=false",
-                             f"run.device={device.type}", f"run.compile={s.compile}", f"run.cuda_graph={s.cuda_graph}",
+                             f"run.device={device.type}", f"run.compile={s.compile}", f"run.compile_scope={s.compile_scope}",
+                             f"run.cuda_graph={s.cuda_graph}",
                              f"run.save_every={NO_STATE}"]  # fmt: skip
 
 

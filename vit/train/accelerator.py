@@ -253,9 +253,28 @@ def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = Tr
             run.print(f"cuda graph: the whole step is captured as one CUDA graph after its first steps (run.cuda_graph={run.cfg.run.cuda_graph})")
         return module
     run.compile_cache = compile_cache_state()
-    run.print(f"compile: torch.compile mode {mode} (run.compile={run.cfg.run.compile}){graph}; the first steps compile, and count in the stage's time"
-              f" (its cache folder: {run.compile_cache})")  # fmt: skip
-    return torch.compile(module, mode=mode)
+    scope = run.cfg.run.compile_scope
+    forward, blocks = compile_module(module, mode, scope, acc.unwrap_model(module))
+    what = f"each of its {blocks} transformer blocks alone" if blocks else "the training forward"
+    if scope == "blocks" and not blocks:
+        what += " (run.compile_scope=blocks: the model has no transformer blocks of ours, vit.models.encoder.Block)"
+    run.print(f"compile: torch.compile mode {mode} (run.compile={run.cfg.run.compile}), {what}{graph}; the first steps compile, and count "
+              f"in the stage's time (its cache folder: {run.compile_cache})")  # fmt: skip
+    return forward
+
+
+def compile_module(module: nn.Module, mode: str, scope: str = "model", inner: nn.Module | None = None) -> tuple[nn.Module, int]:
+    """`module` compiled in torch.compile's `mode`, as `run.compile_scope` says: whole (`model`), or each transformer block
+    of ours in `inner` (the model inside a wrapper such as DDP; default `module`) alone (`blocks`), the block running its
+    compiled forward in training mode only (`Block.compiled`), so that one compilation serves every block of the same
+    shapes and evaluation runs eagerly. A model without our blocks compiles whole. Returns the module to train with and
+    how many blocks were compiled alone (0: the whole module was)."""
+    from vit.models.encoder import Block  # not at the top: the loop's modules stay free of the model (tests/test_runs.py)
+
+    blocks = [m for m in (inner or module).modules() if isinstance(m, Block)] if scope == "blocks" else []
+    for block in blocks:
+        block.compiled = torch.compile(block.compute, mode=mode)
+    return (module, len(blocks)) if blocks else (torch.compile(module, mode=mode), 0)
 
 
 # A GPU process's CPU threads for torch's own operations (where `run.threads` is not set): its host only launches kernels

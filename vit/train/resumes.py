@@ -29,7 +29,8 @@ from vit.store.runs import (
 # Settings a resumed run may change: where things are and how it runs, not what it trains. The rest must be what the
 # run recorded, or the result would be neither run (its config.yaml would say one thing while its first steps did another).
 RESUMABLE_CHANGES = frozenset({
-    "run.dir", "run.name", "run.resume", "run.overwrite", "run.device", "run.precision", "run.threads", "run.compile", "run.cuda_graph",
+    "run.dir", "run.name", "run.resume", "run.overwrite", "run.device", "run.precision", "run.threads", "run.compile", "run.compile_scope",
+    "run.cuda_graph",
     "run.grad_checkpointing", "run.log_every", "run.save_every", "run.save_minutes", "run.keep_states", "run.figure_every", "run.tracker",
     "run.wandb_mode", "run.project", "run.group", "run.progress", "data.root", "data.val_root", "data.cache_dir", "data.download", "data.workers",
     "data.memory_budget_gb", "data.eval_batch_size", "finetune.init", "schedule.max_steps",  # where a run stops: a stopped run continues past it

@@ -94,3 +94,11 @@ def test_a_model_without_our_blocks_compiles_whole(tmp_path, recorder, capsys):
     assert main(tiny_overrides(tmp_path, "timm", **overrides)) == 0
     assert len(recorder.compiled) == 1 and isinstance(recorder.compiled[0], torch.nn.Module)  # timm's blocks are not ours
     assert "run.compile_scope=blocks: the model has no transformer blocks of ours" in capsys.readouterr().out
+
+
+def test_blocks_without_compilation_is_said_and_compiles_nothing(tmp_path, recorder, capsys):
+    from pretrain.train import main
+
+    assert main(tiny_overrides(tmp_path, "off", **{"run.compile": "auto", "run.compile_scope": "blocks", "schedule.max_steps": 1})) == 0
+    assert recorder.compiled == []  # auto is off on a CPU
+    assert "compile: off (run.compile=auto on cpu): run.compile_scope=blocks compiles nothing" in capsys.readouterr().out

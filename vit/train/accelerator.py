@@ -251,6 +251,8 @@ def compile_for_run(run: "Run", module: nn.Module, optimizer, compile: bool = Tr
     if mode is None:
         if graph:
             run.print(f"cuda graph: the whole step is captured as one CUDA graph after its first steps (run.cuda_graph={run.cfg.run.cuda_graph})")
+        if compile and run.cfg.run.compile_scope == "blocks":
+            run.print(f"compile: off (run.compile={run.cfg.run.compile} on {acc.device.type}): run.compile_scope=blocks compiles nothing")
         return module
     run.compile_cache = compile_cache_state()
     scope = run.cfg.run.compile_scope

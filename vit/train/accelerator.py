@@ -273,7 +273,8 @@ def compile_module(module: nn.Module, mode: str, scope: str = "model", inner: nn
     how many blocks were compiled alone (0: the whole module was)."""
     from vit.models.encoder import Block  # not at the top: the loop's modules stay free of the model (tests/test_runs.py)
 
-    blocks = [m for m in (inner or module).modules() if isinstance(m, Block)] if scope == "blocks" else []
+    model = module if inner is None else inner  # not `inner or module`: a Sequential (or ModuleList) model is falsy when empty
+    blocks = [m for m in model.modules() if isinstance(m, Block)] if scope == "blocks" else []
     for block in blocks:
         block.compiled = torch.compile(block.compute, mode=mode)
     return (module, len(blocks)) if blocks else (torch.compile(module, mode=mode), 0)

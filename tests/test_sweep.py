@@ -188,6 +188,39 @@ def test_a_signal_is_passed_on_to_the_running_job_and_the_sweep_ends_after_it(tm
     assert signal.getsignal(sig) is signals_fail_the_test  # the handlers are given back
 
 
+# A stage still importing: Python drops a KeyboardInterrupt raised in a callback (an import lock's), so SIGINT is lost;
+# SIGTERM (no handler before the loop's) ends it. Here it exits 143 on SIGTERM as the stage's loop would, to tell them apart.
+STARTING = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGINT, lambda *a: print('dropped', flush=True))\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+            "print('importing', flush=True)\n"
+            "time.sleep(30)\n")  # fmt: skip
+
+
+def test_a_ctrl_c_reaches_a_job_as_sigterm_which_a_job_still_importing_cannot_drop(tmp_path, monkeypatch, signals_fail_the_test):
+    children, real_popen = [], subprocess.Popen
+
+    def popen(argv, **kwargs):
+        child = real_popen([sys.executable, "-c", STARTING], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert child.stdout.readline() == "importing\n"
+        children.append(child)
+        os.kill(os.getpid(), signal.SIGINT)
+        return child
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", popen)
+    started = time.monotonic()
+    try:
+        with pytest.raises(Stopped) as e:
+            run_sweep([Job("a", "pretrain", str(ROOT / CPU))], tmp_path / "out", [], [], parallel=1)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+    assert children[0].returncode == 143 and children[0].stdout.read() == ""  # SIGTERM, not a SIGINT it dropped
+    children[0].stdout.close()
+    assert time.monotonic() - started < 20 and "a: stopped, its state saved" in str(e.value)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the job's process in /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -223,7 +256,7 @@ def test_the_sweep_command_stopped_by_a_signal_ends_its_job_and_says_so_in_one_l
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in out + err and err == ""
     last = out.strip().splitlines()[-1]
-    assert last.startswith(f"sweep: stopped by {signal.Signals(sig).name} (a: stopped") and "not started: b" in last
+    assert last.startswith(f"sweep: stopped by {signal.Signals(sig).name} (a: stopped") and "not started: b" in last, out
     assert (tmp_path / "out" / "a.log").is_file()
 
 

@@ -27,9 +27,10 @@ else the checkout's (`configs/...` in the shipped sweeps), and is passed on as a
 `vit.train.accelerator.set_threads`), skips a job whose `init` failed, writes each job's output to <out>/<name>.log, and
 keeps a job whose run folder already holds summary.json without running it again, so the same sweep continues an
 interrupted one (unfinished jobs resume with run.resume=auto). A finished run that recorded other settings than its job
-now gives is refused before anything starts (`vit.tools.kept.check_kept`), not kept. SIGINT / SIGTERM stop the sweep:
-its running jobs are passed the signal (they save a resume state and exit), and once they ended `Stopped` says what
-each was left as; an error while the sweep runs stops them the same way before it is raised.
+now gives is refused before anything starts (`vit.tools.kept.check_kept`), not kept. SIGINT / SIGTERM / SIGHUP stop the
+sweep: its running jobs are sent SIGTERM (they save a resume state and exit; one still starting up ends at once), and
+once they ended `Stopped` says what each was left as; an error while the sweep runs stops them the same way before it
+is raised.
 
 `compile_cache`: where a compiled job (`run.compile`) finds torch.compile's caches. `shared` (the default) leaves them
 where torch keeps them, so a job reuses what the jobs before it compiled, as a user's runs do. `empty`: each job starts
@@ -319,7 +320,10 @@ class Sweep:
 
 
 PREEMPTED_EXIT = 143  # pretrain / finetune after SIGTERM or SIGINT stopped their loop (vit.train.loop.Preempted)
-STOP_SIGNALS = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}  # received -> passed on
+# received -> passed on. Never SIGINT: in a job still importing, it is a KeyboardInterrupt, which Python drops when it is
+# raised in a callback (seen: an import lock's), and the job then trained to its end with the sweep waiting for it.
+# SIGTERM ends a job at once until its loop's SignalGuard takes it, and from then on saves a resume state.
+STOP_SIGNALS = {signal.SIGINT: signal.SIGTERM, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
 
 
 def stopped(code: int) -> str:
@@ -337,7 +341,7 @@ class Stopped(Exception):
 
 class StopSignals:
     """While the sweep runs, SIGINT / SIGTERM / SIGHUP are recorded instead of ending it: the sweep passes each on to
-    its running jobs (SIGTERM for a SIGHUP), which save a resume state and exit (vit.train.loop.SignalGuard; a second
+    its running jobs as SIGTERM (`STOP_SIGNALS`), which save a resume state and exit (vit.train.loop.SignalGuard; a second
     signal stops them at once), and ends after them."""
 
     def __init__(self):

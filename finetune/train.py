@@ -41,7 +41,7 @@ from vit.train.loop import fit
 from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
-from vit.train.signals import Preempted
+from vit.train.signals import Preempted, ctrl_c_in_one_line
 from vit.train.states import Progress, load_state, open_stage_data
 
 
@@ -296,6 +296,7 @@ def run_eval(cfg: FinetuneConfig) -> int:
     return 0 if summary else 1
 
 
+@ctrl_c_in_one_line
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(FinetuneConfig, argv, "finetune", "Fine-tune, linear-probe or evaluate a classifier")

@@ -25,7 +25,7 @@ from vit.train.loop import fit
 from vit.train.optim import make_optimizer, param_groups
 from vit.train.run import Run, param_checksum
 from vit.train.schedule import LoopSpec, loop_spec
-from vit.train.signals import Preempted
+from vit.train.signals import Preempted, ctrl_c_in_one_line
 from vit.train.states import load_state, open_stage_data
 
 
@@ -171,6 +171,7 @@ def evaluations(cfg: PretrainConfig, splits, mae: MaskedAutoencoder, val_loader,
     return val, Evaluation(images=knn_images, every=cfg.mae.knn_every, final_images=knn_images, cost=3 * FORWARD_SHARE, timer=timer)
 
 
+@ctrl_c_in_one_line
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(PretrainConfig, argv, "pretrain", "MAE pretraining of a ViT encoder")

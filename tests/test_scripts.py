@@ -342,6 +342,15 @@ def test_quickstart_runs_each_stage_command_in_order_and_writes_the_report(quick
     assert f"Report: {out / 'report' / 'report.md'}" in stdout
 
 
+def test_quickstart_says_a_stage_ended_by_a_signal_and_exits_with_the_shells_code_for_it(tmp_path, capsys):
+    """A stage killed by SIGTERM while it set up says nothing and returns -15: sys.exit(-15) exited 241, and the line said
+    "exited with code -15 (its message is above)" where there was none."""
+    code = pipeline.quickstart(tmp_path / "qs", None, quickstart_overrides(tmp_path), REPORT_SCRIPT, runner=lambda command: -15)
+    assert code == 143
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "quickstart: stopped: the MAE pretraining stage was ended by SIGTERM (rerun the same command to go on)"]
+
+
 @pytest.mark.slow
 def test_quickstart_again_keeps_the_finished_stages_and_refuses_other_settings(quickstart_out, tmp_path, capsys):
     out, _, _ = quickstart_out

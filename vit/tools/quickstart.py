@@ -174,6 +174,13 @@ def finished_earlier(command: list[str]) -> Path | None:
     return run_dir
 
 
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def run_stages(commands: list[tuple[str, list[str]]], runner: Callable[[list[str]], int] = run_command) -> int:
     """Run each command with `runner`, printed first as a person would type it; returns 0, or the exit code of the first
     that failed. A stage whose run finished earlier with the same settings is kept (`finished_earlier`)."""
@@ -188,6 +195,10 @@ def run_stages(commands: list[tuple[str, list[str]]], runner: Callable[[list[str
             print(f"quickstart: {kept} finished earlier with these settings: kept", flush=True)
             continue
         code = runner(command)
+        if code < 0:  # ended by a signal before it could say anything (SIGTERM while it set up): the shell's code for it
+            print(f"quickstart: stopped: the {title} stage was ended by {signal_name(-code)} (rerun the same command to go on)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 128 - code
         if code != 0:
             hint = "rerun the same command to resume it" if code in (130, 143) else "its message is above"
             print(f"quickstart: stopped: the {title} stage exited with code {code} ({hint})", file=sys.stderr, flush=True)

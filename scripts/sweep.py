@@ -12,7 +12,8 @@ other settings than its job now gives is refused (exit 2) before anything starts
 
 Jobs run in the current folder, as if typed there: a relative --out and relative paths after -- are the current
 folder's; a job's relative `config` is the current folder's, else the checkout's. Ctrl-C or SIGTERM stops the sweep:
-the running jobs save a resume state and exit, one line says what each was left as, and the exit code is 130 / 143.
+the running jobs are sent SIGTERM (one that trains saves a resume state and exits; one still starting up ends at once),
+one line says what each was left as, and the exit code is 130 / 143.
 """
 
 from __future__ import annotations

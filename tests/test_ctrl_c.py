@@ -133,6 +133,24 @@ def test_a_ctrl_c_that_the_parent_ignores_stays_ignored_before_the_loop(tmp_path
     assert (tmp_path / "runs" / "mae" / "summary.json").is_file()
 
 
+def test_a_second_signal_in_the_loop_stops_it_at_once_in_one_line_with_exit_code_130(capsys):
+    """The loop's guard stops at once on a second signal (a KeyboardInterrupt): before, a traceback. 130, not the loop's
+    143, which a sweep reads as "its state saved"."""
+    from vit.train.signals import SignalGuard, ctrl_c_in_one_line
+
+    @ctrl_c_in_one_line
+    def main() -> int:
+        with SignalGuard() as guard:
+            guard.handle(signal.SIGTERM, None)  # the first: the loop would save at its next step
+            guard.received_at -= 2  # more than a second ago: not the same signal delivered twice
+            guard.handle(signal.SIGTERM, None)
+        return 0
+
+    assert main() == 130
+    assert last_line(capsys) == ("stopped at once by a second SIGTERM: the steps since the last resume state are lost; "
+                                 "run.resume=auto goes on from that state")  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="sees torch's library mapped in /proc")
 @pytest.mark.parametrize("module", ["pretrain", "finetune"])

@@ -95,7 +95,8 @@ def ctrl_c_said(signum: int) -> str:
 
 def ctrl_c_in_one_line(main: Callable[..., int]) -> Callable[..., int]:
     """Wrap a stage's entry point: a Ctrl-C outside its training loop (setting up, or evaluating after it) ends the run
-    with one line (`ctrl_c_said`) and exit code 130 instead of a traceback, and one held while the stage imported
+    with one line (`ctrl_c_said`) and exit code 130 instead of a traceback (so does a second signal in the loop, which
+    stops it at once), and one held while the stage imported
     (`hold_ctrl_c`) does so as it starts. One that Python dropped (raised in a callback) is still recorded: the loop's
     `SignalGuard` then stops at its first step, saving a resume state (exit 143). In the loop, the guard's rules hold."""
 
@@ -117,7 +118,7 @@ def ctrl_c_in_one_line(main: Callable[..., int]) -> Callable[..., int]:
                 raise
             if os.environ.get("RANK", "0") == "0":  # each process of a run got it; the first one says it
                 print(ctrl_c_said(signum), flush=True)
-            return 128 + signum
+            return 128 + signal.SIGINT  # 130, interrupted, whichever signal: 143 is the loop's "its state saved"
         finally:
             if ours:
                 signal.signal(signal.SIGINT, previous)

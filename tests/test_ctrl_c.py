@@ -37,6 +37,23 @@ def ctrl_c() -> None:
     time.sleep(0.5)  # the handler runs at the next instruction; a Ctrl-C that is not acted on lets the run go on
 
 
+def ctrl_c_first(monkeypatch, module, name: str, dropped: bool = False):
+    """`module.name` pressed Ctrl-C before it runs; `dropped`: the KeyboardInterrupt is swallowed there, as Python does in
+    a callback ("Exception ignored in ..."). Returns the real function."""
+    real = getattr(module, name)
+
+    def first_ctrl_c(*args, **kwargs):
+        try:
+            ctrl_c()
+        except KeyboardInterrupt:
+            if not dropped:
+                raise
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, first_ctrl_c)
+    return real
+
+
 def stage(main, argv: list[str]) -> int:
     """The stage's exit code; a Ctrl-C that escapes it is this test's failure, not the end of the test session."""
     try:
@@ -50,13 +67,7 @@ def last_line(capsys) -> str:
 
 
 def test_a_ctrl_c_while_a_stage_sets_up_ends_it_in_one_line_and_a_second_run_starts_again(tmp_path, monkeypatch, capsys):
-    real_setup = pretrain_train.setup
-
-    def setup(cfg, run):
-        ctrl_c()
-        return real_setup(cfg, run)
-
-    monkeypatch.setattr(pretrain_train, "setup", setup)
+    real_setup = ctrl_c_first(monkeypatch, pretrain_train, "setup")
     assert stage(pretrain, tiny_overrides(tmp_path, name="mae")) == 130
     assert last_line(capsys) == BEFORE
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
@@ -68,16 +79,7 @@ def test_a_ctrl_c_while_a_stage_sets_up_ends_it_in_one_line_and_a_second_run_sta
 
 def test_a_ctrl_c_that_python_dropped_before_the_loop_still_stops_the_loop_at_once(tmp_path, monkeypatch, capsys):
     """Python drops a KeyboardInterrupt raised in a callback (an import lock's, a weakref's): the stage still stops."""
-    real_setup = pretrain_train.setup
-
-    def setup(cfg, run):
-        try:
-            ctrl_c()
-        except KeyboardInterrupt:  # as Python does in a callback: "Exception ignored in ..."
-            pass
-        return real_setup(cfg, run)
-
-    monkeypatch.setattr(pretrain_train, "setup", setup)
+    ctrl_c_first(monkeypatch, pretrain_train, "setup", dropped=True)
     assert stage(pretrain, tiny_overrides(tmp_path, name="mae", **{"schedule.epochs": 50})) == 143  # the loop's pre-emption
     said = capsys.readouterr().out
     assert "stopped by signal at step " in said and "Traceback" not in said
@@ -86,13 +88,7 @@ def test_a_ctrl_c_that_python_dropped_before_the_loop_still_stops_the_loop_at_on
 
 
 def test_a_ctrl_c_after_the_loop_ends_the_run_in_one_line_and_run_resume_auto_finishes_it(tmp_path, monkeypatch, capsys):
-    real_final = pretrain_train.final_evaluation
-
-    def final_evaluation(*args, **kwargs):
-        ctrl_c()
-        return real_final(*args, **kwargs)
-
-    monkeypatch.setattr(pretrain_train, "final_evaluation", final_evaluation)
+    real_final = ctrl_c_first(monkeypatch, pretrain_train, "final_evaluation")
     assert stage(pretrain, tiny_overrides(tmp_path, name="mae")) == 130
     assert last_line(capsys) == AFTER
     assert not (tmp_path / "runs" / "mae" / "summary.json").exists()
@@ -106,13 +102,7 @@ def test_a_ctrl_c_after_the_loop_ends_the_run_in_one_line_and_run_resume_auto_fi
 def test_a_ctrl_c_while_a_fine_tune_sets_up_ends_it_in_one_line(tmp_path, monkeypatch, capsys):
     from finetune import train as finetune_train
 
-    real_open = finetune_train.open_run_data
-
-    def open_run_data(*args, **kwargs):
-        ctrl_c()
-        return real_open(*args, **kwargs)
-
-    monkeypatch.setattr(finetune_train, "open_run_data", open_run_data)
+    ctrl_c_first(monkeypatch, finetune_train, "open_run_data")
     assert stage(finetune, tiny_overrides(tmp_path, name="ft") + ["finetune.init=scratch"]) == 130
     assert last_line(capsys) == BEFORE
 
@@ -120,13 +110,7 @@ def test_a_ctrl_c_while_a_fine_tune_sets_up_ends_it_in_one_line(tmp_path, monkey
 def test_a_ctrl_c_that_the_parent_ignores_stays_ignored_before_the_loop(tmp_path, monkeypatch):
     """A stage started in the background by a shell script inherits an ignored SIGINT: a Ctrl-C meant for the script's
     foreground command. Before its loop the stage leaves it ignored, and gives the ignoring back when it ends."""
-    real_setup = pretrain_train.setup
-
-    def setup(cfg, run):
-        ctrl_c()
-        return real_setup(cfg, run)
-
-    monkeypatch.setattr(pretrain_train, "setup", setup)
+    ctrl_c_first(monkeypatch, pretrain_train, "setup")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     assert stage(pretrain, tiny_overrides(tmp_path, name="mae")) == 0
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

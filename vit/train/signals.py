@@ -95,10 +95,10 @@ def ctrl_c_said(signum: int) -> str:
 
 def ctrl_c_in_one_line(main: Callable[..., int]) -> Callable[..., int]:
     """Wrap a stage's entry point: a Ctrl-C outside its training loop (setting up, or evaluating after it) ends the run
-    with one line (`ctrl_c_said`) and exit code 130 instead of a traceback (so does a second signal in the loop, which
-    stops it at once), and one held while the stage imported
-    (`hold_ctrl_c`) does so as it starts. One that Python dropped (raised in a callback) is still recorded: the loop's
-    `SignalGuard` then stops at its first step, saving a resume state (exit 143). In the loop, the guard's rules hold."""
+    with one line (`ctrl_c_said`) and exit code 130 instead of a traceback, and so does one held while the stage
+    imported (`hold_ctrl_c`), as it starts, and a second signal in the loop, which stops it at once. One that Python
+    dropped (raised in a callback) is still recorded: the loop's `SignalGuard` then stops at its first step, saving a
+    resume state (exit 143). In the loop, the guard's rules hold."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs) -> int:

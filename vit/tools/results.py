@@ -48,8 +48,8 @@ PROBE = re.compile(rf"^(mae_{MINUTES[1:-1]}min_s(?:{NUMBER[1:-1]}))_probe$")
 RANDOM = re.compile(rf"^random_probe(?:_([a-z0-9]+))?_s{NUMBER}$")  # random_probe_s0, random_probe_small_s0: one per model
 PATTERNS = (SCRATCH, FINETUNE, PRETRAIN, PROBE, RANDOM)
 SWEEP_PREFIXES = ("scratch_m", "ft_m", "mae_", "random_probe")  # a run folder named so that matches no pattern is named as such
-VARIANTS = {None: "light augmentation", "aug": "strong augmentation", "crop": "crop 0.35-1 and drop path 0.1",
-            "mix": "crop 0.35-1, drop path 0.1, mixup and cutmix"}  # the sweeps' recipe variants
+VARIANTS = {None: "light augmentation", "aug": "strong augmentation", "crop": "crop 0.35-1 and drop path 0.1",  # the sweeps' recipes
+            "mix": "crop 0.35-1, drop path 0.1, mixup and cutmix", "trivial": "crop, drop path, mixup, cutmix, TrivialAugment, erasing"}
 
 
 @dataclass

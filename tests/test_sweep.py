@@ -264,7 +264,8 @@ def test_the_sweep_command_stopped_by_a_signal_ends_its_job_and_says_so_in_one_l
 
 
 @pytest.mark.parametrize("job, message", [
-    ({"name": ".."}, "name must be a folder name (not '.' or '..', without '/'), got '..'"),
+    ({"name": ".."}, "name must be a folder name (not '.', '..' or '.compile-caches', without '/'), got '..'"),
+    ({"name": ".compile-caches"}, "name must be a folder name"),  # the jobs' own compile caches (compile_cache: empty)
     ({"name": "."}, "name must be a folder name"),
     ({"name": "a/b"}, "name must be a folder name"),
     ({"name": "a.log"}, "name 'a.log' ends in '.log', which names the jobs' log files"),

@@ -34,9 +34,12 @@ is raised.
 
 `compile_cache`: where a compiled job (`run.compile`) finds torch.compile's caches. `shared` (the default) leaves them
 where torch keeps them, so a job reuses what the jobs before it compiled, as a user's runs do. `empty`: each job starts
-on empty caches of its own (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in a new temporary folder, deleted when the job
-ends), so that a table of time-budgeted jobs gives each the same cold compilation inside its budget, whatever ran
-before it in the sweep. Each run records which it found (`summary.json`'s `compile.cache`).
+on empty caches of its own (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in `<out>/.compile-caches/<name>`, emptied
+when the job starts without a resume state and deleted when it finishes), so that a table of time-budgeted jobs gives
+each the same cold compilation inside its budget, whatever ran before it in the sweep. A job stopped with its state
+saved keeps its cache: resumed, it finds the kernels its first start compiled (an unbroken run holds them in memory),
+and does not compile them again inside its budget. Each run records which it found (`summary.json`'s `compile.cache`:
+`empty`, or `used` where a resume found its own).
 
 `scripts/sweep.py` is its command line (and prints the comparison table of the finished jobs).
 """
@@ -50,7 +53,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +62,7 @@ import yaml
 
 from vit.config import load_config, override_key, read_yaml
 from vit.errors import ConfigError
-from vit.store.runs import is_finished
+from vit.store.runs import is_finished, newest_state
 from vit.tools.kept import check_kept
 from vit.train.accelerator import SHARED_BY_ENV
 
@@ -68,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's config may b
 MODULES = ("pretrain", "finetune")
 RESERVED = ("run.dir", "run.name", "run.resume")  # the sweep sets these per job
 LOG_SUFFIX = ".log"  # <out>/<name>.log: a job's output
+CACHES = ".compile-caches"  # <out>/.compile-caches/<name>: a job's own compile caches (compile_cache: empty)
 NAME_MAX = 255  # bytes of a file name on Linux's, macOS's and Windows' file systems
 COMPILE_CACHES = ("shared", "empty")  # the sweep file's `compile_cache`
 
@@ -128,8 +131,8 @@ def read_job(raw, where: str, earlier: list[Job]) -> Job:
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(map(str, unknown))}; expected name, module, config, overrides, init")
     name = raw.get("name")
-    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
-        raise ConfigError(f"{where}: name must be a folder name (not '.' or '..', without '/'), got {name!r}")
+    if not isinstance(name, str) or name in ("", ".", "..", CACHES) or "/" in name or "\0" in name:
+        raise ConfigError(f"{where}: name must be a folder name (not '.', '..' or {CACHES!r}, without '/'), got {name!r}")
     if name.endswith(LOG_SUFFIX):
         raise ConfigError(f"{where}: name {name!r} ends in {LOG_SUFFIX!r}, which names the jobs' log files in --out; choose another")
     if len(os.fsencode(name + LOG_SUFFIX)) > NAME_MAX:  # its log could not be opened when its turn came, after the others ran
@@ -238,8 +241,6 @@ def run_sweep(jobs: list[Job], out: Path, common: list[str], extra: list[str], p
             stop.forward([process for process, _ in sweep.running.values()])
             for process, _ in sweep.running.values():
                 process.wait()
-            for folder in sweep.caches.values():
-                shutil.rmtree(folder, ignore_errors=True)
     if stop.received is not None:
         raise Stopped(stop.received, sweep.stopped_line(stop.received))
     return sweep.outcome
@@ -257,7 +258,6 @@ class Sweep:
     running: dict[str, tuple[subprocess.Popen, float]] = field(default_factory=dict)
     outcome: dict[str, str] = field(default_factory=dict)
     compile_cache: str = "shared"
-    caches: dict[str, str] = field(default_factory=dict)  # a running job's own compile cache folder (compile_cache: empty)
 
     def reap(self, stopping: bool) -> None:
         """Record the jobs that ended; while the sweep stops, one that failed is `stopped` (said in `stopped_line`)."""
@@ -266,8 +266,8 @@ class Sweep:
             if code is None:
                 continue
             del self.running[name]
-            if name in self.caches:
-                shutil.rmtree(self.caches.pop(name), ignore_errors=True)
+            if code == 0 and self.compile_cache == "empty":  # finished: its kernels serve no resume
+                self.drop_cache(name)
             self.outcome[name] = "ok" if code == 0 else (stopped(code) if stopping else f"exit {code}")
             if not self.outcome[name].startswith("stopped"):
                 print(f"sweep: {name}: {self.outcome[name]} after {time.perf_counter() - started:.0f}s", flush=True)
@@ -283,6 +283,8 @@ class Sweep:
                 print(f"sweep: {job.name}: {self.outcome[job.name]}", flush=True)
                 continue
             if is_finished(self.out / job.name):
+                if self.compile_cache == "empty":  # left by a sweep ended before it saw the job finish
+                    self.drop_cache(job.name)
                 self.pending.remove(job)
                 self.outcome[job.name] = "ok"
                 print(f"sweep: {job.name}: finished earlier, kept", flush=True)
@@ -298,14 +300,23 @@ class Sweep:
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, SHARED_BY_ENV: str(self.parallel), "PYTHONPATH": path}
         if self.compile_cache == "empty":
-            self.caches[job.name] = cache = tempfile.mkdtemp(prefix="compile-cache-")
-            env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+            cache = self.out / CACHES / job.name
+            if newest_state(self.out / job.name) is None:  # a start from scratch compiles everything inside its budget
+                self.drop_cache(job.name)
+            cache.mkdir(parents=True, exist_ok=True)
+            env.update(TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"))
         print(f"sweep: start {job.name}: {shlex.join(['python', *argv[1:]])}", flush=True)
         with open(self.out / f"{job.name}{LOG_SUFFIX}", "a") as log:
             # A session of its own: a Ctrl-C at the terminal reaches the job once, passed on by the sweep, not also
             # directly (a stage stops at a second signal without saving).
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.running[job.name] = (process, time.perf_counter())
+
+    def drop_cache(self, name: str) -> None:
+        """Delete a job's own compile caches, and their parent folder once it holds no other job's."""
+        shutil.rmtree(self.out / CACHES / name, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (self.out / CACHES).rmdir()
 
     def stopped_line(self, signum: int) -> str:
         """What a stop left each job as, in one line."""

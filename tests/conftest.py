@@ -8,12 +8,28 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 import torchvision.io  # noqa: F401  decode.py imports it lazily; data workers forked from here then need not (2 s each)
 
 from helpers import Started, reset_accelerate
+from vit.device import usable_cores
+from vit.train.accelerator import SHARED_BY_ENV
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+# The suite runs on pytest-xdist workers (`-n auto`, pyproject.toml). In a worker, its in-process runs and the stages it
+# launches take their share of the cores, as a sweep's jobs do: two workers of two threads each on two cores ran slower.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault(SHARED_BY_ENV, str(WORKERS))
+    torch.set_num_threads(max(1, usable_cores() // WORKERS))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: a worker per usable core, at most four (each imports torch and trains runs of its own; the tests that
+    launch two-process runs already use two cores each)."""
+    return max(1, min(4, usable_cores()))
 
 
 @pytest.fixture(autouse=True)

@@ -25,9 +25,10 @@ def test_quick_run_reports_every_case_with_positive_medians(tmp_path):
     out, scratch = tmp_path / "bench.json", tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
-    proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--device", "cpu", "--json", str(out),
-                           "--stream-dir", str(tmp_path / "stream")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)  # fmt: skip  (about 100 s alone on 2 cores)
+    # With this test process's threads: its share of the cores where the suite runs on several workers (tests/conftest.py).
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--device", "cpu", "--json", str(out), "--threads",
+                           str(torch.get_num_threads()), "--stream-dir", str(tmp_path / "stream")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)  # fmt: skip  (about 45 s alone on 2 cores)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not [p.name for p in scratch.iterdir() if p.name.startswith("bench-pipeline-")]  # the loops' run folders, removed
     report = json.loads(out.read_text())

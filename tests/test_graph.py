@@ -177,6 +177,7 @@ def test_a_gpu_process_keeps_few_cpu_threads_unless_told(monkeypatch):
 
     monkeypatch.setattr(accelerator.os, "cpu_count", lambda: 16)
     monkeypatch.setattr(accelerator.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)  # all 16 usable
+    monkeypatch.delenv(accelerator.SHARED_BY_ENV, raising=False)  # a job alone on its machine (a test worker shares its own)
     before = torch.get_num_threads()
     try:
         assert set_threads(RunConfig(), Device("cuda")) == GPU_HOST_THREADS == torch.get_num_threads()

@@ -142,7 +142,7 @@ def bare_step(forward: nn.Module, optimizer, loss_fn, images: torch.Tensor, labe
 def pipeline_overrides(s: Settings, device: torch.device, name: str) -> list[str]:
     """Overrides of a stage's recipe for the pipeline section: its batch (`--e2e-batch`), `--data` (else synthetic
     images), no tracker, bar or saved figures, a throw-away run folder (removed when the process ends), `--compile`,
-    `--compile-scope` and `--cuda-graph`."""
+    `--compile-scope` and `--cuda-graph`; the quick run records every 10 steps (its host reads are counted up to a record)."""
     run_dir = tempfile.mkdtemp(prefix="bench-pipeline-")
     atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
     data = ["data.dataset=cifar10", f"data.root={s.data}", "data.download=false"] if s.data else \
@@ -152,7 +152,7 @@ def pipeline_overrides(s: Settings, device: torch.device, name: str) -> list[str
     return data + threads + [f"optim.batch_size={s.e2e_batch}", f"run.dir={run_dir}", f"run.name={name}", "run.tracker=none", "run.progress=false",
                              f"run.device={device.type}", f"run.compile={s.compile}", f"run.compile_scope={s.compile_scope}",
                              f"run.cuda_graph={s.cuda_graph}",
-                             f"run.save_every={NO_STATE}"]  # fmt: skip
+                             f"run.save_every={NO_STATE}"] + (["run.log_every=10"] if s.quick else [])  # fmt: skip
 
 
 def pipeline_case(stage: str, s: Settings, device: torch.device, build: Callable[[], Pipeline]) -> Case:

@@ -39,14 +39,8 @@ from vit.store.checkpoint import (
 )
 from vit.store.runs import CLASSIFIER_FILE, CONFIG_FILE, ENCODER_FILE, FIGURES_DIR, MAE_FILE, is_run_folder, read_config
 from vit.store.values import per_channel
-from vit.tools.plots import (
-    check_output_folder,
-    figure_attention_heads,
-    figure_patch_grid,
-    figure_pos_similarity,
-    figure_rollout,
-    figure_sincos_table,
-)
+from vit.tools.plots import check_output_folder
+from vit.tools.views import figure_attention_heads, figure_patch_grid, figure_pos_similarity, figure_rollout, figure_sincos_table
 
 # --------------------------------------------------------------------------- the checkpoint
 

@@ -1,5 +1,5 @@
-"""Hostile checks of the figures (vit/tools/plots.py, pretrain/figures.py, pretrain/visualize.py): each figure draws what
-its title says, read from the drawn arrays and the title text."""
+"""Hostile checks of the figures (vit/tools/plots.py, vit/tools/views.py, pretrain/figures.py, pretrain/visualize.py): each
+figure draws what its title says, read from the drawn arrays and the title text."""
 
 from pathlib import Path
 
@@ -12,7 +12,7 @@ from pretrain.visualize import load_checkpoint, visualize
 from vit.eval.attention import upsample_maps
 from vit.models.encoder import VisionTransformer
 from vit.store.checkpoint import CLASSIFIER_FORMAT
-from vit.tools import plots
+from vit.tools import plots, views
 
 MEAN, STD = [0.1, 0.2, 0.3], [0.4, 0.5, 0.6]
 
@@ -55,7 +55,7 @@ def capture_figures(monkeypatch) -> dict[str, object]:
 
 
 def drawn_heat(ax) -> torch.Tensor:
-    """The heat map `plots.overlay` drew over the image of `ax` (its second image)."""
+    """The heat map `views.overlay` drew over the image of `ax` (its second image)."""
     return torch.as_tensor(ax.get_images()[1].get_array().data)
 
 
@@ -90,7 +90,7 @@ def test_encoder_attention_still_shows_cls_and_says_how_maps_are_scaled(tmp_path
     images = torch.rand(1, 3, 16, 16)
     attn = torch.full((1, 2, 17, 17), 1.0 / 17)
     attn[0, :, 0, 1:] = torch.linspace(0.05, 0.06, 16)  # [CLS]'s row: every patch gets at least 0.05
-    plots.figure_attention_heads(images, attn, tmp_path / "heads.png")
+    views.figure_attention_heads(images, attn, tmp_path / "heads.png")
     heat = drawn_heat(figures["heads"].axes[1])
     assert heat.min() == 0 and heat.max() == 1  # the least-attended patch, at 0.05 of the attention, is drawn as none
     title = figures["heads"]._suptitle.get_text()

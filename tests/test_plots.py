@@ -1,4 +1,4 @@
-"""vit/tools/plots.py: curves against step and time, figures of the set size, nothing drawn where there is no data."""
+"""vit/tools/plots.py and views.py: curves against step and time, figures of the set size, nothing drawn where there is no data."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from vit.tools import plots
+from vit.tools import plots, views
 from vit.models.encoder import VisionTransformer
 
 
@@ -65,14 +65,14 @@ def test_encoder_figures_are_written_and_the_sincos_table_needs_a_width_divisibl
     images = torch.rand(2, 3, 16, 16)
     maps = encoder.attention_maps(images)
     written = [
-        plots.figure_attention_heads(images, maps[-1], tmp_path / "heads.png"),
-        plots.figure_rollout(images, maps, tmp_path / "rollout.png"),
-        plots.figure_pos_similarity(encoder.pos_embed, tmp_path / "pos.png"),
-        plots.figure_patch_grid(images, 4, tmp_path / "grid.png"),
-        plots.figure_sincos_table(encoder, tmp_path / "sincos.png"),
+        views.figure_attention_heads(images, maps[-1], tmp_path / "heads.png"),
+        views.figure_rollout(images, maps, tmp_path / "rollout.png"),
+        views.figure_pos_similarity(encoder.pos_embed, tmp_path / "pos.png"),
+        views.figure_patch_grid(images, 4, tmp_path / "grid.png"),
+        views.figure_sincos_table(encoder, tmp_path / "sincos.png"),
     ]
     for path in written:
         (w, h), spread = image_of(path)
         assert w > 100 and h > 100 and spread > 100, path.name
     odd = VisionTransformer(img_size=16, patch_size=4, embed_dim=6, depth=1, num_heads=2, num_classes=0)
-    assert plots.figure_sincos_table(odd, tmp_path / "odd.png") is None and not (tmp_path / "odd.png").exists()
+    assert views.figure_sincos_table(odd, tmp_path / "odd.png") is None and not (tmp_path / "odd.png").exists()

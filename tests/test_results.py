@@ -7,11 +7,11 @@ import pytest
 import yaml
 from helpers import ROOT
 
-from vit.device import cpu_model_and_flags, host_label
+from vit.device import cpu_model_and_flags
 from vit.errors import UserError
 from vit.store.runs import write_config, write_summary
 from vit.tools.plots import png_path
-from vit.tools.records import REPO, archive, host_slug
+from vit.tools.records import REPO, archive, host_label, host_slug
 from vit.tools.results import budget_table, markdown, read_budget_runs, read_budget_sweep
 
 AVX2 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2}

@@ -122,21 +122,13 @@ def cpu_model_and_flags(cpuinfo: str | None = None) -> tuple[str, list[str]]:
 
 def host(device: torch.device) -> dict:
     """What a run's speed depends on, for its summary: CPU model and speed flags, torch's CPU kernels, cores, GPU name.
-    Minutes (a time budget) only compare between runs whose `host_label` is the same."""
+    Minutes (a time budget) only compare between runs whose `vit.tools.records.host_label` is the same."""
     cpu, flags = cpu_model_and_flags()
     info = {"cpu": cpu, "cpu_flags": flags, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
             "usable_cores": usable_cores(), "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
-
-
-def host_label(info: dict | None, precision: str | None = None) -> str:
-    """'AMD EPYC (avx2 avx512f avx512_bf16), 2 cores, bf16': the machine class a time-budgeted result belongs to."""
-    if not info:
-        return "host not recorded"
-    text = info.get("gpu") or f"{info.get('cpu', '?')} ({' '.join(info.get('cpu_flags') or []) or 'no AVX2'}), {info.get('cores', '?')} cores"
-    return text + (f", {'fp32' if precision in (None, 'no') else precision}" if precision is not None else "")
 
 
 def caller_outside_torch(filename: str, lineno: int) -> str:

@@ -12,8 +12,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from vit.errors import STORAGE_ERRNOS, StorageError
 
 LOW_SPACE = 64 * 2**20  # bytes: less free space than this after a failed write means the disk is what refused it
@@ -91,6 +89,8 @@ def _umask() -> int:
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     """`torch.save(obj, path)`, atomically."""
+    import torch  # here alone: the run folder's readers and the table tools start without torch (tests/test_runs.py)
+
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 

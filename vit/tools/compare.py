@@ -16,13 +16,13 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from vit.device import host_label
 from vit.errors import UserError
 from vit.store.lineage import PARENT_RUN_ID, RUN_ID, parent_changed
 from vit.store.runs import CLASSIFICATION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder, is_run_folder
 from vit.store.values import is_finite
 from vit.tools import plots
 from vit.tools.reading import Series, last_value, load_runs, mistyped_host_field, series
+from vit.tools.records import host_label
 
 REPORT_FILE = "report.md"  # in the report folder, beside the figures
 REPORT_TITLE = "# Run comparison\n"  # how the report.md this module writes begins: the only one --out may replace

@@ -14,11 +14,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from vit.device import host_label
 from vit.errors import UserError
 from vit.store.runs import CONFIG_FILE, METRICS_FILE, RECORD_FILES, SUMMARY_FILE, RunFolder, copy_record
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, whose path a run's recorded command starts with
+
+
+def host_label(info: dict | None, precision: str | None = None) -> str:
+    """'AMD EPYC (avx2 avx512f avx512_bf16), 2 cores, bf16': the machine class a time-budgeted result belongs to."""
+    if not info:
+        return "host not recorded"
+    text = info.get("gpu") or f"{info.get('cpu', '?')} ({' '.join(info.get('cpu_flags') or []) or 'no AVX2'}), {info.get('cores', '?')} cores"
+    return text + (f", {'fp32' if precision in (None, 'no') else precision}" if precision is not None else "")
 
 
 def host_of(run: RunFolder) -> str:

@@ -18,7 +18,6 @@ import ctypes
 import itertools
 import json
 import math
-import os
 import random
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from vit.config import DataConfig, ModelConfig, OptimConfig
 from vit.data.sources import load_splits
 from vit.data.splits import ImageSet
-from vit.device import BusySampler, synchronize
+from vit.device import BusySampler, synchronize, usable_cores
 from vit.errors import ConfigError
 from vit.train.accelerator import compile_mode, compile_module, native_bf16
 from vit.train.graph import StepGraph, graph_unfit, step_autocast
@@ -143,10 +142,6 @@ def compiled(model: nn.Module, requested: str, device: torch.device, graphed: bo
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def case_precisions(device: torch.device) -> list[str]:

@@ -68,7 +68,7 @@ import torch
 
 from finetune import bench as finetune_bench
 from pretrain import bench as pretrain_bench
-from vit.cli import refuse_below
+from vit.cli import path_arg, refuse_below
 from vit.device import pick_device
 from vit.errors import UserError, exit_on_user_error
 from vit.tools import bench, bench_cases, plots
@@ -96,7 +96,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, bench.Settings]:
     """The options, with the defaults of the full or the quick run filled in, and the `bench.Settings` they make."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI smoke: batch 16, 1 warm-up step, 2 rounds of 1 step, small GEMM, vit_cifar_tiny alone in the device's own precision, the small stream photos alone")
-    p.add_argument("--json", type=Path, help="write machine description and every measurement here")
+    p.add_argument("--json", type=path_arg, help="write machine description and every measurement here")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: every usable core)")
     p.add_argument("--only", help="run only the cases whose name contains this substring (or one of these, comma-separated), e.g. 'mae' or 'bf16'")

@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
 
+from vit.cli import path_arg
 from vit.errors import UserError, exit_on_user_error
 from vit.tools.compare import compare
 from vit.tools.plots import check_output_folder
@@ -42,10 +42,10 @@ from vit.tools.records import archivable, archive, by_host
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="compare_runs.py", description="Compare run folders: table, CSV, curves and report.md")
     parser.add_argument("paths", nargs="+", help="run folders, or folders holding run folders (e.g. runs/*)")
-    parser.add_argument("--csv", type=Path, help="also write the table, with every raw value, as CSV here")
-    parser.add_argument("--out", type=Path, help="write the figures and report.md into this folder")
+    parser.add_argument("--csv", type=path_arg, help="also write the table, with every raw value, as CSV here")
+    parser.add_argument("--out", type=path_arg, help="write the figures and report.md into this folder")
     parser.add_argument("--runs", nargs="+", metavar="NAME", help="keep only the runs whose folder names match (shell patterns)")
-    parser.add_argument("--archive", type=Path, metavar="DEST", help="also copy the finished runs' records to DEST/<host>/<run>")
+    parser.add_argument("--archive", type=path_arg, metavar="DEST", help="also copy the finished runs' records to DEST/<host>/<run>")
     parser.add_argument("--with-metrics", action="store_true", help="with --archive: copy metrics.jsonl too (the curves)")
     return parser.parse_args(argv)
 

@@ -24,6 +24,7 @@ import torch
 from accelerate import Accelerator
 
 from finetune.evaluate import evaluate
+from vit.cli import path_arg
 from vit.device import count_host_reads, pick_device, synchronize
 from vit.errors import UserError, exit_on_user_error
 from vit.models.encoder import PRESETS, create_model
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="vit_cifar_small", choices=list(PRESETS))
     p.add_argument("--images", type=int, default=5000)
     p.add_argument("--batches", type=int, nargs="+", default=[256, 1024], help="evaluation batch sizes (default 256 1024)")
-    p.add_argument("--reference", type=Path, help="another finetune/evaluate.py, run at the first batch size too")
+    p.add_argument("--reference", type=path_arg, help="another finetune/evaluate.py, run at the first batch size too")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     check_args(p, args)

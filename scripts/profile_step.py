@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from finetune import bench as finetune_bench
 from pretrain import bench as pretrain_bench
-from vit.cli import refuse_below
+from vit.cli import path_arg, refuse_below
 from vit.device import pick_device
 from vit.errors import exit_on_user_error
 from vit.tools import bench, bench_cases, plots
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--out", type=Path, help="write the tables here too")
+    p.add_argument("--out", type=path_arg, help="write the tables here too")
     args = p.parse_args(argv)
     check_args(p, args)
     device = pick_device(args.device)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from vit.cli import path_arg
 from vit.errors import UserError, exit_on_user_error
 from vit.tools.plots import check_output_folder, equal_compute_plot, png_path
 from vit.tools.records import archive
@@ -28,9 +28,9 @@ from vit.tools.results import budget_table, markdown, read_budget_sweep
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="results_table.py", description="The equal-compute table of RESULTS.md from run folders")
-    parser.add_argument("folder", type=Path, help="the --out folder of the budget sweeps, or an archive of their records")
-    parser.add_argument("--archive", type=Path, help="also copy the runs' records (config, summary, budget) under this folder")
-    parser.add_argument("--plot", type=Path, help="also draw test top-1 against the budget into this PNG")
+    parser.add_argument("folder", type=path_arg, help="the --out folder of the budget sweeps, or an archive of their records")
+    parser.add_argument("--archive", type=path_arg, help="also copy the runs' records (config, summary, budget) under this folder")
+    parser.add_argument("--plot", type=path_arg, help="also draw test top-1 against the budget into this PNG")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         raise UserError(f"{args.folder} is not a folder of run folders")

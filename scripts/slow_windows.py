@@ -18,7 +18,7 @@ import math
 import statistics
 from pathlib import Path
 
-from vit.cli import refuse_below
+from vit.cli import path_arg, refuse_below
 from vit.errors import UserError, exit_on_user_error
 from vit.store.runs import BUDGET_FILE, METRICS_FILE, read_budget, read_metrics
 from vit.store.values import is_count, is_finite, is_whole
@@ -89,7 +89,7 @@ def slow_windows(run_dir: Path, steps: int, factor: float, every: int | None, ep
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", type=Path, help="run folders (or archived records) holding metrics.jsonl")
+    p.add_argument("runs", nargs="+", type=path_arg, help="run folders (or archived records) holding metrics.jsonl")
     p.add_argument("--steps", type=int, default=50, help="a window's steps: the run's run.log_every (default 50)")
     p.add_argument("--factor", type=float, default=1.2, help="slow: more than this times the median window (default 1.2)")
     p.add_argument("--every", type=int, help="also count the slow windows that begin at a multiple of this many steps")

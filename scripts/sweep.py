@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
-from vit.cli import split_overrides
+from vit.cli import path_arg, split_overrides
 from vit.errors import exit_on_user_error
 from vit.tools.compare import compare
 from vit.tools.sweep import Stopped, check_overrides, read_sweep, run_sweep, select_jobs
@@ -36,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     argv, extra = split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="sweep.py", description="Run the jobs of a sweep file, several at a time, and compare them",
                                      epilog="Overrides after -- go to every job, e.g. -- data.root=PATH run.device=cuda")  # fmt: skip
-    parser.add_argument("sweep", type=Path, help="the sweep file (YAML: common, jobs)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for the jobs' run folders and logs (relative to the current folder)")
+    parser.add_argument("sweep", type=path_arg, help="the sweep file (YAML: common, jobs)")
+    parser.add_argument("--out", type=path_arg, required=True, help="folder for the jobs' run folders and logs (relative to the current folder)")
     parser.add_argument("--only", nargs="+", metavar="JOB", help="run these jobs, in this order (and the jobs they start from)")
     parser.add_argument("--parallel", type=int, default=1, help="jobs at once (default 1); each takes cores/parallel CPU threads unless run.threads says")
     args = parser.parse_args(argv)

@@ -261,3 +261,19 @@ def test_profile_step_checks_out_before_profiling(tmp_path, capsys):
     assert (tmp_path / "notes.txt").read_text() == "keep me"
     earlier = argparse.Namespace(batch=8, warmup=0, steps=1, data=None, out=tmp_path / "earlier.txt")
     script("profile_step").check_args(argparse.ArgumentParser(), earlier)  # an earlier profile: rewritten
+
+
+# --------------------------------------------------------------------------- every script's path options
+
+
+@pytest.mark.parametrize("name, argv", [
+    ("compare_runs", ["runs", "--out", ""]), ("compare_runs", ["runs", "--archive", ""]), ("compare_runs", ["runs", "--csv", " "]),
+    ("results_table", [""]), ("results_table", ["runs", "--plot", ""]), ("results_table", ["runs", "--archive", ""]),
+    ("sweep", ["sweep.yaml", "--out", ""]), ("sweep", ["", "--out", "runs"]), ("bench", ["--json", ""]), ("profile_step", ["--out", ""]),
+    ("slow_windows", [""]), ("eval_speed", ["--reference", ""]),
+])  # fmt: skip
+def test_an_empty_path_option_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, name, argv):
+    # Path("") is the current folder: an empty --out wrote the sweep's run folders there, an empty --archive its records.
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, name, argv, "an empty path")
+    assert list(tmp_path.iterdir()) == []

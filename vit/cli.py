@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 from vit.config import dump_config, load_config
 from vit.errors import ConfigError
@@ -54,3 +55,11 @@ def refuse_below(parser: argparse.ArgumentParser, args: argparse.Namespace, leas
         value = getattr(args, name)
         if value is not None and value < bound:
             parser.error(f"--{name.replace('_', '-')} must be >= {bound}, not {value}")
+
+
+def path_arg(text: str) -> Path:
+    """An argparse `type` for a path option: `~` expanded; an empty one refused (argparse's one line, exit 2), as
+    `Path("")` is the current folder, where an empty --out wrote its files and an empty --archive copied its records."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: name a file or folder")
+    return Path(text).expanduser()

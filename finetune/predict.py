@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from finetune.models import load_classifier
-from vit.cli import refuse_below
+from vit.cli import path_arg, refuse_below
 from vit.data.augment import eval_inputs
 from vit.data.decode import BadImage, decode_image
 from vit.data.files import PathReader, as_text, list_images
@@ -31,6 +31,7 @@ from vit.store.atomic import atomic_write_text
 from vit.train.accelerator import resolve_precision
 
 MAX_PIXELS = 64_000_000  # data.max_image_pixels' default: a decompression bomb is refused from its header, not decoded
+CSV_HEADER = b"path,class_1,prob_1"  # how every table --csv writes begins, whatever --top
 
 
 def image_paths(inputs: list[str]) -> list[Path]:
@@ -94,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("images", nargs="+", help="image files, and folders whose image files (at any depth) are classified")
     p.add_argument("--top", type=int, default=3, help="classes shown per image (default 3)")
     # `~` expanded as in the images' paths: `--csv=~/p.csv` is not expanded by the shell, and made a folder named `~` here.
-    p.add_argument("--csv", type=lambda s: Path(s).expanduser(), help="also write the table here: path, class_1, prob_1, ...")
+    p.add_argument("--csv", type=path_arg, help="also write the table here: path, class_1, prob_1, ...")
     p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU), cpu, cuda or mps")
     p.add_argument("--precision", default="auto", choices=["auto", "no", "bf16"], help="as run.precision (default auto)")
     p.add_argument("--batch-size", type=int, default=64, help="images a forward pass (default 64)")
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     precision = resolve_precision(args.precision, device)
     model.eval().to(device)
     paths, rows = image_paths(args.images), []
-    check_csv_is_no_input(args.csv, paths)
+    check_csv(args.csv, paths)
     for start in range(0, len(paths), args.batch_size):  # a batch in memory at a time: a folder may hold any number
         kept, images = read_images(paths[start : start + args.batch_size], stored, args.skip_bad, args.max_image_pixels)
         if kept:
@@ -138,14 +139,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_csv_is_no_input(out: Path | None, paths: list[Path]) -> None:
-    """Refuse a --csv that is one of the images: the table was written over the image, unsaid. Compared by the real path
-    of the folder and the name (the write replaces that folder entry), so that a million images cost no stat each."""
+def check_csv(out: Path | None, paths: list[Path]) -> None:
+    """Refuse a --csv that would replace what is not a table of ours (the write is a rename over the file): one of the
+    images, compared by the real path of the folder and the name, so that a million images cost no stat each; a file
+    that is not a regular one (/dev/null, replaced by the table); one that does not start as the tables `main` writes
+    (a run's classifier.pt or summary.json was lost so, unsaid). An empty file may be replaced."""
     if out is None:
         return
     folder = os.path.realpath(out.parent)
     if clash := next((p for p in paths if p.name == out.name and os.path.realpath(p.parent) == folder), None):
         raise UserError(f"--csv {out} is one of the images to classify ({as_text(str(clash))}): name another file for the table")
+    if not out.exists():
+        return
+    if not out.is_file():
+        raise UserError(f"--csv {out} exists and is not a regular file: name the file to write the table to")
+    with open(out, "rb") as f:
+        head = f.read(len(CSV_HEADER))
+    if head not in (CSV_HEADER, b""):
+        raise UserError(f"--csv {out} exists and is not a table that finetune.predict wrote: it is left as it is; name another file")
 
 
 def model_size(model: torch.nn.Module) -> int:

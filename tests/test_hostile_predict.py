@@ -60,6 +60,32 @@ def test_a_csv_that_is_an_input_image_is_refused_before_anything_is_written(clas
     assert image.read_bytes() == before
 
 
+def test_a_csv_that_names_a_saved_file_is_refused_and_the_file_kept(classifier, tmp_path, capsys):
+    image = png(tmp_path / "cat.png")
+    # The run's own classifier.pt: the table replaced the weights it had just read (and a summary.json, a run's record).
+    summary = tmp_path / "summary.json"
+    summary.write_text('{"test_top1": 0.5}\n')
+    pipe = tmp_path / "pipe.csv"
+    os.mkfifo(pipe)  # not a regular file: the table's rename replaced it (as root, /dev/null so)
+    for target, said in ((classifier, "is not a table that finetune.predict wrote"), (summary, "is not a table"), (pipe, "not a regular file")):
+        before = None if target == pipe else target.read_bytes()
+        assert predict([str(classifier), str(image), "--csv", str(target), "--precision", "no"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --csv {target} exists and ") and said in err and err.count("\n") == 1, err
+        assert target.is_fifo() if target == pipe else target.read_bytes() == before
+
+
+def test_a_csv_it_wrote_before_and_an_empty_file_are_replaced(classifier, tmp_path, capsys):
+    image = png(tmp_path / "cat.png")
+    out, empty = tmp_path / "p.csv", tmp_path / "empty.csv"
+    empty.touch()
+    assert predict([str(classifier), str(image), "--csv", str(out), "--top", "1", "--precision", "no"]) == 0
+    for target in (out, empty):  # again, with another --top: a wider table over the narrower one
+        assert predict([str(classifier), str(image), "--csv", str(target), "--top", "2", "--precision", "no"]) == 0
+        rows = list(csv.reader(target.read_text().splitlines()))
+        assert rows[0] == ["path", "class_1", "prob_1", "class_2", "prob_2"] and len(rows) == 2
+
+
 def test_a_csv_under_home_is_written_there(classifier, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import reset_accelerate, tiny_overrides
+from helpers import image_tree, reset_accelerate, tiny_overrides
 
 from pretrain.train import main as pretrain
 from vit.store.runs import LOCK_FILE
@@ -69,3 +69,26 @@ def test_another_memory_budget_under_loader_auto_is_refused_in_one_line(runs, tm
     # with the loader named, the budget picks nothing and may change
     assert setting_differences({"data.loader": "memory", "data.memory_budget_gb": None},
                                {"data.loader": "memory", "data.memory_budget_gb": 1e-7}) is None  # fmt: skip
+
+
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_a_resume_on_other_images_is_refused_and_one_on_a_moved_copy_of_them_goes_on(tmp_path, capsys, loader):
+    """data.root may move, but a root of other images went on silently: the run trained on two datasets, its config.yaml
+    named the first and its encoder.pt's data record only the second."""
+    from PIL import Image
+
+    trained = image_tree(tmp_path / "trained")
+    moved, other = shutil.copytree(trained, tmp_path / "moved"), shutil.copytree(trained, tmp_path / "other")
+    Image.new("RGB", (16, 16), "red").save(other / "train" / "a" / "0.png")  # one training image of other pixels
+    data = {"data.dataset": "imagefolder", "data.loader": loader, "data.workers": 0, "data.val_size": 3, "model.img_size": 16,
+            "optim.batch_size": 8, "mae.knn_every": 0, "mae.figure_images": 0, "run.save_every": 1}  # fmt: skip
+    assert run(tmp_path, **data, **{"data.root": trained, "schedule.max_steps": 2}) == 0
+    run_dir = tmp_path / "runs" / "src"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != LOCK_FILE}
+    capsys.readouterr()
+    assert run(tmp_path, **data, **{"data.root": other, "schedule.max_steps": 3, "run.resume": "auto"}) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trained on other images" in err[0] and f"data.root={trained}" in err[0] and f"data.root={other}" in err[0], err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != LOCK_FILE} == before
+    assert run(tmp_path, **data, **{"data.root": moved, "schedule.max_steps": 3, "run.resume": "auto"}) == 0
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3

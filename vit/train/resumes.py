@@ -28,6 +28,7 @@ from vit.store.runs import (
 
 # Settings a resumed run may change: where things are and how it runs, not what it trains. The rest must be what the
 # run recorded, or the result would be neither run (its config.yaml would say one thing while its first steps did another).
+# data.root may move; the images it holds are held to the state's record of them (`vit.train.states.check_data`).
 RESUMABLE_CHANGES = frozenset({
     "run.dir", "run.name", "run.resume", "run.overwrite", "run.device", "run.precision", "run.threads", "run.compile", "run.compile_scope",
     "run.cuda_graph",

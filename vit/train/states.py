@@ -141,10 +141,11 @@ def drop_later_states(run: Run, saved: Path) -> None:
 
 def state_record(run: Run) -> dict[str, Any]:
     """What a state is held to when resumed: the stage, the number of processes, and the settings (`settings`); the
-    kind of device it ran on, which a resume may change and says (`say_how_it_runs`); and the data loader it served its
-    batches with ("memory" | "stream", None where the stage did not say), which `data.loader=auto` keeps (`resumed_loader`)."""
+    kind of device it ran on, which a resume may change and says (`say_how_it_runs`); the data loader it served its
+    batches with ("memory" | "stream", None where the stage did not say), which `data.loader=auto` keeps (`resumed_loader`);
+    and the fingerprint of its training images, which a resume must read again wherever `data.root` now is (`check_data`)."""
     return {"stage": run.stage, "processes": run.accelerator.num_processes, "settings": settings(run.cfg),
-            "device": run.accelerator.device.type, "loader": run.data_loader}
+            "device": run.accelerator.device.type, "loader": run.data_loader, "data": run.data_fingerprint}
 
 
 def settings(cfg: Any) -> dict[str, Any]:
@@ -232,6 +233,7 @@ def open_stage_data(run: Run, cfg: DataConfig, out_size: int | None, need_labels
                                              threads=run.threads, local_processes=run.local_processes, need_labels=need_labels,
                                              resumed=resumed_loader(run), say=run.print))  # fmt: skip
     run.data_loader = data.kind
+    run.data_fingerprint = data.splits.source.fingerprint if data.splits.source is not None else None
     return data
 
 
@@ -339,6 +341,7 @@ def check_fits(run: Run, path: Path, progress: Progress, record: dict[str, Any] 
     if record is not None:
         check_settings(run, named, record, path)
         check_loader(run, named, record, path)
+        check_data(run, named, record)
     check_schedule(run, named, progress)
 
 
@@ -350,6 +353,18 @@ def check_loader(run: Run, named: str, record: dict[str, Any], path: Path) -> No
     if was is not None and now is not None and was != now:
         raise ConfigError(f"{named} was saved by a run that read its data with the {was} loader, and this run opened it with the "
                           f"{now} loader, which serves other batches: resume this state by naming it, run.resume={path}")  # fmt: skip
+
+
+def check_data(run: Run, named: str, record: dict[str, Any]) -> None:
+    """Refuse a state saved by a run that trained on other images than this run's data settings find: `data.root` may
+    move (another disk, an archive of the same tree), but a root of other images went on silently, and the encoder's
+    record then named only the data of the steps after the resume. A state saved before states recorded it passes."""
+    was, now = record.get("data"), run.data_fingerprint
+    if was is not None and now is not None and was != now:
+        root = record.get("settings", {}).get("data.root")
+        raise ConfigError(f"{named} was saved by a run that trained on other images (fingerprint {was}, data.root={root}) than "
+                          f"data.root={run.cfg.data.root} holds (fingerprint {now}): resume it on the images it trained on, or "
+                          "start a fresh run without run.resume")  # fmt: skip
 
 
 def check_settings(run: Run, named: str, record: dict[str, Any], path: Path | None = None) -> None:

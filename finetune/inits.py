@@ -14,6 +14,7 @@ from vit.errors import ConfigError
 from vit.models.encoder import VisionTransformer
 from vit.store.checkpoint import (
     CheckpointError,
+    format_of,
     load_encoder,
     load_timm_weights,
     non_finite,
@@ -59,7 +60,7 @@ def read_init_encoder(init: str) -> dict[str, Any] | None:
 def weights_file_as_init(init: str, path: Path) -> CheckpointError | None:
     """The error for `finetune.init` naming a bare weights file (timm's, or one a training script saved): it said only
     "not an encoder checkpoint (expected format 'vit-encoder/1')", not how such a file loads. None for any other file."""
-    if not path.is_file():
+    if not path.is_file() or isinstance(format_of(path), str):  # a checkpoint that records a format says what it is
         return None
     try:
         state = read_init_file(path)

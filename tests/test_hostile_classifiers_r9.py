@@ -213,6 +213,22 @@ def test_a_timm_weights_file_named_as_finetune_init_says_how_such_a_file_loads(t
     assert capsys.readouterr().err == f"error: {expected}\n"
 
 
+def test_an_encoder_of_another_format_version_or_a_device_file_is_named_for_what_it_is(tmp_path):
+    """An encoder.pt of another format version was "a weights file (N tensors, no encoder config)" to load as timm's,
+    and finetune.init=/dev/null "did not exist"."""
+    from vit.models.encoder import VisionTransformer
+    from vit.store.checkpoint import save_encoder
+
+    path = tmp_path / "encoder.pt"
+    save_encoder(VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=0), path)
+    payload = torch.load(path, weights_only=True)
+    torch.save({**payload, "format": "vit-encoder/2"}, path)
+    with pytest.raises(CheckpointError, match=r"records format 'vit-encoder/2', another version of 'vit-encoder/1'"):
+        read_init_encoder(str(path))
+    with pytest.raises(CheckpointError, match=r"^encoder checkpoint /dev/null is not a regular file$"):
+        read_init_encoder("/dev/null")
+
+
 # --------------------------------------------------------------------------- the ResNet baseline
 
 

@@ -66,7 +66,8 @@ def read_payload(path: str | os.PathLike, what: str = "") -> dict[str, Any]:
     """The dict a checkpoint file holds, read with `weights_only=True`; a missing or corrupt file is a `CheckpointError`."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise CheckpointError(f"{what + ' ' if what else ''}checkpoint {path} does not exist")
+        said = "is not a regular file" if path.exists() else "does not exist"  # /dev/null "did not exist"
+        raise CheckpointError(f"{what + ' ' if what else ''}checkpoint {path} {said}")
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path} is empty (0 bytes), not a checkpoint")
     try:
@@ -89,6 +90,9 @@ def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str
         path = path / file_name
     payload = read_payload(path, what)
     if payload.get("format") != fmt:
+        if other_version(payload.get("format"), fmt):  # a file of a later (or edited) release: not "a weights file"
+            raise CheckpointError(f"{path} records format {payload['format']!r}, another version of {fmt!r}, the one this "
+                                  "version of the project reads: load it with the version that wrote it")  # fmt: skip
         article = "an" if what[0] in "aeiou" else "a"
         raise CheckpointError(f"{path} is not {article} {what} checkpoint (expected format {fmt!r})")
     # A file of the right format with a field lost or of another type is damaged: say so here, not as a KeyError later.
@@ -99,6 +103,11 @@ def read_checkpoint(path: str | os.PathLike, file_name: str, fmt: str, what: str
     if fmt != CLASSIFIER_FORMAT and not isinstance(payload.get("config"), dict):
         raise CheckpointError(f"{path} is damaged: its encoder 'config' is missing or not a mapping")
     return payload
+
+
+def other_version(recorded: Any, fmt: str) -> bool:
+    """Whether `recorded` (a file's "format") is `fmt`'s kind at another version: "vit-encoder/2" for "vit-encoder/1"."""
+    return isinstance(recorded, str) and recorded != fmt and recorded.split("/")[0] == fmt.split("/")[0]
 
 
 def describe(path: Path) -> str | None:

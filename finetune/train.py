@@ -411,8 +411,8 @@ def check_pretraining_overlap(cfg: FinetuneConfig, run: Run, splits: Splits, enc
     elif is_hub_init(init):
         record, what = hub_provenance(init), f"the encoder {init}"  # our encoder exports carry it in config.json
         if record is None:
-            run.warn(unrecorded(what, "its config.json has no pretrained_on: not a vit-mae encoder export, or an older one",
-                                "export it again with python -m pretrain.export, or fine-tune from its run folder"))  # fmt: skip
+            run.warn(unrecorded(what, "its config.json has no pretrained_on: not an export of this project, or an older one",
+                                "export it again (python -m pretrain.export or finetune.export), or start from its run folder"))  # fmt: skip
             return
     else:
         if init != "scratch":

@@ -141,6 +141,29 @@ def test_probing_an_exported_encoder_on_val_images_it_was_pretrained_on_is_refus
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_classifier_export_carries_the_images_it_and_its_encoder_trained_on(mae_run, tmp_path, capsys):
+    """finetune.export wrote no record: a kNN run from the export on val images the classifier (and its encoder) had
+    trained on got one warning calling it "not a vit-mae encoder export" and went on, where one from the run folder is refused."""
+    from finetune.export import main as export_classifier
+    from vit.data.provenance import record_from_json
+
+    # A probe on half the training split: its own record holds 109 images, its encoder's all 216.
+    probe = tiny_overrides(tmp_path, name="probe", **{"data.val_size": 40, "data.train_fraction": 0.5, "schedule.epochs": 1})
+    assert finetune(probe + ["finetune.mode=linear", f"finetune.init={mae_run}"]) == 0
+    reset_accelerate()
+    out = tmp_path / "hub" / "probe"
+    assert export_classifier([str(tmp_path / "runs" / "probe"), "--out", str(out)]) == 0
+    record = record_from_json(json.loads((out / "config.json").read_text())["pretrained_on"], "config.json")
+    encoder = torch.load(mae_run / "encoder.pt", weights_only=True)["meta"]["data"]
+    own = torch.load(tmp_path / "runs" / "probe" / "classifier.pt", weights_only=False)["data"]["split"]["trained_on"]
+    assert np.unpackbits(own.numpy()).sum() == 109 and torch.equal(record["trained_on"], encoder["trained_on"])
+    capsys.readouterr()
+    bigger_val = tiny_overrides(tmp_path, name="knn", **{"data.val_size": 80}) + ["finetune.mode=knn", f"finetune.init=local-dir:{out}"]
+    assert finetune(bigger_val) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"40 of this run's 80 val images were training images of the encoder local-dir:{out}" in err[0], err
+
+
 def test_an_encoder_that_records_no_data_is_used_with_one_warning_saying_why(mae_run, mae_export, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 

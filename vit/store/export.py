@@ -58,7 +58,7 @@ class Export:
     step: int | None = None
     parent: str | None = None  # a classifier's pretraining run
     used_by: list[dict[str, Any]] = field(default_factory=list)  # summaries of the runs that started from an encoder
-    pretrained_on: dict[str, Any] | None = None  # an encoder's data split as JSON (`vit.data.provenance.record_to_json`), if recorded
+    pretrained_on: dict[str, Any] | None = None  # the images the weights trained on, as JSON (`vit.data.provenance.record_to_json`)
     unfinished: bool = False  # the weights of a run that has not finished (no summary): an intermediate encoder
     init: str | None = None  # a classifier's `finetune.init` (scratch, timm:..., a run, ...), None where no run folder records it
     source: str | None = None  # the path the user named (a run folder or checkpoint file), for messages

@@ -65,6 +65,32 @@ def test_a_seed_fine_tuned_from_another_seeds_pretraining_is_refused_not_counted
         table(sweep)
 
 
+def test_seeds_of_one_recipe_that_ran_other_settings_are_refused_not_averaged(sweep):
+    """scratch_m30_s1 trained on 30% of the data with another learning rate and mixup: the cell averaged it with seed 0
+    as '2 seeds' of one recipe. What a seed may run otherwise (its seed, where the data is, how it runs) still passes."""
+    base = {"schedule": {"budget_minutes": 30}, "finetune": {"init": "scratch"}, "optim": {"lr": 0.001}, "data": {"train_fraction": 1.0}}
+    (sweep / "scratch_m30_s0" / "config.yaml").write_text(yaml.safe_dump({**base, "run": {"seed": 0}}))
+    moved = {**base, "run": {"seed": 1, "device": "cuda", "compile": "auto"}, "data": {"train_fraction": 1.0, "root": "/elsewhere"}}
+    sweep_run(sweep, "scratch_m30_s1", 0.62, 0.63, 1790, config=moved)
+    ((rows, _), _) = table(sweep)
+    assert rows[0].scratch.test == {0: 0.61, 1: 0.63}
+    other = {**base, "run": {"seed": 1}, "optim": {"lr": 0.01}, "data": {"train_fraction": 0.3}, "aug": {"mixup": 0.8}}
+    (sweep / "scratch_m30_s1" / "config.yaml").write_text(yaml.safe_dump(other))
+    said = ("scratch_m30_s1 ran aug.mixup=0.8, data.train_fraction=0.3, optim.lr=0.01, but the seeds before it of its recipe ran "
+            "aug.mixup=None, data.train_fraction=1.0, optim.lr=0.001: a seed repeats its recipe")  # fmt: skip
+    with pytest.raises(UserError) as e:
+        table(sweep)
+    assert said in str(e.value)
+
+
+def test_a_run_named_as_from_scratch_that_started_from_an_encoder_is_refused(sweep):
+    """scratch_m30_crop_s0 was a fine-tune of an MAE encoder: it stood among the scratch candidates, and had its val won,
+    its test top-1 would have headed the "ViT from scratch" column."""
+    sweep_run(sweep, "scratch_m30_crop_s0", 0.59, 0.60, 1790, budget=30, init="runs/budget/mae_15min_s0")
+    with pytest.raises(UserError, match=r"scratch_m30_crop_s0 is named as a run from scratch .* started from finetune.init=runs/budget/mae_15min_s0"):
+        table(sweep)
+
+
 def test_a_run_that_records_no_minutes_is_left_out_and_named_not_read_as_zero_minutes(sweep):
     """A probe whose summary holds neither budget.stage_seconds nor wall_time_sec took '0.0 min': it fitted any budget and
     was chosen as fitting, unsaid."""

@@ -31,11 +31,10 @@ from typing import Any
 
 from vit.errors import UserError
 from vit.store.lineage import PARENT_RUN_ID, RUN_ID, parent_change, parent_changed
-from vit.store.runs import CONFIG_FILE, SUMMARY_FILE, RunFolder, is_run_folder, read_run
-from vit.store.values import is_finite, is_number
+from vit.store.runs import SUMMARY_FILE, RunFolder, is_run_folder, read_run
 from vit.tools.compare import weight_average_decay
-from vit.tools.reading import HOST_FIELDS, brief, is_text
 from vit.tools.records import by_host
+from vit.tools.table_runs import budget_minutes, damage, recipe_differences, recipe_settings, stage_minutes, top1
 
 # Numbers as the sweep writes them, ASCII digits without leading zeros or trailing fraction zeros: one number has one
 # spelling, so two folders (scratch_m30_s0, scratch_m30_s00) can never fill one seed of one recipe, one silently
@@ -66,6 +65,7 @@ class Arm:
     average: float | None = None  # its finetune.ema_decay: its val and test top-1 are a weight average's (None: none)
     unchosen: str | None = None  # why nothing was chosen though finished candidates ran (none has a val top-1 on seed 0)
     datasets: set[str] = field(default_factory=set)  # the runs' data.dataset (a figure names what its accuracy is of)
+    settings: dict[str, Any] | None = None  # its first seed's recipe (`recipe_settings`), which every other seed must have run
 
     def add(self, seed: int, run: RunFolder, minutes: float) -> None:
         """A finished seed; one without a test top-1 (a dataset without a test split) counts, but not in the test numbers."""
@@ -76,7 +76,11 @@ class Arm:
         if self.val and average != self.average:
             raise UserError(f"{run.path} ran finetune.ema_decay={average or 'null'}, but the seeds before it of its recipe ran "
                             f"finetune.ema_decay={self.average or 'null'}: a seed repeats its recipe")  # fmt: skip
+        settings = recipe_settings(run.config)  # a mean over seeds of other data, learning rates or mixup is no recipe's number
+        if self.settings is not None and (said := recipe_differences(settings, self.settings)):
+            raise UserError(f"{run.path} ran {said[0]}, but the seeds before it of its recipe ran {said[1]}: a seed repeats its recipe")
         self.val[seed], self.minutes[seed], self.average, self.model = top1(run, "val"), minutes, average, self.model or model
+        self.settings = self.settings if self.settings is not None else settings
         data = run.config.get("data")
         if isinstance(data, dict) and isinstance(data.get("dataset"), str):
             self.datasets.add(data["dataset"])
@@ -137,58 +141,6 @@ def read_budget_sweep(folder: Path) -> tuple[dict[str, dict[str, RunFolder]], di
     waiting = {r.name: f"its pretraining {parent} has no readable summary" for r in runs if r.name not in unfinished and FINETUNE.match(r.name)
                and (parent := Path(str((r.config.get("finetune") or {}).get("init"))).name) in unfinished}  # fmt: skip
     return by_host(r for r in runs if r.name not in unfinished and r.name not in waiting), {**misnamed, **unfinished, **waiting}
-
-
-def damage(run: RunFolder) -> str | None:
-    """Why a finished run cannot be read into the table, else None: a config.yaml that does not read, or a value the table
-    reads that is not of its type (a hand edit, another tool's file), named with its file and key. Such a run is listed
-    beside the table as one without a summary is: read as it is, it would stop the table with a traceback, file its
-    minutes under a made-up host, or drop out of a choice unsaid."""
-    if problem := next((p for p in run.problems if p.startswith(CONFIG_FILE)), None):
-        return problem
-    config, summary = run.config, run.summary or {}
-    sections = {f"{CONFIG_FILE} {k}": config.get(k) for k in ("schedule", "finetune", "data", "run")}
-    sections |= {f"{SUMMARY_FILE} {k}": summary.get(k) for k in ("budget", "host")}
-    for label, value in sections.items():
-        if value is not None and not isinstance(value, dict):
-            return f"{label} is {brief(value)}, not a mapping"
-    host = summary.get("host") or {}
-    expected = {  # label: (value, what it must be, whether it is); None (absent) always reads
-        f"{CONFIG_FILE} schedule.budget_minutes": ((config.get("schedule") or {}).get("budget_minutes"), "a finite number", is_finite),
-        f"{CONFIG_FILE} finetune.init": ((config.get("finetune") or {}).get("init"), "a path", is_text),
-        f"{SUMMARY_FILE} budget.stage_seconds": ((summary.get("budget") or {}).get("stage_seconds"), "seconds (a number >= 0)", is_seconds),
-        f"{SUMMARY_FILE} wall_time_sec": (summary.get("wall_time_sec"), "seconds (a number >= 0)", is_seconds),
-        **{f"{SUMMARY_FILE} {k}": (summary.get(k), "a number", is_number) for k in ("val_top1", "test_top1", "final_knn_top1", "epochs")},
-        **{f"{SUMMARY_FILE} {k}": (summary.get(k), "text", is_text) for k in ("model", "precision")},
-        **{f"{SUMMARY_FILE} host.{k}": (host.get(k), what, fits) for k, (what, fits) in HOST_FIELDS.items()},
-    }  # fmt: skip
-    for label, (value, what, fits) in expected.items():
-        if value is not None and not fits(value):
-            return f"{label} is {brief(value)}, not {what}"
-    if (summary.get("budget") or {}).get("stage_seconds") is None and summary.get("wall_time_sec") is None:
-        # read as 0 minutes, it would fit any budget (a probe chosen as fitting) and pull its arm's minutes down
-        return f"{SUMMARY_FILE} records no minutes (neither budget.stage_seconds nor wall_time_sec)"
-    return None
-
-
-def is_seconds(value: Any) -> bool:
-    return is_finite(value) and value >= 0
-
-
-def stage_minutes(run: RunFolder) -> float:
-    """The minutes a stage took from its start to its summary (a time budget's `stage_seconds`), else its training time."""
-    s = run.summary
-    seconds = (s.get("budget") or {}).get("stage_seconds") or s.get("wall_time_sec") or 0.0
-    return seconds / 60
-
-
-def budget_minutes(run: RunFolder) -> float | None:
-    return (run.config.get("schedule") or {}).get("budget_minutes")
-
-
-def top1(run: RunFolder, split: str) -> float | None:
-    value = run.summary.get(f"{split}_top1")  # an older summary's NaN would win or lose every choice on val at random: None
-    return float(value) if is_finite(value) else None
 
 
 def pretraining_of(runs: dict[str, RunFolder], name: str, budget: float, share: int) -> RunFolder:
@@ -316,6 +268,8 @@ def budget_row(runs: dict[str, RunFolder], budget: float, unfinished: set[str] =
     scratch_runs = {(m.group(2), int(m.group(3))): r for n, r in runs.items() if (m := SCRATCH.match(n)) and float(m.group(1)) == budget}
     for run in scratch_runs.values():
         check_budget(run, budget, run.name)
+        if (init := (run.config.get("finetune") or {}).get("init")) not in (None, "scratch"):  # else its top-1 would head the scratch column
+            raise UserError(f"{run.path} is named as a run from scratch (scratch_m<M>_s<S>) but started from finetune.init={init}")
     ft_runs = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in runs if (m := FINETUNE.match(n)) and float(m.group(1)) == budget}
     scratch_gone = {(m.group(2), int(m.group(3))): n for n in unfinished if (m := SCRATCH.match(n)) and float(m.group(1)) == budget}
     ft_gone = {(int(m.group(2)), m.group(3), int(m.group(4))): n for n in unfinished if (m := FINETUNE.match(n)) and float(m.group(1)) == budget}

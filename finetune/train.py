@@ -127,7 +127,7 @@ class Trained:
     model: nn.Module  # the whole classifier, trained
     results: dict[str, dict]  # the final evaluation per split
     progress: Progress
-    feature_time: float  # seconds spent computing the cached probe's features (0 otherwise)
+    feature_time: float  # seconds spent computing the cached probe's features, summed over restarts (0 otherwise)
     trained_val_top1: float | None = None  # with a weight average (which `results` are of): the trained weights' own val top-1
 
 
@@ -229,7 +229,9 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
             run.print(f"epoch {epoch}: val top-1 {r['top1']:.2%} (best {best:.2%}), top-5 {r['top5']:.2%}, loss {r['loss']:.4f}")
         return {"val_top1": r["top1"], "val_top5": r["top5"], "val_loss": r["loss"]}
 
-    progress = fit(run, t.forward, t.optimizer, task.train, t.loss_fn, spec, load_state(run), on_epoch_end)
+    progress = load_state(run) or Progress()
+    progress.feature_time += task.feature_time  # the features of each session's process, resumed or not: the stage's cost
+    progress = fit(run, t.forward, t.optimizer, task.train, t.loss_fn, spec, progress, on_epoch_end)
     at_end = evaluated["step"] == progress.step  # the last epoch's end evaluated these very weights on val: not again
     results = {split: evaluated["val"] if split == "val" and at_end else evaluate(t.evaluated(), loader, acc, num_classes, split)
                for split, loader in task.evals.items()}  # fmt: skip
@@ -246,7 +248,7 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
         run.print(f"weight average: val top-1 {results['val']['top1']:.2%}; the trained weights' own {trained_val:.2%}")
     if t.cached:
         built.model.head = unwrap(module)
-    return Trained(built.model if t.cached else t.evaluated(), results, progress, task.feature_time, trained_val)
+    return Trained(built.model if t.cached else t.evaluated(), results, progress, progress.feature_time, trained_val)
 
 
 def unused_in_eval(cfg: FinetuneConfig) -> list[str]:

@@ -105,6 +105,23 @@ def probe(tmp_path, name, init, cached, epochs=3):
     return summary(tmp_path, name)
 
 
+def test_a_resumed_cached_probe_counts_the_features_of_every_session(mae_run, tmp_path):
+    """Each session of a cached probe computes its features again, but the summary counted the last session's alone: its
+    wall_time_sec (a probe's minutes in the equal-compute table, which checks it fits its budget) was short, its rates high."""
+    args = tiny_overrides(tmp_path, name="probe", **{"run.save_every": 1}) + ["finetune.mode=linear", f"finetune.init={mae_run}"]
+    assert finetune(args + ["schedule.max_steps=2"]) == 0
+    reset_accelerate()
+    states = tmp_path / "runs" / "probe" / "states"
+    first = json.loads((sorted(states.iterdir())[-1] / "trainer.json").read_text())["feature_time"]
+    assert finetune(args + ["schedule.max_steps=4", "run.resume=auto"]) == 0
+    reset_accelerate()
+    last = json.loads((sorted(states.iterdir())[-1] / "trainer.json").read_text())
+    s = summary(tmp_path, "probe")
+    assert 0 < first < last["feature_time"] and s["feature_time_sec"] == round(last["feature_time"], 2)
+    # the training time the summary adds is the run's own clock at its end, which the last state read a moment before
+    assert s["wall_time_sec"] == pytest.approx(last["train_time"] + last["feature_time"], abs=0.1)
+
+
 @pytest.mark.slow
 def test_cached_and_uncached_probes_agree_and_encoder_stays_frozen(mae_run, tmp_path):
     cached = probe(tmp_path, "cached", mae_run, True)

@@ -59,6 +59,7 @@ class Progress:
     batch: int = 0  # micro-batches of the current epoch already consumed
     images: int = 0  # training images seen, all processes
     train_time: float = 0.0  # seconds spent in training, summed over restarts
+    feature_time: float = 0.0  # a cached probe's seconds computing its features, summed over restarts (each computes them)
     nan_skips: int = 0  # steps whose non-finite loss the guard skipped
     scaler_skips: int = 0  # steps fp16's GradScaler skipped (their gradients overflowed at its scale)
     best: dict[str, float] = field(default_factory=dict)
@@ -310,7 +311,7 @@ def read_progress(path: Path) -> tuple[Progress, dict[str, Any] | None]:
         raise CheckpointError(f"{STATE_FILE} holds a {type(saved).__name__}, not a JSON object")
     record = saved.pop(RECORD_KEY, None)
     checks = {**{name: lambda v: is_count(v) for name in COUNTS}, "best": lambda v: isinstance(v, dict),
-              "train_time": lambda v: is_finite(v) and v >= 0,
+              "train_time": lambda v: is_finite(v) and v >= 0, "feature_time": lambda v: is_finite(v) and v >= 0,
               "planned_steps": lambda v: v is None or (is_count(v) and v > 0), "plan": lambda v: v is None or isinstance(v, dict),
               "logged": lambda v: v is None or is_count(v),
               "rank_images": lambda v: v is None or (isinstance(v, list) and len(v) > 0 and all(map(is_count, v)))}  # fmt: skip

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh CIFAR10 [OUT]
 #
 # CIFAR10: a CIFAR-10 folder or .tar.gz (train/ and test/ trees, or the torchvision folder). OUT (default
-# runs/gpu_check): where the logs, bench JSON and run summaries go; its log.txt ends with the table of figures.
+# runs/gpu_check, new or empty): where the logs, bench JSON and run summaries go; its log.txt ends with the table of
+# figures, under the device each input was measured on.
 # In order of importance, each part bounded in time so that a failing part costs its own figures only:
 #   1. the bench's pipeline section at the recipes' batch (256), with the defaults (the whole step one CUDA graph, the
 #      model compiled inside it): each stage's loop against its bare step, img/s, the GPU's busy share, host reads
@@ -29,6 +30,11 @@ BUDGET=${BUDGET:-1}
 CURVE_STEPS=${CURVE_STEPS:-100}
 PY=${PYTHON:-python3}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
+# A part skipped or stopped leaves the files of an earlier check in place, which the table would read as this one's.
+if [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
+    echo "error: $OUT is not empty (an earlier check's files would be read as this one's): name a new OUT, or empty it" >&2
+    exit 2
+fi
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 : >"$LOG"

@@ -149,3 +149,20 @@ def test_an_nvidia_smi_file_with_bytes_that_are_not_text_keeps_its_samples(tmp_p
     write(tmp_path, "nvidia_smi_pretrain.csv", b"2026/11/26 10:00:00.0, 40\n\xff\xfe\n2026/11/26 10:00:00.5, nan\n2026/11/26 10:00:01.0, 60\n")
     rows, damaged = read_report(tmp_path)
     assert rows["pretrain run: GPU busy over the whole stage (nvidia-smi, %)"] == ["50", "", ""] and damaged == []
+
+
+def test_the_report_says_where_each_input_was_measured_and_warns_where_they_are_not_one_gpus(tmp_path):
+    """CPU runs copied into a check's folder read as GPU figures, and an earlier check's bench JSON on another GPU as
+    this one's: nothing in the report named a device, a host or a precision."""
+    h100 = {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cpu": "Intel Xeon", "torch": "2.11.0"}
+    write(tmp_path, "bench_pipeline_256.json", {"machine": h100, "cases": [GOOD_CASE]})
+    host = {"cpu": "Intel Xeon", "cpu_flags": ["avx2"], "cores": 16, "gpu": "NVIDIA H100 80GB HBM3"}
+    write(tmp_path, "runs/pretrain/summary.json", {"host": host, "precision": "bf16", "images_per_sec": 9000.0})
+    lines = report(tmp_path).splitlines()
+    assert lines[0] == "Measured on: bench_pipeline_256.json: NVIDIA H100 80GB HBM3, torch 2.11.0; runs/pretrain: NVIDIA H100 80GB HBM3, bf16"
+    write(tmp_path, "runs/finetune/summary.json", {"host": {"cpu": "AMD EPYC", "cpu_flags": [], "cores": 2}, "precision": "no"})
+    write(tmp_path, "bench_refs.json", {"machine": {**h100, "device_name": "NVIDIA H200"}, "cases": []})
+    lines = report(tmp_path).splitlines()
+    assert lines[0] == "**Not one GPU's figures**: the inputs name 3 devices (NVIDIA H100 80GB HBM3; NVIDIA H200; cpu: AMD EPYC)"
+    assert lines[1] == "**Not measured on a GPU**: runs/finetune"
+    assert lines[2].endswith("runs/finetune: AMD EPYC (no AVX2), 2 cores, fp32")

@@ -21,6 +21,7 @@ from vit.errors import UserError
 from vit.store.runs import METRICS_FILE, SUMMARY_FILE, read_json, read_metrics, read_summary, to_json
 from vit.store.values import is_count, is_finite, is_number
 from vit.tools.reading import brief, is_text
+from vit.tools.records import host_label
 
 NOT_MEASURED = "not measured"
 DAMAGED = "damaged (named below)"  # a row whose input is damaged: the input and what is wrong are listed under the table
@@ -338,11 +339,43 @@ def curve_rows(t: Table, folder: Path) -> None:
         plot_compiled_vs_eager(cv["off"], cv["auto"], folder / "curves.png", "pretraining loss, eager and compiled")
 
 
+def measured_on(folder: Path) -> list[str]:
+    """Where each input was measured, as the bench JSON's `machine` and each stage summary's `host` record it, in one
+    line; above it, a warning where they name more than one device, or a device that is no GPU: the table's figures
+    are a GPU check's only when every input is of one GPU (a folder of an earlier check, or a CPU run, mixes in unsaid)."""
+    found: dict[str, str] = {}  # input -> its device ("NVIDIA H100 80GB HBM3", or "cpu: <CPU model>")
+    lines = []
+    for path in sorted(folder.glob("bench_*.json")):
+        try:
+            machine = read_json(path).get("machine")
+        except (UserError, OSError, AttributeError):  # not JSON, or not a mapping: its rows name it
+            continue
+        if isinstance(machine, dict):
+            found[path.name] = str(machine.get("device_name") or f"{machine.get('device', '?')}: {machine.get('cpu', '?')}")
+            lines.append(f"{path.name}: {found[path.name]}, torch {machine.get('torch', '?')}")
+    for stage in ("pretrain", "finetune"):
+        try:
+            summary = read_summary(folder / "runs" / stage) or {}
+        except (UserError, OSError):
+            continue
+        host = summary.get("host") if isinstance(summary.get("host"), dict) else None
+        if summary:
+            found[f"runs/{stage}"] = str(host.get("gpu") or f"cpu: {host.get('cpu', '?')}") if host else "not recorded"
+            lines.append(f"runs/{stage}: {host_label(host, summary.get('precision')) if host else 'host not recorded'}")
+    devices = sorted(set(found.values()))
+    warn = [f"**Not one GPU's figures**: the inputs name {len(devices)} devices ({'; '.join(devices)})"] if len(devices) > 1 else []
+    warn += [f"**Not measured on a GPU**: {', '.join(k for k, d in found.items() if d.startswith('cpu'))}"] if any(
+        d.startswith("cpu") for d in devices) else []  # fmt: skip
+    return [*warn, f"Measured on: {'; '.join(lines)}"] if lines else []
+
+
 def report(folder: str | Path) -> str:
-    """The table; a UserError when `folder` is not a folder (every row would read "not measured")."""
+    """The table, under where its inputs were measured (`measured_on`); a UserError when `folder` is not a folder (every
+    row would read "not measured")."""
     folder, t = Path(folder), Table()
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder (the OUT of scripts/gpu_check.sh)")
     for rows in (pipeline_rows, stage_rows, reference_rows, curve_rows):
         rows(t, folder)
-    return t.markdown()
+    where = measured_on(folder)
+    return "\n".join([*where, ""] if where else []) + t.markdown()

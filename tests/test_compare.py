@@ -167,6 +167,18 @@ def test_values_of_the_wrong_type_make_a_flagged_row_not_a_traceback(tmp_path):
     assert (tmp_path / "report" / "report.md").is_file()
 
 
+def test_values_out_of_range_make_a_flagged_row_not_an_impossible_number(tmp_path):
+    """A kNN top-1 of 1.7 printed as 170.0%, a wall time of -5 as '-5.0 s'; and a wall time left out for its type was
+    taken from the last metrics record instead, though that record's time was -3."""
+    root = tmp_path / "runs"
+    write_run(root, "knn", {"final_knn_top1": 1.7, "wall_time_sec": -5.0, "final_test_top1": 0.5})
+    write_run(root, "text", {"wall_time_sec": "fast"}, metrics=[{"step": 7, "loss": 1.0, "time": -3.0}])
+    rows = {r["name"]: r for r in compare.compare([str(root)])["rows"]}
+    assert rows["knn"]["knn_top1"] is None and rows["knn"]["wall_time_sec"] is None and rows["knn"]["test_top1"] == 0.5
+    assert rows["knn"]["status"] == "finished; out of range, left out: summary.json wall_time_sec -5, summary.json final_knn_top1 1.7"
+    assert rows["text"]["wall_time_sec"] is None and rows["text"]["status"].endswith("out of range, left out: metrics.jsonl time -3 at step 7")
+
+
 def test_a_report_md_that_compare_runs_did_not_write_is_left_as_it_is(runs, tmp_path):
     """--out into a folder holding someone's report.md replaced it with the comparison."""
     notes = tmp_path / "notes"

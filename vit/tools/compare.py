@@ -21,7 +21,7 @@ from vit.store.lineage import PARENT_RUN_ID, RUN_ID, parent_changed
 from vit.store.runs import CLASSIFICATION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder, is_run_folder
 from vit.store.values import is_finite
 from vit.tools import plots
-from vit.tools.reading import Series, last_value, load_runs, mistyped_host_field, series
+from vit.tools.reading import Series, in_bounds, last_value, load_runs, mistyped_host_field, series
 from vit.tools.records import host_label
 
 REPORT_FILE = "report.md"  # in the report folder, beside the figures
@@ -105,6 +105,8 @@ def drop_mistyped(run: RunFolder) -> None:
         bad.append(f"{SUMMARY_FILE} host")
     if bad:
         run.problems.append(f"not of the expected type, left out: {', '.join(bad)}")
+    if far := [k for k in NUMBER_KEYS if not in_bounds(k, (run.summary or {}).get(k))]:  # a kNN top-1 of 170%, minus 5 s
+        run.problems.append(f"out of range, left out: {', '.join(f'{SUMMARY_FILE} {k} {run.summary.pop(k):g}' for k in far)}")
 
 
 def weight_average_decay(config: dict) -> float | None:
@@ -129,12 +131,9 @@ def row(run: RunFolder) -> dict[str, Any]:
     init_label = short_run(init)
     if parent and short_run(parent) != init_label:
         init_label = f"{init_label} ({short_run(parent)})" if init_label else short_run(parent)
-    status = "finished" if run.finished else "unfinished"
-    if run.problems:
-        status += "; " + "; ".join(run.problems)
-    return {
+    values = {
         "name": run.name,
-        "status": status,
+        "status": None,  # below: the values name what they leave out
         "host": host_text(s.get("host")),
         "stage": run.stage,
         "init": init_label,
@@ -168,6 +167,8 @@ def row(run: RunFolder) -> dict[str, Any]:
         "path": str(run.path),
         "warnings": "; ".join(w for w in as_list(s.get("warnings")) if isinstance(w, str)) or None,  # what the run warned of
     }
+    values["status"] = "; ".join(["finished" if run.finished else "unfinished", *run.problems])
+    return values
 
 
 def as_list(value: Any) -> list:

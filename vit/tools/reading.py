@@ -14,6 +14,7 @@ import fnmatch
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vit.errors import UserError
 from vit.store.runs import METRICS_FILE, RUN_MARKERS, RunFolder, is_run_folder, read_run
@@ -139,12 +140,30 @@ def series(run: RunFolder, key: str) -> Series:
     return Series(steps, times, [values[s] for s in steps])
 
 
+# What no run writes outside these bounds: a top-1 is a fraction; a time, a rate or a count is >= 0. A finite value
+# outside them is a hand edit or another tool's file, left out of a table and named (NaN keeps its meaning: not finite).
+FRACTIONS = ("final_val_top1", "val_top1", "best_val_top1", "final_test_top1", "test_top1", "final_knn_top1", "knn_top1",
+             "trained_weights_val_top1")  # fmt: skip
+AMOUNTS = ("wall_time_sec", "time", "images_per_sec", "feature_images_per_sec", "epochs", "epoch", "steps", "step", "processes")
+
+
+def in_bounds(key: str, value: Any) -> bool:
+    """Whether `value` of `key` is within what a run writes (`FRACTIONS`, `AMOUNTS`); any value of another key is."""
+    if not is_finite(value):
+        return True
+    return 0 <= value <= 1 if key in FRACTIONS else value >= 0 if key in AMOUNTS else True
+
+
 def last_value(run: RunFolder, key: str) -> float | None:
     """`key` at the latest step that logged it (the later line of a step wins), NaN where it was not finite there: a run
-    whose loss went non-finite (metrics.jsonl's null) must not show an earlier finite loss as its last."""
+    whose loss went non-finite (metrics.jsonl's null) must not show an earlier finite loss as its last. One out of bounds
+    (`in_bounds`) is None, and named in `run.problems`."""
     last: tuple[float, float] | None = None
     for rec in run.metrics:
         value = rec.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and (last is None or rec["step"] >= last[0]):
             last = (rec["step"], float(value))
+    if last and not in_bounds(key, last[1]):
+        run.problems.append(f"out of range, left out: {METRICS_FILE} {key} {last[1]:g} at step {last[0]:g}")
+        return None
     return last[1] if last else None

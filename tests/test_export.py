@@ -108,6 +108,28 @@ def test_the_card_credits_only_runs_that_used_this_encoder_not_one_of_the_same_n
     assert "probe" in [r["run"] for r in encoder_export(tmp_path / "link").used_by]
 
 
+def test_the_card_leaves_out_eval_runs_and_names_the_images_each_accuracy_is_of(exported, tmp_path):
+    """An eval run of the probe was credited as a second run of the encoder, with the probe's own numbers; and a run on
+    the whole test split stood beside runs on a subset of it, both as 'test'."""
+    probe = json.loads((exported.runs / "probe" / "summary.json").read_text())
+    config = yaml.safe_load((exported.runs / "probe" / "config.yaml").read_text())
+    evaluated = exported.runs / "probe_evaluated_again"
+    evaluated.mkdir()
+    try:
+        (evaluated / "config.yaml").write_text(yaml.safe_dump(config))
+        (evaluated / "summary.json").write_text(json.dumps({**probe, "job_type": "eval"}))
+        exp = encoder_export(exported.runs / "mae")
+        assert [r["run"] for r in exp.used_by] == ["probe"]
+        assert export_encoder([str(exported.runs / "mae"), "--out", str(tmp_path / "card")]) == 0
+    finally:
+        shutil.rmtree(evaluated)
+    _, header, body = (tmp_path / "card" / "README.md").read_text().split("---\n", 2)
+    names = [r["metrics"][0]["name"] for r in yaml.safe_load(header)["model-index"][0]["results"]]
+    data = probe["data"]
+    assert names == [f"top-1, linprobe (probe; {data['val']} val images)", f"top-1, linprobe (probe; {data['test']} test images)"]
+    assert f"| {data['val']} / {data['test']} |" in body and "probe_evaluated_again" not in body
+
+
 def test_finetuning_from_the_export_equals_finetuning_from_the_run(exported):
     """local-dir: loads the very weights of encoder.pt: the same seed gives the same classifier and accuracy."""
     try:

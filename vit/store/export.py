@@ -83,14 +83,15 @@ def part(mapping: Any, key: str) -> dict[str, Any]:
 
 def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
     """Summaries of the finished run folders beside `run_dir` whose encoder came from it (their `meta.parent`), and from
-    this training of it (`meta.parent_run_id`, where both record one: a run of the folder's earlier training is not)."""
+    this training of it (`meta.parent_run_id`, where both record one: a run of the folder's earlier training is not).
+    Eval runs are not among them: each evaluates again a classifier that is (its numbers were counted twice)."""
     run_dir = run_dir.resolve()  # a link to the run: its runs lie beside the run itself
     found, run_id = [], run_id_of(run_dir)
     for other in sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p != run_dir):
         meta = part(read_run_file(other, read_config), "meta")
         parent, summary = meta.get("parent"), read_run_file(other, read_summary)
         this_training = not parent_changed(meta.get("parent_run_id"), run_id)
-        if isinstance(parent, str) and parent and names_run(parent, run_dir) and summary and this_training:
+        if isinstance(parent, str) and parent and names_run(parent, run_dir) and summary and this_training and summary.get("job_type") != "eval":
             found.append({"run": other.name, **summary})
     return found
 
@@ -149,16 +150,23 @@ def front_matter(exp: Export, name: str) -> dict[str, Any]:
     hub_dataset = HUB_DATASETS.get(exp.dataset or "")
     if hub_dataset:
         meta["datasets"] = [hub_dataset]
-    results = [(r["run"], r.get("job_type", "?"), split, r.get(f"{split}_top1")) for r in accuracy_runs(exp) for split in ("val", "test")]
-    results = [r for r in results if is_finite(r[3])]  # a hand-edited summary's "high" is no accuracy
+    results = [(r, split, r.get(f"{split}_top1")) for r in accuracy_runs(exp) for split in ("val", "test")]
+    results = [r for r in results if is_finite(r[2])]  # a hand-edited summary's "high" is no accuracy
     if results:
         meta["metrics"] = ["accuracy"]
         meta["model-index"] = [{"name": name, "results": [
             {"task": {"type": "image-classification"},
              "dataset": {"name": exp.dataset, "type": hub_dataset or exp.dataset, "split": "validation (held out of train)" if split == "val" else "test"},
-             "metrics": [{"type": "accuracy", "value": round(100 * top1, 2), "name": f"top-1, {job} ({run})"}]}
-            for run, job, split, top1 in results]}]  # fmt: skip
+             "metrics": [{"type": "accuracy", "value": round(100 * top1, 2), "name": f"top-1, {r.get('job_type', '?')} ({r['run']}{images(r, split)})"}]}
+            for r, split, top1 in results]}]  # fmt: skip
     return meta
+
+
+def images(summary: dict[str, Any], split: str) -> str:
+    """'; 10000 test images': how many images of `split` a run's accuracy is of (its summary's data), where recorded.
+    The runs of one card may read other copies of the data (a subset, the whole test split)."""
+    count = part(summary, "data").get(split)
+    return f"; {count} {split} images" if isinstance(count, int) and not isinstance(count, bool) else ""
 
 
 def from_mae(exp: Export) -> bool:
@@ -257,10 +265,12 @@ def model_card(exp: Export, name: str, load_as: str) -> str:
     runs = accuracy_runs(exp)
     if runs:
         title = "## Accuracy" if exp.kind == "classifier" else "## Runs that used it"
-        lines += ["", title, "", "| run | job type | epochs | wall time | val top-1 | test top-1 |", "|---|---|---:|---:|---:|---:|"]
+        lines += ["", title, "", "| run | job type | epochs | wall time | val top-1 | test top-1 | val / test images |",
+                  "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in runs:
+            counts = " / ".join(str(part(r, "data").get(split, "-")) for split in ("val", "test"))
             lines.append(f"| {r['run']} | {r.get('job_type', '-')} | {fmt(r.get('epochs'))} | {duration(r.get('wall_time_sec'))} | "
-                         f"{fmt(r.get('val_top1'), True)} | {fmt(r.get('test_top1'), True)} |")
+                         f"{fmt(r.get('val_top1'), True)} | {fmt(r.get('test_top1'), True)} | {counts} |")
         lines += ["", "val: images held out of the training split; test: the dataset's test split."]
     return "\n".join(lines) + "\n"
 

@@ -204,8 +204,9 @@ def test_last_logged_is_the_last_record_with_the_key(tmp_path):
 def test_the_run_folder_and_io_modules_do_not_import_the_model_nor_the_stages_torchvision():
     """Neither stage imports torchvision to start: its package import (torch._dynamo with it) cost every pretraining's
     start 1.4 s for one grid of images (image files import it where they are decoded). The tools that read run folders
-    into tables and plots import no torch at all: it was most of each one's 3 s start on 2 cores."""
-    tools = ("compare_runs", "results_table", "gpu_report")
+    into tables and plots import no torch at all: it was most of each one's 3 s start on 2 cores; nor do the sweep and
+    the quickstart, which only start the stages (each held torch's memory for as long as its stages ran)."""
+    tools = ("compare_runs", "results_table", "gpu_report", "sweep", "quickstart")
     code = (
         f"import runpy, sys; [runpy.run_path(f'scripts/{{name}}.py', run_name='imported') for name in {tools!r}]; print('torch' in sys.modules)\n"
         "import sys, vit.data.loaders, vit.train.loop, vit.store.atomic, vit.store.runs; print(sorted(m for m in sys.modules if m in ('vit.models.encoder', 'vit.store.checkpoint')))\n"

@@ -13,8 +13,11 @@ the key and the file (or the command line). Range checks live in each section's
 
 from vit.config.loading import (apply_override, dump_config, flat_keys, load_config, override_key, override_value, read_spelled, read_yaml,
                                 to_dict, validate)  # fmt: skip
-from vit.config.sections import (PIL_MAX_PIXELS, AugmentConfig, DataConfig, DataOnly, ModelConfig, OptimConfig, RunConfig, ScheduleConfig,
-                                 StageConfig, check, check_temperature, section)  # fmt: skip
+from vit.config.sections import (HUB_PREFIXES, NAMED_WEIGHTS, PIL_MAX_PIXELS, SHARED_BY_ENV, SPLIT_KEYS, AugmentConfig, DataConfig,
+                                 DataOnly, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, StageConfig, check, check_temperature,
+                                 section)  # fmt: skip
 
-__all__ = ["PIL_MAX_PIXELS", "AugmentConfig", "DataConfig", "DataOnly", "ModelConfig", "OptimConfig", "RunConfig", "ScheduleConfig",
-           "StageConfig", "apply_override", "check", "check_temperature", "dump_config", "flat_keys", "load_config", "override_key", "override_value", "read_spelled", "read_yaml", "section", "to_dict", "validate"]  # fmt: skip
+__all__ = ["HUB_PREFIXES", "NAMED_WEIGHTS", "PIL_MAX_PIXELS", "SHARED_BY_ENV", "SPLIT_KEYS", "AugmentConfig", "DataConfig", "DataOnly",
+           "ModelConfig", "OptimConfig", "RunConfig", "ScheduleConfig", "StageConfig", "apply_override", "check", "check_temperature",
+           "dump_config", "flat_keys", "load_config", "override_key", "override_value", "read_spelled", "read_yaml", "section", "to_dict",
+           "validate"]  # fmt: skip

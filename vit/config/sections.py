@@ -87,6 +87,11 @@ class ModelConfig:
               f"sincos needs model.embed_dim divisible by 4 (a quarter each for sin and cos of rows and columns), not {dim}")  # fmt: skip
 
 
+# The data settings that decide which images are train and which val: a checkpoint records them with its images
+# (`vit.data.provenance`), an evaluation takes its classifier's, and a kept run is held to them (`vit.tools.kept`).
+SPLIT_KEYS = ("dataset", "val_size", "split_seed", "train_fraction")
+
+
 @dataclass
 class DataConfig:
     """Where the images come from and how they are split and augmented."""
@@ -231,6 +236,14 @@ class ScheduleConfig:
         # the run folder was written. A warm-up longer than the run is still only warned about (LoopSpec.long_warmup).
         check(0 <= self.warmup_epochs <= MAX_WARMUP_EPOCHS, "schedule.warmup_epochs", f"must be in [0, {MAX_WARMUP_EPOCHS:g}]")
         check(self.max_steps is None or self.max_steps > 0, "schedule.max_steps", "must be positive")
+
+
+# finetune.init's forms that name weights by a name, not a run folder of ours (nor "scratch"): timm's, a timm / Hub folder
+HUB_PREFIXES = ("local-dir:", "hf-hub:")
+NAMED_WEIGHTS = ("timm:", *HUB_PREFIXES)
+# Set by `vit.tools.sweep` for the jobs it runs side by side: how many share the machine (its --parallel), which
+# `run.threads=None` divides the cores by (`vit.train.accelerator.set_threads`).
+SHARED_BY_ENV = "VIT_JOBS_SHARING_HOST"
 
 
 @dataclass

@@ -33,11 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vit.config import DataConfig
+from vit.config import SPLIT_KEYS, DataConfig
 from vit.data.splits import Splits
 from vit.errors import CheckpointError, DataError
 
-SPLIT_KEYS = ("dataset", "val_size", "split_seed", "train_fraction")
 RECORD_KEYS = ("fingerprint", "source_size", "trained_on")  # what says which images: a record without any is an older one
 
 

@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 import torch
 import torch.nn as nn
 
+from vit.config import HUB_PREFIXES
 from vit.data.provenance import record_from_json
 from vit.store.checkpoint import (CheckpointError, describe, learned_table, load_timm_weights, non_finite, read_weights_file,
                                   refuse_other_encoder, resampling)  # fmt: skip
@@ -46,7 +47,6 @@ INDEX_FILE = "model.safetensors.index.json"  # weights sharded over several file
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
 PROVENANCE_KEY = "pretrained_on"  # config.json: the data split an encoder was pretrained on (`vit.data.provenance`)
-PREFIXES = ("local-dir:", "hf-hub:")
 # timm builds any ViT from a registered name plus `model_args` that override its sizes; this is the family's reference.
 TEMPLATE_ARCHITECTURE = "vit_base_patch16_224"
 # The `model_args` of a config.json that reach `timm.create_model`: a ViT's shape, and the parts `timm_architecture`
@@ -57,7 +57,7 @@ VIT_ARGS = ("img_size", "patch_size", "in_chans", "num_classes", "global_pool", 
 
 
 def is_hub_init(init: str) -> bool:
-    return init.startswith(PREFIXES)
+    return init.startswith(HUB_PREFIXES)
 
 
 def is_model_folder(path: str | os.PathLike) -> bool:

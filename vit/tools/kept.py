@@ -23,10 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from vit.config import flat_keys, override_value, read_spelled
-from vit.data.provenance import SPLIT_KEYS
+from vit.config import NAMED_WEIGHTS, SPLIT_KEYS, flat_keys, override_value, read_spelled
 from vit.errors import ConfigError
-from vit.store.hub import is_hub_init
 from vit.store.lineage import PARENT_RUN_ID, parent_change, parent_changed, run_id_of
 from vit.store.runs import is_finished, read_config
 
@@ -132,7 +130,7 @@ def parent_difference(init: Any, meta: dict[str, Any]) -> str | None:
     """Where the run (`meta`: its config.yaml's) started from a pretraining run that the folder `init` names no longer
     holds (trained again since: another run id), what to say; None where it does, or where either side records no id."""
     text = str(init or "")
-    if text == "scratch" or text.startswith("timm:") or is_hub_init(text):  # weights by name: no run of ours
+    if text == "scratch" or text.startswith(NAMED_WEIGHTS):  # weights by name: no run of ours
         return None
     folder = Path(text).expanduser()
     folder = folder.parent if folder.suffix == ".pt" else folder

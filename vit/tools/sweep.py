@@ -60,11 +60,10 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from vit.config import load_config, override_key, read_yaml
+from vit.config import SHARED_BY_ENV, load_config, override_key, read_yaml
 from vit.errors import ConfigError
 from vit.store.runs import is_finished, newest_state
 from vit.tools.kept import check_kept
-from vit.train.accelerator import SHARED_BY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's config may be named relative to it; jobs run its packages
 MODULES = ("pretrain", "finetune")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import torch.nn as nn
 
-from vit.config import RunConfig
+from vit.config import SHARED_BY_ENV, RunConfig
 from vit.device import usable_cores
 from vit.errors import ConfigError, SaidElsewhere, UserError
 from vit.store.runs import TENSORBOARD_DIR
@@ -67,8 +67,6 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return requested
 
 
-# Set by `vit.tools.sweep` for the jobs it runs side by side: how many share the machine (its --parallel).
-SHARED_BY_ENV = "VIT_JOBS_SHARING_HOST"
 # Whole numbers a launcher sets, which Accelerate and `set_threads` read with int(): anything else was a traceback.
 LAUNCH_NUMBERS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # Accelerate's truth values (accelerate.utils.str_to_bool), which it reads ACCELERATE_USE_CPU with: anything else was a traceback.

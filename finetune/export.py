@@ -5,8 +5,9 @@
 The same folder format and card as `python -m pretrain.export` (encoders); a linear probe's BatchNorm is
 folded into its Linear head so timm's plain ViT gives the probe's logits. config.json records the images the weights
 were trained on (`pretrained_on`, as an encoder export does), so a run started from the export
-(`finetune.init=local-dir:...`) is refused where its val images were among them, as one started from the run folder is. `--out` is refused, as there, when it is
-not empty (unless it holds this very export, or `--overwrite`) or lies in a run folder.
+(`finetune.init=local-dir:...`) is refused where its val images were among them, as one started from the run folder
+is. `--out` is refused, as there, when it is not empty (unless it holds this very export, or `--overwrite`) or lies
+in a run folder.
 """
 
 from __future__ import annotations

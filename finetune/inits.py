@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from vit.config import NAMED_WEIGHTS
 from vit.errors import ConfigError
 from vit.models.encoder import VisionTransformer
 from vit.store.checkpoint import (
@@ -36,7 +37,7 @@ def resolve_checkpoint_path(init: str | Path, file_name: str) -> Path:
 
 def encoder_init(init: str) -> Path | None:
     """The MAE `encoder.pt` that `finetune.init` names; None for scratch, `timm:` and Hub folders."""
-    if init == "scratch" or init.startswith("timm:") or is_hub_init(init):
+    if init == "scratch" or init.startswith(NAMED_WEIGHTS):
         return None
     return resolve_checkpoint_path(init, ENCODER_FILE)
 

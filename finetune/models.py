@@ -16,12 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from finetune.inits import load_init, resolve_checkpoint_path
+from vit.config import NAMED_WEIGHTS
 from vit.errors import ConfigError
 from vit.eval.knn import pooled
 from vit.models.encoder import PatchDropout, VisionTransformer, check_config, create_model
 from vit.store.atomic import atomic_save
 from vit.store.checkpoint import CLASSIFIER_FORMAT, CheckpointError, misfits, non_finite, read_checkpoint, wrong_kind
-from vit.store.hub import is_hub_init, is_model_folder
+from vit.store.hub import is_model_folder
 from vit.store.runs import CLASSIFIER_FILE
 from vit.tools.reference import timm_vit
 
@@ -159,7 +160,7 @@ def load_classifier(init: str, key: str | None = None) -> tuple[nn.Module, dict[
     model), and a damaged file (a field lost, weights that do not fit its own architecture) is one CheckpointError."""
     expected = f"a finished classification run folder or its {CLASSIFIER_FILE}"
     named = f"{key}={init}" if key else str(init)
-    if str(init).startswith("timm:") or is_hub_init(str(init)):
+    if str(init).startswith(NAMED_WEIGHTS):
         raise CheckpointError(f"{named} is a timm / Hub model, not a classifier this project trained: expected {expected}")
     if is_model_folder(init):
         raise CheckpointError(f"{named} is a timm / Hub model folder (an export), not a classification run: expected {expected}")

@@ -126,8 +126,7 @@ class Trained:
 
     model: nn.Module  # the whole classifier, trained
     results: dict[str, dict]  # the final evaluation per split
-    progress: Progress
-    feature_time: float  # seconds spent computing the cached probe's features, summed over restarts (0 otherwise)
+    progress: Progress  # its feature_time: a cached probe's seconds computing its features, summed over restarts
     trained_val_top1: float | None = None  # with a weight average (which `results` are of): the trained weights' own val top-1
 
 
@@ -248,7 +247,7 @@ def train(cfg: FinetuneConfig, run: Run, data: Data, built: Built) -> Trained:
         run.print(f"weight average: val top-1 {results['val']['top1']:.2%}; the trained weights' own {trained_val:.2%}")
     if t.cached:
         built.model.head = unwrap(module)
-    return Trained(built.model if t.cached else t.evaluated(), results, progress, progress.feature_time, trained_val)
+    return Trained(built.model if t.cached else t.evaluated(), results, progress, trained_val)
 
 
 def unused_in_eval(cfg: FinetuneConfig) -> list[str]:
@@ -371,7 +370,7 @@ def summarize(cfg: FinetuneConfig, run: Run, data: Data, built: Built, trained: 
         # stream loaders skipped (data.skip_bad_images; the memory loader's never joined the splits) were not featurised.
         skipped = bad - len(splits.bad_images)
         featurised = len(splits.train) + len(splits.val) + (len(splits.test) if splits.test is not None else 0) - skipped
-        feature_rate = round(featurised / max(trained.feature_time, 1e-9), 1)
+        feature_rate = round(featurised / max(progress.feature_time, 1e-9), 1)
         rates = {"images_per_sec": feature_rate, "feature_images_per_sec": feature_rate, "head_images_per_sec": rate}
     return {
         "mode": cfg.finetune.mode,
@@ -385,8 +384,8 @@ def summarize(cfg: FinetuneConfig, run: Run, data: Data, built: Built, trained: 
         "steps": progress.step,
         "skipped_steps": progress.nan_skips,
         "scaler_skipped_steps": progress.scaler_skips,  # fp16's GradScaler's own (inf/NaN gradients at its scale)
-        "wall_time_sec": round(progress.train_time + trained.feature_time, 2),  # a cached probe's stage time includes its features
-        "feature_time_sec": round(trained.feature_time, 2),
+        "wall_time_sec": round(progress.train_time + progress.feature_time, 2),  # a cached probe's stage time includes its features
+        "feature_time_sec": round(progress.feature_time, 2),
         "images": progress.images,
         **rates,
         "final_loss": run.last_logged("loss"),

@@ -76,8 +76,8 @@ def test_seeds_of_one_recipe_that_ran_other_settings_are_refused_not_averaged(sw
     assert rows[0].scratch.test == {0: 0.61, 1: 0.63}
     other = {**base, "run": {"seed": 1}, "optim": {"lr": 0.01}, "data": {"train_fraction": 0.3}, "aug": {"mixup": 0.8}}
     (sweep / "scratch_m30_s1" / "config.yaml").write_text(yaml.safe_dump(other))
-    said = ("scratch_m30_s1 ran aug.mixup=0.8, data.train_fraction=0.3, optim.lr=0.01, but the seeds before it of its recipe ran "
-            "aug.mixup=None, data.train_fraction=1.0, optim.lr=0.001: a seed repeats its recipe")  # fmt: skip
+    said = ("scratch_m30_s1 ran other settings than the seeds before it of its recipe (aug.mixup None -> 0.8, data.train_fraction "
+            "1.0 -> 0.3, optim.lr 0.001 -> 0.01): a seed repeats its recipe")  # fmt: skip
     with pytest.raises(UserError) as e:
         table(sweep)
     assert said in str(e.value)

@@ -91,7 +91,8 @@ def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
         meta = part(read_run_file(other, read_config), "meta")
         parent, summary = meta.get("parent"), read_run_file(other, read_summary)
         this_training = not parent_changed(meta.get("parent_run_id"), run_id)
-        if isinstance(parent, str) and parent and names_run(parent, run_dir) and summary and this_training and summary.get("job_type") != "eval":
+        ours = isinstance(parent, str) and parent and names_run(parent, run_dir) and this_training
+        if ours and summary and summary.get("job_type") != "eval":
             found.append({"run": other.name, **summary})
     return found
 

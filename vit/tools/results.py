@@ -34,7 +34,8 @@ from vit.store.lineage import PARENT_RUN_ID, RUN_ID, parent_change, parent_chang
 from vit.store.runs import SUMMARY_FILE, RunFolder, is_run_folder, read_run
 from vit.tools.compare import weight_average_decay
 from vit.tools.records import by_host
-from vit.tools.table_runs import budget_minutes, damage, recipe_differences, recipe_settings, stage_minutes, top1
+from vit.tools.table_runs import budget_minutes, damage, recipe_settings, stage_minutes, top1
+from vit.train.resumes import setting_differences
 
 # Numbers as the sweep writes them, ASCII digits without leading zeros or trailing fraction zeros: one number has one
 # spelling, so two folders (scratch_m30_s0, scratch_m30_s00) can never fill one seed of one recipe, one silently
@@ -77,8 +78,8 @@ class Arm:
             raise UserError(f"{run.path} ran finetune.ema_decay={average or 'null'}, but the seeds before it of its recipe ran "
                             f"finetune.ema_decay={self.average or 'null'}: a seed repeats its recipe")  # fmt: skip
         settings = recipe_settings(run.config)  # a mean over seeds of other data, learning rates or mixup is no recipe's number
-        if self.settings is not None and (said := recipe_differences(settings, self.settings)):
-            raise UserError(f"{run.path} ran {said[0]}, but the seeds before it of its recipe ran {said[1]}: a seed repeats its recipe")
+        if self.settings is not None and (said := setting_differences(self.settings, settings)):  # the seeds before it -> this one
+            raise UserError(f"{run.path} ran other settings than the seeds before it of its recipe ({said}): a seed repeats its recipe")
         self.val[seed], self.minutes[seed], self.average, self.model = top1(run, "val"), minutes, average, self.model or model
         self.settings = self.settings if self.settings is not None else settings
         data = run.config.get("data")

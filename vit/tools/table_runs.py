@@ -1,6 +1,7 @@
 """What the equal-compute table (`vit.tools.results`) reads of each run of the budget sweep: whether its records can be
 read at all (`damage`), the minutes its stage took and was given, its top-1 per split, and the settings that make its
-recipe (`recipe_settings`), which every seed of one recipe must share.
+recipe (`recipe_settings`), which every seed of one recipe must share (`vit.train.resumes.setting_differences` names
+what differs).
 
     if (why := damage(run)) is None:
         minutes, val = stage_minutes(run), top1(run, "val")
@@ -76,9 +77,3 @@ def top1(run: RunFolder, split: str) -> float | None:
 def recipe_settings(config: dict[str, Any]) -> dict[str, Any]:
     """A run's config.yaml as dotted keys, without `meta` and what the seeds of one recipe may run otherwise (`SEED_MAY_CHANGE`)."""
     return {k: v for k, v in flat_keys({k: v for k, v in config.items() if k != "meta"}).items() if k not in SEED_MAY_CHANGE}
-
-
-def recipe_differences(settings: dict[str, Any], before: dict[str, Any]) -> tuple[str, str] | None:
-    """(what `settings` ran, what `before` ran) where they differ, up to three keys each ("optim.lr=0.01"); None where they agree."""
-    keys = [k for k in sorted(settings.keys() | before.keys()) if settings.get(k) != before.get(k)][:3]
-    return tuple(", ".join(f"{k}={s.get(k)}" for k in keys) for s in (settings, before)) if keys else None

@@ -98,6 +98,7 @@ class Run:
     cuda_graph: bool = False  # whether the loop captures its whole step as one CUDA graph (`compile_for_run` chose)
     data_loader: str | None = None  # "memory" or "stream": what the stage's data opened with; its resume states record it
     data_fingerprint: str | None = None  # its training images' (`vit.data.splits.SourceIndex`); its resume states record it
+    train_images: int | None = None  # how many of them its training split holds (recorded beside it)
     graph_capture: dict | None = None  # that graph's eager warm-up steps and capture seconds, once captured
     first_step_seconds: float | None = None  # the first training step, compilation included, device drained
     gpu_busy: float | None = None  # mean GPU utilisation (%) over the training after the first step (CUDA with NVML)

@@ -144,9 +144,11 @@ def state_record(run: Run) -> dict[str, Any]:
     """What a state is held to when resumed: the stage, the number of processes, and the settings (`settings`); the
     kind of device it ran on, which a resume may change and says (`say_how_it_runs`); the data loader it served its
     batches with ("memory" | "stream", None where the stage did not say), which `data.loader=auto` keeps (`resumed_loader`);
-    and the fingerprint of its training images, which a resume must read again wherever `data.root` now is (`check_data`)."""
+    and the fingerprint and number of its training images, which a resume must read again wherever `data.root` now is
+    (`check_data`)."""
     return {"stage": run.stage, "processes": run.accelerator.num_processes, "settings": settings(run.cfg),
-            "device": run.accelerator.device.type, "loader": run.data_loader, "data": run.data_fingerprint}
+            "device": run.accelerator.device.type, "loader": run.data_loader, "data": run.data_fingerprint,
+            "train_images": run.train_images}
 
 
 def settings(cfg: Any) -> dict[str, Any]:
@@ -235,6 +237,7 @@ def open_stage_data(run: Run, cfg: DataConfig, out_size: int | None, need_labels
                                              resumed=resumed_loader(run), say=run.print))  # fmt: skip
     run.data_loader = data.kind
     run.data_fingerprint = data.splits.source.fingerprint if data.splits.source is not None else None
+    run.train_images = len(data.splits.train)
     return data
 
 
@@ -366,6 +369,14 @@ def check_data(run: Run, named: str, record: dict[str, Any]) -> None:
         raise ConfigError(f"{named} was saved by a run that trained on other images (fingerprint {was}, data.root={root}) than "
                           f"data.root={run.cfg.data.root} holds (fingerprint {now}): resume it on the images it trained on, or "
                           "start a fresh run without run.resume")  # fmt: skip
+    # Shards hash as one set, val samples included: where the val split came from decides which of them trained (the
+    # first data.val_size samples of the last shards, held out, or every sample where data.val_root names val shards).
+    was, now = record.get("train_images"), run.train_images
+    if isinstance(was, int) and now is not None and was != now:
+        val_root = record.get("settings", {}).get("data.val_root")
+        raise ConfigError(f"{named} was saved by a run that trained on {was} of its images, and these data settings leave {now} "
+                          f"to train on (data.val_root {val_root} -> {run.cfg.data.val_root}): "
+                          "resume it with the val split it started with, or start a fresh run without run.resume")  # fmt: skip
 
 
 def check_settings(run: Run, named: str, record: dict[str, Any], path: Path | None = None) -> None:

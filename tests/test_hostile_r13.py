@@ -2,12 +2,17 @@
 impossible values in model cards and comparisons."""
 
 import json
-from pathlib import Path
+import shutil
 
+import pytest
+import yaml
 from helpers import reset_accelerate, tiny_overrides
+from test_hostile_results_r8 import table
+from test_hostile_tables import sweep_run, thirty_minute_row
 from test_stream import write_shards
 
 from pretrain.train import main as pretrain
+from vit.errors import UserError
 from vit.store.runs import LOCK_FILE
 
 
@@ -36,3 +41,44 @@ def test_a_shard_run_resumed_with_val_shards_of_its_own_is_refused_where_its_val
     assert pretrain(tiny_overrides(tmp_path, name="both", **{**data, "data.val_root": other, "schedule.max_steps": 3,
                                                              "run.resume": "auto"})) == 0  # fmt: skip
     assert json.loads((tmp_path / "runs" / "both" / "summary.json").read_text())["steps"] == 3
+
+
+def pretraining_config(lr, mask_ratio, seed):
+    return {"schedule": {"budget_minutes": 15}, "mae": {"mask_ratio": mask_ratio}, "optim": {"lr": lr}, "run": {"seed": seed}}
+
+
+@pytest.mark.parametrize("probe", [False, True], ids=["fine-tune", "probe"])
+def test_seeds_whose_pretrainings_ran_other_recipes_are_refused_not_averaged(tmp_path, probe):
+    """The MAE and probe columns compared the seeds' fine-tune or probe settings alone: a seed 1 pretrained at mask ratio
+    0.3 and a learning rate of 0.1 was averaged with seed 0 as '2 seeds' of one recipe."""
+    sweep = thirty_minute_row(tmp_path / "budget")
+    (sweep / "mae_15min_s0" / "config.yaml").write_text(yaml.safe_dump(pretraining_config(1e-3, 0.75, 0)))
+    sweep_run(sweep, "scratch_m30_s1", 0.60, 0.61, 1790, budget=30)
+    sweep_run(sweep, "mae_15min_s1", None, None, 900, config={**pretraining_config(1e-3, 0.75, 1), "run": {"seed": 1, "device": "cuda"}})
+    sweep_run(sweep, "ft_m30_f50_s1", 0.70, 0.90, 900, budget=15, init="runs/budget/mae_15min_s1")
+    sweep_run(sweep, "mae_15min_s1_probe", 0.40, 0.90, 180, init="runs/budget/mae_15min_s1")
+    (rows, _), _ = table(sweep)  # where the seed's pretraining ran and its seed may differ
+    assert (rows[0].probe if probe else rows[0].mae).test == ({0: 0.41, 1: 0.90} if probe else {0: 0.71, 1: 0.90})
+    (sweep / "mae_15min_s1" / "config.yaml").write_text(yaml.safe_dump(pretraining_config(0.1, 0.3, 1)))
+    if probe:  # the fine-tunes come first; without seed 1's the probes meet the pretraining first
+        shutil.rmtree(sweep / "ft_m30_f50_s1")
+    with pytest.raises(UserError) as e:
+        table(sweep)
+    assert "mae_15min_s1 ran other settings than the pretrainings of the seeds before it of its recipe (mae.mask_ratio 0.75 -> 0.3, " \
+           "optim.lr 0.001 -> 0.1)" in str(e.value)  # fmt: skip
+
+
+def test_a_seed_stopped_by_max_steps_before_its_budget_s_plan_is_left_out_and_named(tmp_path):
+    """schedule.max_steps was among what a seed may run otherwise: a 3-step, 10-second seed went into the mean as a
+    30-minute one (78.0%, 61.0-95.0, 2 seeds)."""
+    sweep = thirty_minute_row(tmp_path / "budget")
+    path = sweep_run(sweep, "scratch_m30_s1", 0.94, 0.95, config={"schedule": {"budget_minutes": 30, "max_steps": 3}})
+    (path / "summary.json").write_text(json.dumps({"val_top1": 0.94, "test_top1": 0.95, "steps": 3,
+                                                   "budget": {"stage_seconds": 10, "total_steps": 900}}))  # fmt: skip
+    (rows, _), unfinished = table(sweep)
+    why = "summary.json steps is 3 of the 900 its time budget planned (stopped by schedule.max_steps; run.resume=auto finishes it)"
+    assert unfinished == {"scratch_m30_s1": why} and rows[0].scratch.test == {0: 0.61}
+    rewrite = json.loads((sweep / "scratch_m30_s1" / "summary.json").read_text())
+    (sweep / "scratch_m30_s1" / "summary.json").write_text(json.dumps({**rewrite, "steps": 900, "budget": {"stage_seconds": 1790, "total_steps": 900}}))
+    (rows, _), unfinished = table(sweep)  # finished by a resume without it: its config.yaml keeps the first process's max_steps
+    assert unfinished == {} and rows[0].scratch.test == {0: 0.61, 1: 0.95}

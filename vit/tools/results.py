@@ -67,9 +67,11 @@ class Arm:
     unchosen: str | None = None  # why nothing was chosen though finished candidates ran (none has a val top-1 on seed 0)
     datasets: set[str] = field(default_factory=set)  # the runs' data.dataset (a figure names what its accuracy is of)
     settings: dict[str, Any] | None = None  # its first seed's recipe (`recipe_settings`), which every other seed must have run
+    pretraining: dict[str, Any] | None = None  # and the recipe of its first seed's pretraining (MAE columns)
 
-    def add(self, seed: int, run: RunFolder, minutes: float) -> None:
-        """A finished seed; one without a test top-1 (a dataset without a test split) counts, but not in the test numbers."""
+    def add(self, seed: int, run: RunFolder, minutes: float, pretraining: RunFolder | None = None) -> None:
+        """A finished seed (of the pretraining run `pretraining`, where it has one); one without a test top-1 (a dataset
+        without a test split) counts, but not in the test numbers."""
         model = run.summary.get("model")
         if self.model and model and model != self.model:  # a mean over two models' seeds is neither's number
             raise UserError(f"{run.path} trained {model}, but the seeds before it of its recipe trained {self.model}: a seed repeats its recipe")
@@ -80,6 +82,11 @@ class Arm:
         settings = recipe_settings(run.config)  # a mean over seeds of other data, learning rates or mixup is no recipe's number
         if self.settings is not None and (said := setting_differences(self.settings, settings)):  # the seeds before it -> this one
             raise UserError(f"{run.path} ran other settings than the seeds before it of its recipe ({said}): a seed repeats its recipe")
+        pretrained = recipe_settings(pretraining.config) if pretraining is not None else None  # nor over other pretrainings
+        if self.pretraining is not None and pretrained is not None and (said := setting_differences(self.pretraining, pretrained)):
+            raise UserError(f"{pretraining.path} ran other settings than the pretrainings of the seeds before it of its recipe ({said}): "
+                            "a seed repeats its recipe, pretraining included")  # fmt: skip
+        self.pretraining = self.pretraining if self.pretraining is not None else pretrained
         self.val[seed], self.minutes[seed], self.average, self.model = top1(run, "val"), minutes, average, self.model or model
         self.settings = self.settings if self.settings is not None else settings
         data = run.config.get("data")
@@ -310,7 +317,7 @@ def add_finetunes(mae: Arm, best: dict[str, Any], runs: dict[str, RunFolder], ft
     for (share, variant, seed), name in sorted(ft_runs.items(), key=lambda kv: kv[0][2]):
         if (share, variant) == (mae.share, mae.variant):
             pt = pretraining_of(runs, name, budget, share)
-            mae.add(seed, runs[name], stage_minutes(pt) + stage_minutes(runs[name]))
+            mae.add(seed, runs[name], stage_minutes(pt) + stage_minutes(runs[name]), pretraining=pt)
 
 
 def add_probes(probe: Arm, runs: dict[str, RunFolder], minutes: str, unfinished: set[str]) -> None:
@@ -323,7 +330,7 @@ def add_probes(probe: Arm, runs: dict[str, RunFolder], minutes: str, unfinished:
         if pt_name in unfinished or pt_name + "_probe" in unfinished:
             probe.unfinished.add(int(m.group(2)))
         elif name == pt_name and (probe_run := probe_of(runs, name)) is not None:
-            probe.add(int(m.group(2)), probe_run, stage_minutes(runs[name]) + stage_minutes(probe_run))
+            probe.add(int(m.group(2)), probe_run, stage_minutes(runs[name]) + stage_minutes(probe_run), pretraining=runs[name])
 
 
 def pct(x: float | None) -> str:

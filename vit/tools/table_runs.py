@@ -48,6 +48,9 @@ def damage(run: RunFolder) -> str | None:
     for label, (value, what, fits) in expected.items():
         if value is not None and not fits(value):
             return f"{label} is {brief(value)}, not {what}"
+    steps, planned = summary.get("steps"), (summary.get("budget") or {}).get("total_steps")
+    if is_number(steps) and is_number(planned) and steps < planned:  # its minutes and accuracy are of part of its budget
+        return f"{SUMMARY_FILE} steps is {steps} of the {planned} its time budget planned (stopped by schedule.max_steps; run.resume=auto finishes it)"
     if (summary.get("budget") or {}).get("stage_seconds") is None and summary.get("wall_time_sec") is None:
         # read as 0 minutes, it would fit any budget (a probe chosen as fitting) and pull its arm's minutes down
         return f"{SUMMARY_FILE} records no minutes (neither budget.stage_seconds nor wall_time_sec)"

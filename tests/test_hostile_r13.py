@@ -7,13 +7,16 @@ import shutil
 import pytest
 import yaml
 from helpers import reset_accelerate, tiny_overrides
+from test_hostile_export import encoder_run
 from test_hostile_results_r8 import table
-from test_hostile_tables import sweep_run, thirty_minute_row
+from test_hostile_tables import compare_run, sweep_run, thirty_minute_row
 from test_stream import write_shards
 
+from pretrain.export import main as export_encoder
 from pretrain.train import main as pretrain
 from vit.errors import UserError
 from vit.store.runs import LOCK_FILE
+from vit.tools import compare
 
 
 def test_a_shard_run_resumed_with_val_shards_of_its_own_is_refused_where_its_val_samples_would_train(tmp_path, capsys):
@@ -32,7 +35,9 @@ def test_a_shard_run_resumed_with_val_shards_of_its_own_is_refused_where_its_val
     assert pretrain(tiny_overrides(tmp_path, name="src", **resumed)) == 2
     reset_accelerate()
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "trained on 56 of its images" in err[0] and "leave 64" in err[0] and f"data.val_root None -> {val}" in err[0], err
+    assert (
+        len(err) == 1 and "trained on 56 of its images" in err[0] and "leave 64" in err[0] and f"data.val_root None -> {val}" in err[0]
+    ), err
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != LOCK_FILE} == before
     # val shards of another place (the same training samples) may change, as a moved data.root may
     other = write_shards(tmp_path / "vshards2", 1, 16, size=(16, 16), seed=6, prefix="val")
@@ -79,6 +84,44 @@ def test_a_seed_stopped_by_max_steps_before_its_budget_s_plan_is_left_out_and_na
     why = "summary.json steps is 3 of the 900 its time budget planned (stopped by schedule.max_steps; run.resume=auto finishes it)"
     assert unfinished == {"scratch_m30_s1": why} and rows[0].scratch.test == {0: 0.61}
     rewrite = json.loads((sweep / "scratch_m30_s1" / "summary.json").read_text())
-    (sweep / "scratch_m30_s1" / "summary.json").write_text(json.dumps({**rewrite, "steps": 900, "budget": {"stage_seconds": 1790, "total_steps": 900}}))
+    (sweep / "scratch_m30_s1" / "summary.json").write_text(
+        json.dumps({**rewrite, "steps": 900, "budget": {"stage_seconds": 1790, "total_steps": 900}})
+    )
     (rows, _), unfinished = table(sweep)  # finished by a resume without it: its config.yaml keeps the first process's max_steps
     assert unfinished == {} and rows[0].scratch.test == {0: 0.61, 1: 0.95}
+
+
+def test_a_model_card_leaves_out_accuracies_and_times_no_run_writes(tmp_path):
+    """A fine-tune beside the encoder whose summary.json was edited to a val top-1 of 1.7, a test top-1 of -0.4 and a wall
+    time of -50 s: the card's model-index said 170.0 and -40.0, and its table '-50 s | 170.0% | -40.0%'."""
+    run = encoder_run(tmp_path / "runs" / "mae", summary={"epochs": 1, "wall_time_sec": -5, "data": {"train": -100, "val": 8}})
+    (tmp_path / "runs" / "ft").mkdir()
+    (tmp_path / "runs" / "ft" / "config.yaml").write_text(yaml.safe_dump({"meta": {"parent": str(run)}}))
+    summary = {
+        "job_type": "finetune",
+        "epochs": 2,
+        "val_top1": 1.7,
+        "test_top1": -0.4,
+        "wall_time_sec": -50,
+        "data": {"val": -3, "test": 6},
+    }
+    (tmp_path / "runs" / "ft" / "summary.json").write_text(json.dumps(summary))
+    assert export_encoder([str(run), "--out", str(tmp_path / "out")]) == 0
+    _, header, body = (tmp_path / "out" / "README.md").read_text().split("---\n", 2)
+    assert "model-index" not in yaml.safe_load(header)  # no accuracy of it is one a run writes
+    assert "| ft | finetune | 2 | - | - | - | - / 6 |" in body
+    assert "| data | synthetic: - train, 8 val, - test images |" in body  # the encoder's own: -100 images, -5 s
+    assert not [line for line in body.splitlines() if line.startswith("| wall time |")]
+
+
+def test_compare_leaves_out_what_no_run_writes_from_the_metrics_and_the_image_counts(tmp_path):
+    """compare_runs left out a summary's impossible top-1 but then showed the metrics' val top-1 of 160% in its place, a
+    metrics step of -7 as the run's steps, and image counts of -100 and "many"."""
+    compare_run(tmp_path / "runs", "valboth", {"final_val_top1": 1.5, "data": {"train": -100, "val": "many", "test": 10}},
+                '{"step": 1, "val_top1": 0.5}\n{"step": 2, "val_top1": 1.6}\n{"step": -7, "loss": 3.0}\n')  # fmt: skip
+    (r,) = compare.compare([str(tmp_path / "runs")])["rows"]
+    assert r["val_top1"] == r["best_val_top1"] == 0.5 and r["steps"] == 2
+    assert (r["train_images"], r["val_images"], r["test_images"]) == (None, None, 10)
+    assert r["status"] == ("finished; 1 line(s) of metrics.jsonl without a finite step >= 0; out of range, left out: summary.json "
+                           "final_val_top1 1.5, summary.json data.train -100, summary.json data.val 'many'; out of range, left out: "
+                           "metrics.jsonl val_top1 1.6 at step 2")  # fmt: skip

@@ -38,7 +38,7 @@ from vit.store.hub import check_repo_id, hub_config, is_model_folder, push_folde
 from vit.store.lineage import parent_changed, run_id_of
 from vit.models.encoder import VisionTransformer, count_parameters
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, read_config, read_summary, run_folder_of
-from vit.store.values import is_finite, per_channel
+from vit.store.values import in_bounds, is_count, is_finite, per_channel
 
 # Hub dataset ids, for the card's front matter (the Hub links a model to these).
 HUB_DATASETS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100", "mnist": "ylecun/mnist", "fashionmnist": "zalando-datasets/fashion_mnist"}
@@ -74,6 +74,15 @@ def read_run_file(run_dir: Path | None, reader: Callable[[Path], dict[str, Any] 
         return {}
 
 
+def card_summary(run_dir: Path | None) -> dict[str, Any]:
+    """`read_summary` of a run folder for the card, without the values no run writes (`in_bounds`: a top-1 of 170%, a
+    wall time of -50 s; image counts that are no count): a hand-edited summary makes the card say less, not the wrong thing."""
+    summary = {k: v for k, v in read_run_file(run_dir, read_summary).items() if in_bounds(k, v)}
+    if isinstance(summary.get("data"), dict):
+        summary["data"] = {k: v for k, v in summary["data"].items() if k not in ("train", "val", "test") or is_count(v)}
+    return summary
+
+
 def part(mapping: Any, key: str) -> dict[str, Any]:
     """`mapping[key]` where both are mappings, else {}: a config.yaml or summary.json edited by hand (a section that is a
     string or a list) makes the card say less instead of stopping the export with a traceback."""
@@ -89,7 +98,7 @@ def runs_started_from(run_dir: Path) -> list[dict[str, Any]]:
     found, run_id = [], run_id_of(run_dir)
     for other in sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p != run_dir):
         meta = part(read_run_file(other, read_config), "meta")
-        parent, summary = meta.get("parent"), read_run_file(other, read_summary)
+        parent, summary = meta.get("parent"), card_summary(other)
         this_training = not parent_changed(meta.get("parent_run_id"), run_id)
         ours = isinstance(parent, str) and parent and names_run(parent, run_dir) and this_training
         if ours and summary and summary.get("job_type") != "eval":
@@ -192,7 +201,7 @@ def origin(exp: Export) -> str:
 def accuracy_runs(exp: Export) -> list[dict[str, Any]]:
     """The summaries whose accuracies the card reports: the classifier's own, or those of the runs that used the encoder."""
     if exp.kind == "classifier":
-        summary = read_run_file(exp.run_dir, read_summary)
+        summary = card_summary(exp.run_dir)
         return [{"run": exp.run_dir.name, **summary}] if summary and exp.run_dir is not None else []
     return exp.used_by
 
@@ -213,7 +222,7 @@ def duration(seconds: Any) -> str:
 
 def training_rows(exp: Export) -> list[tuple[str, str]]:
     """What made the weights, from the run folder's config.yaml and summary.json."""
-    config, summary = read_run_file(exp.run_dir, read_config), read_run_file(exp.run_dir, read_summary)
+    config, summary = read_run_file(exp.run_dir, read_config), card_summary(exp.run_dir)
     optim, schedule, meta, data = part(config, "optim"), part(config, "schedule"), part(config, "meta"), part(summary, "data")
     lr = optim.get("lr") or (f"base_lr {optim['base_lr']} x batch / 256" if "base_lr" in optim else None)
     rows = [

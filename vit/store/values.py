@@ -27,3 +27,17 @@ def per_channel(values: object, channels: int, positive: bool = False) -> bool:
     """Whether `values` is an input normalisation's mean (or, `positive`, its std): one finite number per channel."""
     return (isinstance(values, (list, tuple)) and len(values) == channels and all(map(is_finite, values))
             and (not positive or min(values) > 0))  # fmt: skip
+
+
+# What no run writes outside these bounds: a top-1 is a fraction; a time, a rate or a count is >= 0. A finite value outside
+# them is a hand edit or another tool's file, left out of a table or a model card and named (NaN keeps its meaning: not finite).
+FRACTIONS = ("final_val_top1", "val_top1", "best_val_top1", "final_test_top1", "test_top1", "final_knn_top1", "knn_top1",
+             "trained_weights_val_top1")  # fmt: skip
+AMOUNTS = ("wall_time_sec", "time", "images_per_sec", "feature_images_per_sec", "epochs", "epoch", "steps", "step", "processes")
+
+
+def in_bounds(key: str, value: object) -> bool:
+    """Whether `value` of `key` is within what a run writes (`FRACTIONS`, `AMOUNTS`); any value of another key is."""
+    if not is_finite(value):
+        return True
+    return 0 <= value <= 1 if key in FRACTIONS else value >= 0 if key in AMOUNTS else True

@@ -21,7 +21,7 @@ from vit.store.lineage import PARENT_RUN_ID, RUN_ID, parent_changed
 from vit.store.runs import CLASSIFICATION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder, is_run_folder
 from vit.store.values import is_finite
 from vit.tools import plots
-from vit.tools.reading import Series, in_bounds, last_value, load_runs, mistyped_host_field, series
+from vit.tools.reading import Series, drop_out_of_range, last_value, load_runs, mistyped_host_field, series
 from vit.tools.records import host_label
 
 REPORT_FILE = "report.md"  # in the report folder, beside the figures
@@ -105,8 +105,7 @@ def drop_mistyped(run: RunFolder) -> None:
         bad.append(f"{SUMMARY_FILE} host")
     if bad:
         run.problems.append(f"not of the expected type, left out: {', '.join(bad)}")
-    if far := [k for k in NUMBER_KEYS if not in_bounds(k, (run.summary or {}).get(k))]:  # a kNN top-1 of 170%, minus 5 s
-        run.problems.append(f"out of range, left out: {', '.join(f'{SUMMARY_FILE} {k} {run.summary.pop(k):g}' for k in far)}")
+    drop_out_of_range(run, NUMBER_KEYS)
 
 
 def weight_average_decay(config: dict) -> float | None:

@@ -14,11 +14,10 @@ import fnmatch
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vit.errors import UserError
-from vit.store.runs import METRICS_FILE, RUN_MARKERS, RunFolder, is_run_folder, read_run
-from vit.store.values import is_finite, is_number
+from vit.store.runs import METRICS_FILE, RUN_MARKERS, SUMMARY_FILE, RunFolder, is_run_folder, read_run
+from vit.store.values import in_bounds, is_count, is_finite, is_number
 
 
 def find_runs(paths: list[str]) -> list[Path]:
@@ -97,12 +96,24 @@ def mistyped_host_field(host: dict) -> str | None:
     return next((k for k, (_, fits) in HOST_FIELDS.items() if host.get(k) is not None and not fits(host[k])), None)
 
 
+def drop_out_of_range(run: RunFolder, keys: tuple[str, ...]) -> None:
+    """Drop the values of summary.json's `keys` that are out of their bounds (`in_bounds`: a kNN top-1 of 170%, minus 5 s)
+    and its image counts (`data.train`, `val`, `test`) that are no count (-100, "many"), named in `run.problems`."""
+    summary = run.summary or {}
+    far = [f"{SUMMARY_FILE} {k} {summary.pop(k):g}" for k in [k for k in keys if not in_bounds(k, summary.get(k))]]
+    data = summary.get("data") if isinstance(summary.get("data"), dict) else {}
+    odd = [k for k in ("train", "val", "test") if k in data and not is_count(data[k])]
+    far += [f"{SUMMARY_FILE} data.{k} {brief(data.pop(k))}" for k in odd]
+    if far:
+        run.problems.append(f"out of range, left out: {', '.join(far)}")
+
+
 def drop_stepless(run: RunFolder) -> None:
-    """Drop the metric records whose step is not a finite number (NaN, Infinity, true: a hand edit, another tool's file),
-    named in `run.problems`: sorted among the others, such a step would pass its loss or time off as the run's last."""
-    kept = [rec for rec in run.metrics if is_finite(rec["step"])]
+    """Drop the metric records whose step is not a finite number >= 0 (NaN, Infinity, true, -7: a hand edit, another tool's
+    file), named in `run.problems`: sorted among the others, such a step would pass its loss or time off as the run's last."""
+    kept = [rec for rec in run.metrics if is_finite(rec["step"]) and in_bounds("step", rec["step"])]
     if len(kept) < len(run.metrics):
-        run.problems.append(f"{len(run.metrics) - len(kept)} line(s) of {METRICS_FILE} without a finite step")
+        run.problems.append(f"{len(run.metrics) - len(kept)} line(s) of {METRICS_FILE} without a finite step >= 0")
         run.metrics = kept
 
 
@@ -129,8 +140,10 @@ def series(run: RunFolder, key: str) -> Series:
         if is_finite(rec.get("time")):
             clock[step] = rec["time"]
         value = rec.get(key)
-        if is_finite(value):
+        if is_finite(value) and in_bounds(key, value):
             values[step] = float(value)
+        elif is_finite(value) and (said := f"out of range, left out: {METRICS_FILE} {key} {value:g} at step {step:g}") not in run.problems:
+            run.problems.append(said)
     timed = sorted(clock)
     steps = sorted(values)
     times = []
@@ -138,20 +151,6 @@ def series(run: RunFolder, key: str) -> Series:
         i = bisect.bisect_right(timed, s)  # the timed lines at or before this step
         times.append(clock[timed[i - 1]] if i else None)
     return Series(steps, times, [values[s] for s in steps])
-
-
-# What no run writes outside these bounds: a top-1 is a fraction; a time, a rate or a count is >= 0. A finite value
-# outside them is a hand edit or another tool's file, left out of a table and named (NaN keeps its meaning: not finite).
-FRACTIONS = ("final_val_top1", "val_top1", "best_val_top1", "final_test_top1", "test_top1", "final_knn_top1", "knn_top1",
-             "trained_weights_val_top1")  # fmt: skip
-AMOUNTS = ("wall_time_sec", "time", "images_per_sec", "feature_images_per_sec", "epochs", "epoch", "steps", "step", "processes")
-
-
-def in_bounds(key: str, value: Any) -> bool:
-    """Whether `value` of `key` is within what a run writes (`FRACTIONS`, `AMOUNTS`); any value of another key is."""
-    if not is_finite(value):
-        return True
-    return 0 <= value <= 1 if key in FRACTIONS else value >= 0 if key in AMOUNTS else True
 
 
 def last_value(run: RunFolder, key: str) -> float | None:

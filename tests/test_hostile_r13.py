@@ -8,6 +8,7 @@ import pytest
 import yaml
 from helpers import reset_accelerate, tiny_overrides
 from test_hostile_export import encoder_run
+from test_hostile_gpu_report import curve, write
 from test_hostile_results_r8 import table
 from test_hostile_tables import compare_run, sweep_run, thirty_minute_row
 from test_stream import write_shards
@@ -17,6 +18,7 @@ from pretrain.train import main as pretrain
 from vit.errors import UserError
 from vit.store.runs import LOCK_FILE
 from vit.tools import compare
+from vit.tools.gpu_report import report
 
 
 def test_a_shard_run_resumed_with_val_shards_of_its_own_is_refused_where_its_val_samples_would_train(tmp_path, capsys):
@@ -125,3 +127,17 @@ def test_compare_leaves_out_what_no_run_writes_from_the_metrics_and_the_image_co
     assert r["status"] == ("finished; 1 line(s) of metrics.jsonl without a finite step >= 0; out of range, left out: summary.json "
                            "final_val_top1 1.5, summary.json data.train -100, summary.json data.val 'many'; out of range, left out: "
                            "metrics.jsonl val_top1 1.6 at step 2")  # fmt: skip
+
+
+def test_the_gpu_report_says_where_its_loss_curves_ran(tmp_path):
+    """Loss curves of CPU runs in a check's folder went into the report's loss rows while its first line named only the
+    GPU stage: no warning said that some of its figures were not a GPU's."""
+    host = {"cpu": "Intel Xeon", "cpu_flags": ["avx2"], "cores": 16, "gpu": "NVIDIA H200"}
+    write(tmp_path, "runs/pretrain/summary.json", {"host": host, "precision": "bf16", "images_per_sec": 9000.0})
+    for mode in ("off", "auto"):
+        curve(tmp_path, mode, [2.0, 1.5, 1.0])
+        write(tmp_path, f"runs/curve_{mode}/summary.json", {"host": {"cpu": "AMD EPYC", "cpu_flags": [], "cores": 2}, "precision": "no"})
+    lines = report(tmp_path).splitlines()
+    assert lines[0] == "**Not one GPU's figures**: the inputs name 2 devices (NVIDIA H200; cpu: AMD EPYC)"
+    assert lines[1] == "**Not measured on a GPU**: runs/curve_off, runs/curve_auto"
+    assert lines[2].endswith("runs/curve_auto: AMD EPYC (no AVX2), 2 cores, fp32")

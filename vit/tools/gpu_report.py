@@ -340,7 +340,7 @@ def curve_rows(t: Table, folder: Path) -> None:
 
 
 def measured_on(folder: Path) -> list[str]:
-    """Where each input was measured, as the bench JSON's `machine` and each stage summary's `host` record it, in one
+    """Where each input was measured, as the bench JSON's `machine` and each stage's and curve's summary `host` record it, in one
     line; above it, a warning where they name more than one device, or a device that is no GPU: the table's figures
     are a GPU check's only when every input is of one GPU (a folder of an earlier check, or a CPU run, mixes in unsaid)."""
     found: dict[str, str] = {}  # input -> its device ("NVIDIA H100 80GB HBM3", or "cpu: <CPU model>")
@@ -353,7 +353,7 @@ def measured_on(folder: Path) -> list[str]:
         if isinstance(machine, dict):
             found[path.name] = str(machine.get("device_name") or f"{machine.get('device', '?')}: {machine.get('cpu', '?')}")
             lines.append(f"{path.name}: {found[path.name]}, torch {machine.get('torch', '?')}")
-    for stage in ("pretrain", "finetune"):
+    for stage in ("pretrain", "finetune", *(f"curve_{mode}" for mode in CURVES)):  # the loss curves' rows are figures too
         try:
             summary = read_summary(folder / "runs" / stage) or {}
         except (UserError, OSError):

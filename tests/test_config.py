@@ -202,12 +202,12 @@ def test_a_list_or_mapping_as_a_yaml_key_is_one_config_error(tmp_path, text, lin
 
 @pytest.mark.parametrize("overrides, message", [
     # torch's SGD raised ValueError once the run folder was written; LARS took any momentum, and at >= 1 diverged
-    (["optim.name=sgd", "optim.momentum=-0.5"], r"^optim.momentum must be in \[0, 1\)$"),
-    (["optim.name=lars", "optim.momentum=1"], r"^optim.momentum must be in \[0, 1\)$"),
+    (["optim.name=sgd", "optim.momentum=-0.5"], r"^optim.momentum must be in \[0, 1\), not -0.5$"),
+    (["optim.name=lars", "optim.momentum=1"], r"^optim.momentum must be in \[0, 1\), not 1.0$"),
     # LARS has no fused kernel: the run trained unfused without a word
     (["optim.name=lars", "optim.fused=true"], r"^optim.fused is for adamw and sgd: lars has no fused kernel"),
     # round(inf) raised OverflowError after the run folder was written
-    (["schedule.warmup_epochs=1e308"], r"^schedule.warmup_epochs must be in \[0, 1e\+06\]$"),
+    (["schedule.warmup_epochs=1e308"], r"^schedule.warmup_epochs must be in \[0, 1e\+06\], not 1e\+308$"),
 ])  # fmt: skip
 def test_optimiser_and_schedule_settings_no_run_can_train_with_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

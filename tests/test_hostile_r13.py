@@ -13,9 +13,14 @@ from test_hostile_results_r8 import table
 from test_hostile_tables import compare_run, sweep_run, thirty_minute_row
 from test_stream import write_shards
 
+from finetune.config import FinetuneConfig
+from finetune.train import main as finetune
+from pretrain.config import PretrainConfig
 from pretrain.export import main as export_encoder
 from pretrain.train import main as pretrain
-from vit.errors import UserError
+from vit.config.loading import load_config
+from vit.errors import ConfigError, UserError
+from vit.store.lock import _release_at_exit
 from vit.store.runs import LOCK_FILE
 from vit.tools import compare
 from vit.tools.gpu_report import report
@@ -141,3 +146,47 @@ def test_the_gpu_report_says_where_its_loss_curves_ran(tmp_path):
     assert lines[0] == "**Not one GPU's figures**: the inputs name 2 devices (NVIDIA H200; cpu: AMD EPYC)"
     assert lines[1] == "**Not measured on a GPU**: runs/curve_off, runs/curve_auto"
     assert lines[2].endswith("runs/curve_auto: AMD EPYC (no AVX2), 2 cores, fp32")
+
+
+def refused() -> None:
+    """What the end of a refused stage's process does: its run folder's lock is released (`vit.store.lock`, at exit)."""
+    _release_at_exit()
+    reset_accelerate()
+
+
+def test_a_run_refused_at_set_up_leaves_no_run_folder_behind(tmp_path, capsys):
+    """A run refused once its stage began (a data.root that is not there, an encoder of another size) left a folder holding
+    its config.yaml: compare_runs listed each such attempt as an unfinished run of settings that never trained."""
+    assert pretrain(tiny_overrides(tmp_path, name="bad", **{"data.dataset": "imagefolder", "data.root": tmp_path / "none"})) == 2
+    refused()
+    assert pretrain(tiny_overrides(tmp_path, name="mae", **{"schedule.max_steps": 1, "mae.knn_every": 0})) == 0
+    reset_accelerate()
+    init = f"finetune.init={tmp_path / 'runs' / 'mae'}"
+    assert finetune(tiny_overrides(tmp_path, name="ft", **{"model.embed_dim": 64}) + [init]) == 2
+    refused()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(err) == 2 and "does not exist" in err[0] and "embed_dim: 32 != 64" in err[1], err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["mae"]
+    # the same names then start as fresh runs, and a run folder that was there before a refusal stays
+    (tmp_path / "runs" / "ft").mkdir()
+    (tmp_path / "runs" / "ft" / "notes.txt").write_text("mine")
+    assert finetune(tiny_overrides(tmp_path, name="ft", **{"model.embed_dim": 64}) + [init]) == 2
+    refused()
+    assert [p.name for p in (tmp_path / "runs" / "ft").iterdir()] == ["notes.txt"]
+    assert finetune(tiny_overrides(tmp_path, name="ft2", **{"schedule.max_steps": 1}) + [init]) == 0
+    assert (tmp_path / "runs" / "ft2" / "config.yaml").is_file() and (tmp_path / "runs" / "ft2" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("config, override, message", [
+    (PretrainConfig, "mae.mask_ratio=1", "mae.mask_ratio must be in (0, 1), not 1.0"),
+    (FinetuneConfig, "finetune.patch_keep=0", "finetune.patch_keep must be in (0, 1], not 0.0"),
+    (FinetuneConfig, "optim.batch_size=0", "optim.batch_size must be positive, not 0"),
+    (PretrainConfig, "data.val_size=-3", "data.val_size must be >= 0, not -3"),
+    (PretrainConfig, "run.save_every=0", "run.save_every must be positive, or null (states by run.save_minutes), not 0"),
+])  # fmt: skip
+def test_a_setting_out_of_its_bounds_is_refused_naming_the_value_given(config, override, message):
+    """A value inside a bound's range that cannot train was named (mae.mask_ratio 0.999 leaves no visible patch), but one
+    at or past the bound was not: 'mae.mask_ratio must be in (0, 1)', whatever was typed."""
+    with pytest.raises(ConfigError) as e:
+        load_config(config, None, [override])
+    assert str(e.value) == message

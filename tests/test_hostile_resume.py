@@ -127,6 +127,11 @@ def test_a_finished_run_s_last_state_named_by_path_is_nothing_to_do(source, tmp_
     out = capsys.readouterr().out
     assert f"{run_dir} finished at step 4, this state's: nothing to resume" in out, out
     assert snapshot(run_dir) == before
+    # Named into a new folder, it evaluated again there and wrote a whole run (encoder.pt, summary.json) of no step of its own.
+    reset_accelerate()
+    assert pretrain(args(tmp_path, "elsewhere", **{"run.resume": state_dirs(run_dir)[-1]})) == 0
+    assert f"{run_dir} finished at step 4, this state's: nothing to resume" in capsys.readouterr().out
+    assert not (tmp_path / "runs" / "elsewhere").exists() and snapshot(run_dir) == before
 
 
 def test_a_state_with_non_finite_weights_is_passed_over_for_the_one_before(source, tmp_path, capsys):

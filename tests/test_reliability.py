@@ -492,7 +492,7 @@ def test_the_real_command_line_exits_2_with_one_line(finished):
     proc = cli(tiny_overrides(finished, name="done") + ["mae.mask_ratio=0"])
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
-    assert err.strip() == "error: mae.mask_ratio must be in (0, 1)"
+    assert err.strip() == "error: mae.mask_ratio must be in (0, 1), not 0.0"
     proc = cli(tiny_overrides(finished, name="done"))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "already holds a run" in err and err.count("\n") == 1

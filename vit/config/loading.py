@@ -213,13 +213,19 @@ def _as_typed(value: Any, text: str | None, hint: Any) -> Any:
 
 
 def validate(cfg: Any) -> None:
-    """Run `validate()` on every section that has one."""
-    for f in dataclasses.fields(cfg):
-        section = getattr(cfg, f.name)
-        if hasattr(section, "validate"):
-            section.validate()
-    if hasattr(cfg, "validate"):
-        cfg.validate()
+    """Run `validate()` on every section that has one; a bound it refuses names the value given."""
+    try:
+        for f in dataclasses.fields(cfg):
+            section = getattr(cfg, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+        if hasattr(cfg, "validate"):
+            cfg.validate()
+    except ConfigError as e:
+        section, _, name = (getattr(e, "unsaid", None) or "").partition(".")
+        if not hasattr(getattr(cfg, section, None), name):
+            raise
+        raise ConfigError(f"{e}, not {getattr(getattr(cfg, section), name)!r}") from None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

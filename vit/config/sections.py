@@ -325,9 +325,12 @@ def check_temperature(temperature: float, key: str) -> None:
 
 
 def check(ok: bool, key: str, what: str) -> None:
-    """A range check of a section's `validate()`: a ConfigError naming the key unless `ok`."""
+    """A range check of a section's `validate()`: a ConfigError naming the key unless `ok` (`vit.config.loading.validate`
+    adds the value where `what` is a bound that does not say it: "must be in (0, 1), not 1.0")."""
     if not ok:
-        raise ConfigError(f"{key} {what}")
+        error = ConfigError(f"{key} {what}")
+        error.unsaid = key if what.startswith("must") and ", not " not in what else None
+        raise error
 
 
 def section(cls: type) -> Any:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -25,9 +26,10 @@ class RunLock:
     folder. The OS releases it when that process ends, however it ends (a kill, a crash), so a dead run never
     keeps its folder locked."""
 
-    def __init__(self, path: Path, file):
+    def __init__(self, path: Path, file, made: bool = False):
         self.path, self.file = path, file
         self.pid = os.getpid()  # the process that took it: a forked child (a data worker) inherits this object too
+        self.made = made  # whether taking it made the run folder: one that holds nothing when released goes with it
 
     def release(self) -> None:
         if self.file is None:
@@ -38,6 +40,9 @@ class RunLock:
         self.path.unlink(missing_ok=True)
         self.file.close()
         self.file = None
+        if self.made:  # a run refused before it wrote anything leaves no empty folder (rmdir removes only an empty one)
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()
 
 
 _HELD: dict[str, RunLock] = {}  # this process's locks: a later run here (tests, a notebook) takes its folder's over
@@ -65,12 +70,13 @@ def lock_run(run_dir: Path) -> RunLock | None:
               file=sys.stderr, flush=True)  # fmt: skip
         return None
     run_dir = Path(run_dir)
-    make_run_folder(run_dir)
+    made = make_run_folder(run_dir)
     # The real path: the same folder named another way (relative, through a link, after a chdir) is the same lock, which
     # a second flock by this process would find taken, refusing this process for itself.
     path = Path(os.path.realpath(run_dir / LOCK_FILE))
-    if str(path) in _HELD:
-        _HELD[str(path)].release()
+    if (held := _HELD.get(str(path))) is not None:  # a run of this process refused before: its folder is this run's now
+        made, held.made = made or held.made, False
+        held.release()
     while True:
         f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+")
         try:
@@ -96,16 +102,18 @@ def lock_run(run_dir: Path) -> RunLock | None:
     f.truncate()
     f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
     f.flush()
-    lock = _HELD[str(path)] = RunLock(path, f)
+    lock = _HELD[str(path)] = RunLock(path, f, made)
     return lock
 
 
-def make_run_folder(run_dir: Path) -> None:
-    """Create `run_dir`, or refuse in one line a file where it or a folder above it should be (mkdir's own error,
-    "File exists", names no reason the user can act on)."""
+def make_run_folder(run_dir: Path) -> bool:
+    """Create `run_dir` (True where it was not there), or refuse in one line a file where it or a folder above it should
+    be (mkdir's own error, "File exists", names no reason the user can act on)."""
     if not (folder := nearest_existing(run_dir)).is_dir():
         raise UserError(f"run folder {run_dir}: {folder} is a file, not a folder; choose another run.dir or run.name")
+    made = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
+    return made
 
 
 def _read_holder(f, wait: float = 1.0) -> str:

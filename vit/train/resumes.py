@@ -59,6 +59,8 @@ def check_resume(run_dir: Path, cfg: Any, stage: str, processes: int, parent: st
         whose = f"continues the run {source}" if source is not None else "continues a state copied away from its run"
         raise ConfigError(f"run.resume={run_cfg.resume} {whose}, and run folder {run_dir} holds another run; "
                           f"continue it under a new run.name, or resume {run_dir} itself with run.resume=auto")  # fmt: skip
+    if source is not None and source.resolve() != run_dir.resolve() and is_complete_state(named):
+        check_not_done(source, cfg, named)  # the last state of a finished run: continued elsewhere, it would only evaluate again
     if not holds_run(run_dir):
         return "fresh"
     if run_cfg.resume == "auto" and not state_dirs(run_dir):

@@ -97,8 +97,8 @@ class Run:
     compile_cache: str | None = None  # compiled: torch.compile's cache folder as it began ("empty", "used"; `compile_cache_state`)
     cuda_graph: bool = False  # whether the loop captures its whole step as one CUDA graph (`compile_for_run` chose)
     data_loader: str | None = None  # "memory" or "stream": what the stage's data opened with; its resume states record it
-    data_fingerprint: str | None = None  # its training images' (`vit.data.splits.SourceIndex`); its resume states record it
-    train_images: int | None = None  # how many of them its training split holds (recorded beside it)
+    data_fingerprint: str | None = None  # its training images' (`vit.data.splits.SourceIndex`), and their number, which
+    train_images: int | None = None  # its resume states record
     graph_capture: dict | None = None  # that graph's eager warm-up steps and capture seconds, once captured
     first_step_seconds: float | None = None  # the first training step, compilation included, device drained
     gpu_busy: float | None = None  # mean GPU utilisation (%) over the training after the first step (CUDA with NVML)
@@ -106,6 +106,7 @@ class Run:
     budget_plan: dict[str, Any] | None = None  # a time budget's plan, once the loop has made it (or resumed it)
     budget_spent: Any = None  # where that budget's time went after the plan (`vit.train.budget.Spent`), once training ended
     replacing: str | None = None  # run.overwrite: this run's config, written by `ready` when it clears the run it replaces
+    fresh: str | None = None  # a new run's config, written by `ready`: a run refused at set-up leaves no run folder behind
     set_up: bool = False  # the stage called `ready`: the trackers started then, not at `start`
     held: list[Callable[[], None]] = field(default_factory=list)  # tracker calls made before `ready`, sent once the trackers start
     resumed: bool = False  # it continues the run its folder records (a wandb run of the same id)
@@ -158,12 +159,9 @@ class Run:
         if replacing or record == "replace":  # the run it replaces stays as it is until the stage is set up (`ready`): input
             run.replacing = dump_config(cfg, meta)  # it refuses loses nothing
         elif accelerator.is_main_process and record == "fresh":  # a resumed run keeps the record its first process wrote
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_config(run_dir, dump_config(cfg, meta))
-        run.print(
-            f"{stage}: run folder {run_dir} | run id {run_id} | device {accelerator.device} x {accelerator.num_processes} process(es), "
-            f"{threads} thread(s) each | precision {run_cfg.precision} | seed {run_cfg.seed}"
-        )
+            run.fresh = dump_config(cfg, meta)
+        run.print(f"{stage}: run folder {run_dir} | run id {run_id} | device {accelerator.device} x {accelerator.num_processes} "
+                  f"process(es), {threads} thread(s) each | precision {run_cfg.precision} | seed {run_cfg.seed}")  # fmt: skip
         if note:
             run.print(note)
         unused = getattr(cfg, "unused", list)()  # settings this run will not read: said once, in the log, not refused
@@ -175,9 +173,9 @@ class Run:
 
     def ready(self) -> None:
         """The stage is set up (data, model, init and schedule checked): the trackers start only now, and get what the stage
-        sent them before (`held`). A run that replaces another (run.overwrite, or run.resume=auto over a run that died before
-        its first state) clears that one's outputs (its tensorboard/ too) and writes its own config first. Call it before
-        the stage writes anything; a second call does nothing."""
+        sent them before (`held`), and a new run writes its config.yaml; one that replaces another (run.overwrite, or
+        run.resume=auto over a run that died before its first state) first clears that one's outputs (tensorboard/ too).
+        Call it before the stage writes anything; a second call does nothing."""
         if self.set_up:
             return
         self.set_up = True
@@ -188,6 +186,9 @@ class Run:
                 write_config(self.dir, self.replacing)
             self.replacing = None
             self.accelerator.wait_for_everyone()
+        if self.fresh is not None:  # (`set_up` keeps a second call from writing it again)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_config(self.dir, self.fresh)
         self.start_trackers()
         held, self.held = self.held, []
         for send in held:

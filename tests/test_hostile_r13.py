@@ -3,10 +3,11 @@ impossible values in model cards and comparisons."""
 
 import json
 import shutil
+import tempfile
 
 import pytest
 import yaml
-from helpers import reset_accelerate, tiny_overrides
+from helpers import image_tree, reset_accelerate, tiny_overrides
 from test_hostile_export import encoder_run
 from test_hostile_gpu_report import curve, write
 from test_hostile_results_r8 import table
@@ -190,3 +191,21 @@ def test_a_setting_out_of_its_bounds_is_refused_naming_the_value_given(config, o
     with pytest.raises(ConfigError) as e:
         load_config(config, None, [override])
     assert str(e.value) == message
+
+
+def test_data_workers_whose_temporary_folder_is_too_long_a_socket_path_are_refused_not_left_to_hang(tmp_path, monkeypatch, capsys):
+    """DataLoader workers pass batches through a Unix socket in TMPDIR (pymp-*/listener-*): past 107 bytes Linux refuses it,
+    and a stream run with workers hung at its first batch, without a word (the bench's smoke test did, under a deep
+    pytest folder). With data.workers=0 nothing passes through the socket, and the run trains."""
+    tree = image_tree(tmp_path / "tree")
+    deep = tmp_path / ("t" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    data = {"data.dataset": "imagefolder", "data.root": tree, "data.loader": "stream", "data.val_size": 3, "model.img_size": 16,
+            "optim.batch_size": 4, "mae.knn_every": 0, "mae.figure_images": 0, "schedule.max_steps": 1}  # fmt: skip
+    assert pretrain(tiny_overrides(tmp_path, name="deep", **data, **{"data.workers": 1})) == 2
+    refused()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(err) == 1 and f"data.workers=1: data workers pass batches through a Unix socket in the temporary folder {deep}" in err[0]
+    assert not (tmp_path / "runs" / "deep").exists()
+    assert pretrain(tiny_overrides(tmp_path, name="deep", **data, **{"data.workers": 0})) == 0

@@ -23,6 +23,24 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+# DataLoader workers hand each batch's tensors over as file descriptors, through a Unix socket that multiprocessing
+# makes in the temporary folder (`<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX`); Linux refuses a socket path of more than 107
+# bytes, and the workers then never deliver a batch: the run hangs at its first one, without a word.
+SOCKET_PATH_MAX = 107
+SOCKET_SUFFIX = os.path.join("pymp-XXXXXXXX", "listener-XXXXXXXX")
+
+
+def check_worker_socket_dir(workers: int, setting: str = "data.workers") -> None:
+    """Refuse, in one line, data workers whose temporary folder is too long a path for the socket they pass batches by."""
+    import tempfile
+
+    folder = tempfile.gettempdir()
+    if workers > 0 and platform.system() == "Linux" and len(os.fsencode(os.path.join(folder, SOCKET_SUFFIX))) > SOCKET_PATH_MAX:
+        raise ConfigError(f"{setting}={workers}: data workers pass batches through a Unix socket in the temporary folder {folder}, "
+                          f"whose path would pass the {SOCKET_PATH_MAX} bytes Linux allows and hang the run: set TMPDIR to a "
+                          f"shorter folder (TMPDIR=/tmp), or {setting}=0")  # fmt: skip
+
+
 def mps_available() -> bool:
     return hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
 

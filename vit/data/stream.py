@@ -53,6 +53,7 @@ from vit.data.decode import BadImage, Box, decode_crop, decode_image
 from vit.data.files import FileSet, ShardSet
 from vit.data.sources.shards import ShardPlan, sample_image, sample_label, shard_plan, shard_samples
 from vit.data.splits import seeded_generator
+from vit.device import check_worker_socket_dir
 from vit.errors import DataError, UserError
 
 WARN_LIMIT = 20  # bad images named in warnings per process; the rest are only counted
@@ -340,6 +341,7 @@ class StreamLoader(Loader):
             # At most as many workers as each rank has shards (a role without one makes no batch); 0 stays 0: decoding in
             # this process, as asked (it started one worker process).
             workers = min(workers, len(data.urls) // world_size)
+        check_worker_socket_dir(workers)
         super().__init__(len(data), batch_size, **settings)
         self.data, self.classes, self.workers = data, list(data.classes), workers
         self.skip_bad, self.shuffle_buffer = skip_bad, shuffle_buffer

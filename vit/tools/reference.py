@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from vit.data.splits import ImageSet
+from vit.device import check_worker_socket_dir
 from vit.models.pos_embed import sincos_2d
 
 
@@ -183,6 +184,7 @@ def usual_loader(data: ImageSet, batch: int, finetune: bool, workers: int, mean,
     """
     from torchvision import transforms as T
 
+    check_worker_socket_dir(workers, "--workers")
     ops = [T.RandomResizedCrop(32, scale=(0.35, 1.0)), T.RandomHorizontalFlip()]
     if finetune:
         ops.append(T.TrivialAugmentWide())
@@ -206,6 +208,7 @@ def usual_folder_loader(root: str, batch: int, workers: int, size: int, scale: t
     from torchvision import datasets
     from torchvision import transforms as T
 
+    check_worker_socket_dir(workers, "--workers")
     transform = T.Compose([T.RandomResizedCrop(size, scale=scale), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
     return torch.utils.data.DataLoader(datasets.ImageFolder(root, transform), batch_size=batch, shuffle=True, drop_last=True,
                                        num_workers=workers, persistent_workers=workers > 0)  # fmt: skip

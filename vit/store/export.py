@@ -38,7 +38,7 @@ from vit.store.hub import check_repo_id, hub_config, is_model_folder, push_folde
 from vit.store.lineage import parent_changed, run_id_of
 from vit.models.encoder import VisionTransformer, count_parameters
 from vit.store.runs import CLASSIFIER_FILE, ENCODER_FILE, is_finished, read_config, read_summary, run_folder_of
-from vit.store.values import in_bounds, is_count, is_finite, per_channel
+from vit.store.values import is_finite, per_channel, pop_out_of_range
 
 # Hub dataset ids, for the card's front matter (the Hub links a model to these).
 HUB_DATASETS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100", "mnist": "ylecun/mnist", "fashionmnist": "zalando-datasets/fashion_mnist"}
@@ -77,9 +77,8 @@ def read_run_file(run_dir: Path | None, reader: Callable[[Path], dict[str, Any] 
 def card_summary(run_dir: Path | None) -> dict[str, Any]:
     """`read_summary` of a run folder for the card, without the values no run writes (`in_bounds`: a top-1 of 170%, a
     wall time of -50 s; image counts that are no count): a hand-edited summary makes the card say less, not the wrong thing."""
-    summary = {k: v for k, v in read_run_file(run_dir, read_summary).items() if in_bounds(k, v)}
-    if isinstance(summary.get("data"), dict):
-        summary["data"] = {k: v for k, v in summary["data"].items() if k not in ("train", "val", "test") or is_count(v)}
+    summary = read_run_file(run_dir, read_summary)
+    pop_out_of_range(summary)
     return summary
 
 

@@ -41,3 +41,14 @@ def in_bounds(key: str, value: object) -> bool:
     if not is_finite(value):
         return True
     return 0 <= value <= 1 if key in FRACTIONS else value >= 0 if key in AMOUNTS else True
+
+
+def pop_out_of_range(summary: dict, keys: tuple[str, ...] | None = None) -> list[tuple[str, object]]:
+    """Take out of a summary.json mapping the values no run writes, and return them as (dotted key, value): those of
+    `keys` (default every key) out of their bounds (`in_bounds`), and image counts of its `data` (train, val, test)
+    that are no count (-100, "many")."""
+    far = [(k, summary.pop(k)) for k in [k for k in (summary if keys is None else keys) if k in summary and not in_bounds(k, summary[k])]]
+    data = summary.get("data")
+    if isinstance(data, dict):
+        far += [(f"data.{k}", data.pop(k)) for k in [k for k in ("train", "val", "test") if k in data and not is_count(data[k])]]
+    return far

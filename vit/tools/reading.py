@@ -17,7 +17,7 @@ from pathlib import Path
 
 from vit.errors import UserError
 from vit.store.runs import METRICS_FILE, RUN_MARKERS, SUMMARY_FILE, RunFolder, is_run_folder, read_run
-from vit.store.values import in_bounds, is_count, is_finite, is_number
+from vit.store.values import in_bounds, is_finite, is_number, pop_out_of_range
 
 
 def find_runs(paths: list[str]) -> list[Path]:
@@ -99,13 +99,16 @@ def mistyped_host_field(host: dict) -> str | None:
 def drop_out_of_range(run: RunFolder, keys: tuple[str, ...]) -> None:
     """Drop the values of summary.json's `keys` that are out of their bounds (`in_bounds`: a kNN top-1 of 170%, minus 5 s)
     and its image counts (`data.train`, `val`, `test`) that are no count (-100, "many"), named in `run.problems`."""
-    summary = run.summary or {}
-    far = [f"{SUMMARY_FILE} {k} {summary.pop(k):g}" for k in [k for k in keys if not in_bounds(k, summary.get(k))]]
-    data = summary.get("data") if isinstance(summary.get("data"), dict) else {}
-    odd = [k for k in ("train", "val", "test") if k in data and not is_count(data[k])]
-    far += [f"{SUMMARY_FILE} data.{k} {brief(data.pop(k))}" for k in odd]
+    far = pop_out_of_range(run.summary or {}, keys)
     if far:
-        run.problems.append(f"out of range, left out: {', '.join(far)}")
+        said = [f"{SUMMARY_FILE} {k} {brief(v) if k.startswith('data.') else format(v, 'g')}" for k, v in far]
+        run.problems.append(f"out of range, left out: {', '.join(said)}")
+
+
+def note_out_of_range(run: RunFolder, key: str, value: float, step: float) -> None:
+    """Name in `run.problems`, once, a metric value left out for being out of its bounds (`in_bounds`)."""
+    if (said := f"out of range, left out: {METRICS_FILE} {key} {value:g} at step {step:g}") not in run.problems:
+        run.problems.append(said)
 
 
 def drop_stepless(run: RunFolder) -> None:
@@ -142,8 +145,8 @@ def series(run: RunFolder, key: str) -> Series:
         value = rec.get(key)
         if is_finite(value) and in_bounds(key, value):
             values[step] = float(value)
-        elif is_finite(value) and (said := f"out of range, left out: {METRICS_FILE} {key} {value:g} at step {step:g}") not in run.problems:
-            run.problems.append(said)
+        elif is_finite(value):
+            note_out_of_range(run, key, value, step)
     timed = sorted(clock)
     steps = sorted(values)
     times = []
@@ -163,6 +166,6 @@ def last_value(run: RunFolder, key: str) -> float | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and (last is None or rec["step"] >= last[0]):
             last = (rec["step"], float(value))
     if last and not in_bounds(key, last[1]):
-        run.problems.append(f"out of range, left out: {METRICS_FILE} {key} {last[1]:g} at step {last[0]:g}")
+        note_out_of_range(run, key, last[1], last[0])
         return None
     return last[1] if last else None
